@@ -1,0 +1,184 @@
+"""Run state derived from the agent stream (docs/agent-protocol.md) and telemetry events (docs/events.md).
+
+One reducer shared by `launch`, `status`, `logs` and `watch`, so every view agrees on what a run is doing.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STATES = ("starting", "loading", "compiling", "training", "stalled", "finished", "crashed", "killed", "absent")
+LOADING_PHASES = {"loading_target", "building_drafter", "preparing_data"}
+STALL_FLOOR_S = 60.0
+STALL_FACTOR = 10.0
+
+
+@dataclass
+class RunView:
+    """What a person wants to know about one run, at one instant."""
+
+    state: str = "absent"
+    phase: str | None = None
+    phase_i: int | None = None
+    phase_n: int | None = None
+    step: int = 0
+    total_steps: int | None = None
+    epoch: int | None = None
+    loss: float | None = None
+    acc: list[float] = field(default_factory=list)
+    lr: float | None = None
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    queue_depth: int | None = None
+    queue_wait_s: float | None = None
+    recompiles: int | None = None
+    eta_s: float | None = None
+    heartbeat_age_s: float | None = None
+    stall_after_s: float | None = None
+    kernels: dict[str, str] = field(default_factory=dict)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    end_reason: str | None = None
+    exit_code: int | None = None
+    pid: int | None = None
+    pgid: int | None = None
+    proc_state: str | None = None
+    last_checkpoint: str | None = None
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    nvml: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RunState:
+    """Fold agent messages into a RunView. Feed every message with `apply`; read with `view(now)`."""
+
+    def __init__(self, stall_after_s: float | None = None, killed_by_us: bool = False) -> None:
+        self._v = RunView()
+        self._stall_after = stall_after_s
+        self._step_times: deque[float] = deque(maxlen=20)
+        self._last_progress_ts: float | None = None  # heartbeat or step, writer's clock
+        self._started_ts: float | None = None
+        self._saw_run_start = False
+        self._fatal_error = False
+        self.killed_by_us = killed_by_us
+        self._clock_skew = 0.0  # agent ts - local ts, so ages use the agent's clock
+
+    # -- input ---------------------------------------------------------------------------
+    def apply(self, msg: dict[str, Any]) -> None:
+        t = msg.get("t")
+        if isinstance(msg.get("ts"), (int, float)):
+            self._clock_skew = float(msg["ts"]) - time.time()
+        if t == "event":
+            self.apply_event(msg["event"])
+        elif t == "proc":
+            v = self._v
+            v.proc_state = msg.get("state")
+            v.pid = msg.get("pid", v.pid)
+            v.pgid = msg.get("pgid", v.pgid)
+            if msg.get("exit_code") is not None:
+                v.exit_code = msg["exit_code"]
+        elif t == "gpu":
+            self._v.gpus = list(msg.get("gpus") or [])
+        elif t == "hello":
+            self._v.nvml = msg.get("nvml")
+        elif t == "killed":
+            self.killed_by_us = True
+
+    def apply_event(self, ev: dict[str, Any]) -> None:
+        v = self._v
+        kind = ev.get("kind")
+        ts = float(ev.get("ts", time.time()))
+        if kind == "run_start":
+            self._saw_run_start = True
+            self._fatal_error = False
+            v.end_reason = None
+            v.exit_code = None
+            v.kernels = dict(ev.get("kernels") or {})
+            v.total_steps = ev.get("total_steps")
+            v.step = ev.get("resumed_from") or 0
+            self._started_ts = ts
+            self._last_progress_ts = ts
+        elif kind == "phase":
+            v.phase = ev.get("phase")
+            v.phase_i = ev.get("i")
+            v.phase_n = ev.get("n")
+            self._last_progress_ts = ts
+        elif kind == "heartbeat":
+            if v.phase is None:
+                v.phase = ev.get("phase")
+            self._last_progress_ts = ts
+        elif kind == "step":
+            v.phase = "training"
+            v.phase_i = v.phase_n = None
+            for key in ("step", "epoch", "loss", "lr", "tokens_per_s", "step_time_s", "queue_depth",
+                        "queue_wait_s", "recompiles", "total_steps"):
+                if key in ev:
+                    setattr(v, key, ev[key])
+            v.acc = list(ev.get("acc") or [])
+            if isinstance(ev.get("step_time_s"), (int, float)) and math.isfinite(ev["step_time_s"]):
+                self._step_times.append(float(ev["step_time_s"]))
+            self._last_progress_ts = ts
+        elif kind == "checkpoint":
+            v.last_checkpoint = ev.get("path")
+            self._last_progress_ts = ts
+        elif kind == "error":
+            v.errors.append({k: ev.get(k) for k in ("class", "message", "traceback", "fatal", "ts")})
+            del v.errors[:-50]
+            if ev.get("fatal"):
+                self._fatal_error = True
+        elif kind == "run_end":
+            v.end_reason = ev.get("reason")
+            v.exit_code = ev.get("exit_code")
+            v.step = ev.get("step", v.step)
+
+    # -- output --------------------------------------------------------------------------
+    def stall_after(self) -> float:
+        if self._stall_after is not None:
+            return self._stall_after
+        if self._step_times:
+            return max(STALL_FLOOR_S, STALL_FACTOR * statistics.median(self._step_times))
+        return STALL_FLOOR_S
+
+    def view(self, now: float | None = None) -> RunView:
+        now = (time.time() if now is None else now) + self._clock_skew
+        v = self._v
+        v.stall_after_s = self.stall_after()
+        v.heartbeat_age_s = None if self._last_progress_ts is None else max(0.0, now - self._last_progress_ts)
+        v.state = self._derive_state(v)
+        if v.total_steps and v.step and self._step_times and v.state == "training":
+            v.eta_s = (v.total_steps - v.step) * statistics.median(self._step_times)
+        else:
+            v.eta_s = None
+        return v
+
+    def _derive_state(self, v: RunView) -> str:
+        alive = v.proc_state == "running"
+        if v.end_reason is not None:
+            if v.end_reason == "error":
+                return "crashed"
+            if self.killed_by_us and v.end_reason == "signal":
+                return "killed"
+            return "finished" if (v.exit_code in (0, None)) else "crashed"
+        if v.proc_state == "exited":
+            if self.killed_by_us:
+                return "killed"
+            return "crashed" if (self._fatal_error or v.exit_code not in (0,)) or self._saw_run_start else "finished"
+        if self._fatal_error and not alive:
+            return "crashed"
+        if v.proc_state in (None, "absent") and not self._saw_run_start:
+            return "absent"
+        if v.heartbeat_age_s is not None and v.heartbeat_age_s > self.stall_after():
+            return "stalled"
+        if not self._saw_run_start:
+            return "starting"
+        if v.phase in LOADING_PHASES or v.phase is None:
+            return "loading"
+        if v.phase == "compiling":
+            return "compiling"
+        return "training"
