@@ -146,7 +146,8 @@ class RunState:
         return STALL_FLOOR_S
 
     def view(self, now: float | None = None) -> RunView:
-        now = (time.time() if now is None else now) + self._clock_skew
+        """`now` is on the agent's clock (tests and replays pass it); by default the local clock plus the skew."""
+        now = time.time() + self._clock_skew if now is None else now
         v = self._v
         v.stall_after_s = self.stall_after()
         v.heartbeat_age_s = None if self._last_progress_ts is None else max(0.0, now - self._last_progress_ts)
