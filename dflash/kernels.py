@@ -1,0 +1,233 @@
+"""Preflight kernel inspection: which implementation the loaded target really calls, and whether flex runs compiled.
+
+A run on the slow PyTorch fallback (or uncompiled flex-attention) is correct but many times slower; it must be loud.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import platform
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+# The four linear-attention ops that decide whether a hybrid target runs fast.
+LINEAR_ATTENTION_OPS = (
+    "chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
+# The module-level names transformers has used for each op (5.2x wraps `torch_*`; older qwen3_next-style code binds
+# the fla function, or None, under the op's own name).
+_MODULE_NAMES = {
+    "chunk_gated_delta_rule": ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"),
+    "fused_recurrent_gated_delta_rule": ("torch_recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+    "causal_conv1d_fn": ("causal_conv1d_fn",),
+    "causal_conv1d_update": ("causal_conv1d_update",),
+}
+FAST = {
+    "chunk_gated_delta_rule": "fla",
+    "fused_recurrent_gated_delta_rule": "fla",
+    "causal_conv1d_fn": "causal_conv1d",
+    "causal_conv1d_update": "causal_conv1d",
+}
+SLOW = "torch-fallback"
+ABSENT = "absent"
+
+
+def _classify(fn: Any) -> str:
+    """Name the package a callable comes from: fla, causal_conv1d, torch-fallback (transformers' own code), or hub:…"""
+    if fn is None:
+        return SLOW  # old-style modules bind None and take the in-forward PyTorch path
+    target = inspect.unwrap(fn) if not _is_fallback_wrapper(fn) else _wrapper_implementation(fn)
+    module = getattr(target, "__module__", None) or ""
+    top = module.split(".")[0]
+    if top in ("fla", "causal_conv1d"):
+        return top
+    if top == "transformers":
+        return SLOW
+    if top:
+        return f"other:{module}"  # e.g. a kernels-hub build: fast or not, preflight names it instead of guessing
+    return "unknown"
+
+
+def _is_fallback_wrapper(fn: Any) -> bool:
+    """True for transformers 5.2x's `use_kernel_func_from_hub_with_fallback` wrapper, which hides its choice in a closure."""
+    closure = getattr(fn, "__closure__", None)
+    if not closure:
+        return False
+    names = fn.__code__.co_freevars
+    return "implementation" in names and "torch_function" in names
+
+
+def _wrapper_implementation(fn: Any) -> Any:
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
+    return cells["implementation"].cell_contents
+
+
+def _linear_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The Gated DeltaNet (or similar) mixers of a hybrid model, found by their `linear_attn` attribute name."""
+    found = []
+    for module in model.modules():
+        mixer = getattr(module, "linear_attn", None)
+        if isinstance(mixer, nn.Module):
+            found.append(mixer)
+    return found
+
+
+def _bound_op(mixer: nn.Module, op: str) -> tuple[bool, Any]:
+    """The callable a mixer uses for `op`: an instance attribute if the module binds one, else its module's global."""
+    if op in mixer.__dict__ or hasattr(type(mixer), op):
+        return True, getattr(mixer, op)
+    mod = sys.modules.get(type(mixer).__module__)
+    for name in _MODULE_NAMES[op]:
+        if mod is not None and hasattr(mod, name):
+            return True, getattr(mod, name)
+    return False, None
+
+
+def inspect_kernels(model: nn.Module) -> dict[str, str]:
+    """For a loaded target, which implementation each linear-attention op is bound to (after loading, as called).
+
+    Values: "fla", "causal_conv1d", "torch-fallback", "other:<module>", or "absent" when the model has no
+    linear-attention layers (a pure-attention target needs none of these kernels).
+    """
+    mixers = _linear_attention_modules(model)
+    if not mixers:
+        return dict.fromkeys(LINEAR_ATTENTION_OPS, ABSENT)
+    result: dict[str, str] = {}
+    for op in LINEAR_ATTENTION_OPS:
+        kinds = set()
+        for mixer in mixers:
+            ok, fn = _bound_op(mixer, op)
+            kinds.add(_classify(fn) if ok else "unknown")
+        # Layers disagreeing (some fast, some not) is reported as the slow one: one slow layer makes the model slow.
+        result[op] = SLOW if SLOW in kinds else sorted(kinds)[0]
+    return result
+
+
+def varlen_usable(kernels: dict[str, str]) -> bool:
+    """Packing with cu_seqlens keeps documents apart only if both the delta rule (fla) and the conv (seq_idx) are fast."""
+    return kernels.get("chunk_gated_delta_rule") == "fla" and kernels.get("causal_conv1d_fn") == "causal_conv1d"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """The versions `run_start` reports: a missing kernel package is None, not an error."""
+    import transformers
+
+    dflash_version = _version("dflash-ops")
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "dflash": dflash_version,
+        "fla": _version("flash-linear-attention") or _version("fla-core"),
+        "causal_conv1d": _version("causal-conv1d") or _version("causal_conv1d"),
+        "triton": _version("triton"),
+    }
+
+
+def check_kernels(kernels: dict[str, str], device: torch.device | str, allow_slow: bool) -> list[str]:
+    """The problems preflight refuses a run for: a slow fallback on a GPU (unless allowed). Empty list = go.
+
+    On CPU the fallback is the only implementation there is, so it is never a problem there.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda" or allow_slow:
+        return []
+    problems = []
+    for op, impl in kernels.items():
+        if op not in FAST:
+            continue
+        if impl in (ABSENT, FAST[op]):
+            continue
+        want = "flash-linear-attention" if FAST[op] == "fla" else "causal-conv1d"
+        problems.append(f"{op} runs {impl} on {dev} (install {want}, or pass --allow-slow-kernels)")
+    attn = kernels.get("attention")
+    if attn is not None and attn != "flex-compiled" and attn != "dense":
+        problems.append(
+            f"drafter attention runs {attn} on {dev}: flex-attention uncompiled materialises the full score matrix"
+        )
+    return problems
+
+
+# --------------------------------------------------------------------------- flex-attention running uncompiled
+_FLEX_UNCOMPILED = re.compile(r"flex_attention called without torch\.compile")
+_FLEX_WARNING_ID = "flex_attention_performance"
+
+
+class FlexWarningWatch:
+    """Catch flex-attention's "called without torch.compile()" warning inside a `with` block.
+
+    torch prints it only once per process and it is also the only sign that dynamo gave up (recompile limit) and
+    fell back to eager flex with a dense score matrix; the train loop turns `triggered` into an `uncompiled_flex`
+    error event. Other warnings raised in the block are passed on unchanged. Not thread-safe (warnings state is
+    process-global), like everything in `warnings`; the trainer has no GPU threads.
+    """
+
+    def __init__(self, on_trigger: Callable[[str], None] | None = None) -> None:
+        self.triggered: list[str] = []
+        self._on_trigger = on_trigger
+        self._cm: warnings.catch_warnings | None = None
+        self._log: list[warnings.WarningMessage] | None = None
+
+    def __enter__(self) -> FlexWarningWatch:
+        _rearm_flex_warning()
+        self._cm = warnings.catch_warnings(record=True)
+        self._log = self._cm.__enter__()
+        warnings.filterwarnings("always", message=r"flex_attention called without torch\.compile")
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._cm is not None and self._log is not None
+        log = list(self._log)
+        self._cm.__exit__(exc_type, exc, tb)
+        for w in log:
+            text = str(w.message)
+            if _FLEX_UNCOMPILED.search(text):
+                line = text.strip().splitlines()[0]
+                self.triggered.append(line)
+                if self._on_trigger is not None:
+                    self._on_trigger(line)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+
+
+def _rearm_flex_warning() -> None:
+    """torch remembers that it already warned (a module-level set); forget it so every watch can see it again."""
+    try:
+        fa = importlib.import_module("torch.nn.attention.flex_attention")
+    except ImportError:
+        return
+    shown = getattr(fa, "_WARNINGS_SHOWN", None)
+    if isinstance(shown, set):
+        shown.discard(_FLEX_WARNING_ID)
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Dynamo's process-wide compile counters; a growing `unique_graphs` after warm-up means recompiles."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "frames": int(counters["frames"].get("total", 0)),
+    }

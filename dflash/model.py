@@ -1,0 +1,468 @@
+"""The DFlash drafter: a few Qwen3-style layers that denoise a block of B tokens conditioned on tapped target states.
+
+Read top to bottom: config and batch types, anchor sampling, the attention mask rule (dense and flex), the layers, the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+# ----------------------------------------------------------------------------- config and batch types
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 1
+    hidden_size: int | None = None  # None -> target hidden size (must equal it: embedding and LM head are shared)
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # None -> hidden_size // num_heads
+    intermediate_size: int | None = None  # None -> ~3x hidden
+    block_size: int = 16  # B
+    num_anchors: int = 64  # fixed anchors per buffer
+    loss_gamma: float = 7.0
+    mask_token_id: int | None = None  # None -> caller sets (tokenizer's mask token)
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    sliding_window: int | None = None  # context window before the anchor (None = all)
+    attention: str = "auto"  # auto: flex on CUDA, dense on CPU | "flex" | "dense" | "flex-eager" (debug only)
+    ce_chunk: int = 1024  # rows of logits per chunk (never full fp32 logits)
+    grad_checkpoint: bool = False  # non-reentrant activation checkpointing per layer
+    layer_sliding_windows: list[int | None] | None = None  # optional per-layer window (overrides sliding_window)
+
+
+@dataclass
+class DraftBatch:
+    """One fixed-shape buffer of N = token_budget packed tokens; no shape here ever depends on the data."""
+
+    hidden: Tensor  # [N, K*H] tapped target hidden states (target dtype)
+    input_ids: Tensor  # [N] long
+    loss_mask: Tensor  # [N] bool (supervised tokens; padding False)
+    position_ids: Tensor  # [N] long, position within its document
+    doc_ids: Tensor  # [N] long, document index in the buffer, -1 for padding
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> DraftBatch:
+        return DraftBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+
+    def validate(self) -> None:
+        """Shapes and dtypes, checked once where a buffer is built (cheap; no data-dependent host sync)."""
+        n = self.input_ids.shape[0]
+        if self.hidden.ndim != 2 or self.hidden.shape[0] != n:
+            raise ValueError(f"DraftBatch.hidden must be [N, K*H] with N={n}, got {tuple(self.hidden.shape)}")
+        for name in ("input_ids", "loss_mask", "position_ids", "doc_ids"):
+            t = getattr(self, name)
+            if t.shape != (n,):
+                raise ValueError(f"DraftBatch.{name} must be [N={n}], got {tuple(t.shape)}")
+        if self.loss_mask.dtype != torch.bool:
+            raise ValueError(f"DraftBatch.loss_mask must be bool, got {self.loss_mask.dtype}")
+
+
+@dataclass
+class DraftOutput:
+    loss: Tensor  # scalar: sum(w * ce) / sum(w)
+    acc: Tensor  # [B-1] accuracy per block position 1..B-1 (detached)
+    weight_sum: Tensor  # scalar
+    num_tokens: Tensor  # supervised predictions counted
+
+
+# ----------------------------------------------------------------------------- anchors
+
+
+def anchor_candidates(batch: DraftBatch) -> Tensor:
+    """[N] bool: a may anchor a block when it and the next token are supervised and in the same document."""
+    n = batch.input_ids.shape[0]
+    valid = torch.zeros(n, dtype=torch.bool, device=batch.input_ids.device)
+    same_doc = (batch.doc_ids[:-1] == batch.doc_ids[1:]) & (batch.doc_ids[:-1] >= 0)
+    valid[:-1] = batch.loss_mask[:-1] & batch.loss_mask[1:] & same_doc
+    return valid
+
+
+def sample_anchors(
+    batch: DraftBatch, num_anchors: int, block_size: int, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """Pick `num_anchors` random valid anchor positions with fixed-shape ops: (anchors [A] long sorted, keep [A] bool).
+
+    Random scores for valid positions, -1 for invalid ones, then top-k: the shape is A whatever the data, there is no
+    nonzero/randperm and no host sync. With fewer valid positions than A the rest are filled with invalid positions
+    whose `keep` is False. Sorted anchors keep neighbouring query tiles close in the context (sparser flex blocks).
+    `block_size` is part of the signature for callers that want to exclude anchors near the end (not needed: labels
+    past a document's end get weight 0).
+    """
+    del block_size
+    n = batch.input_ids.shape[0]
+    if num_anchors > n:
+        raise ValueError(f"num_anchors={num_anchors} exceeds the buffer's token budget N={n}")
+    valid = anchor_candidates(batch)
+    gen_device = generator.device if generator is not None else valid.device
+    scores = torch.rand(n, generator=generator, device=gen_device).to(valid.device)
+    scores = torch.where(valid, scores, torch.full_like(scores, -1.0))
+    _, idx = torch.topk(scores, num_anchors, sorted=False)
+    anchors, _ = torch.sort(idx)
+    return anchors, valid[anchors]
+
+
+# ----------------------------------------------------------------------------- the attention rule
+
+
+def block_attention_rule(
+    q_block: Tensor, kv: Tensor, anchors: Tensor, doc_ids: Tensor, n_ctx: int, block_size: int, window: int | None
+) -> Tensor:
+    """The one mask rule, elementwise (broadcasting): may query of block `q_block` read key/value index `kv`?
+
+    Keys 0..N-1 are context positions: allowed iff same document as the anchor, strictly before the anchor (`<`:
+    the serving drafter never sees the anchor's own target state), within the window. Keys N.. are the blocks' own
+    tokens: allowed iff they belong to the same block (bidirectional inside the block). Both the dense mask and the
+    flex mask_mod are this function, so they cannot disagree.
+    """
+    a = anchors[q_block]
+    is_ctx = kv < n_ctx
+    p = torch.clamp(kv, max=n_ctx - 1)
+    doc_p = doc_ids[p]
+    ctx_ok = is_ctx & (doc_p == doc_ids[a]) & (doc_p >= 0) & (p < a)
+    if window is not None:
+        ctx_ok = ctx_ok & (a - p <= window)
+    blk_ok = (~is_ctx) & (torch.div(kv - n_ctx, block_size, rounding_mode="floor") == q_block)
+    return ctx_ok | blk_ok
+
+
+def dense_mask(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int | None) -> Tensor:
+    """[A*B, N + A*B] bool mask for SDPA: exact, any device, with backward (memory grows as A*B*N: CPU/tests only)."""
+    n = doc_ids.shape[0]
+    m = anchors.shape[0] * block_size
+    q_block = torch.arange(m, device=doc_ids.device) // block_size
+    kv = torch.arange(n + m, device=doc_ids.device)
+    return block_attention_rule(q_block[:, None], kv[None, :], anchors, doc_ids, n, block_size, window)
+
+
+def flex_mask_mod(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int | None) -> Callable[..., Tensor]:
+    """The same rule as a flex-attention mask_mod (b, h, q_idx, kv_idx) -> bool."""
+    n = doc_ids.shape[0]
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return block_attention_rule(q_idx // block_size, kv_idx, anchors, doc_ids, n, block_size, window)
+
+    return mask_mod
+
+
+_COMPILED_FLEX: Callable[..., Any] | None = None
+
+
+def compiled_flex_attention() -> Callable[..., Any]:
+    """One compiled flex_attention per process (compiling it per call, or per thread, is what broke before)."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def resolve_attention(choice: str, device: torch.device) -> str:
+    """Config value -> the backend actually used: "dense", "flex-compiled" or "flex-eager"."""
+    if choice == "auto":
+        return "flex-compiled" if device.type == "cuda" else "dense"
+    if choice == "flex":
+        return "flex-compiled"
+    if choice in ("dense", "flex-eager"):
+        return choice
+    raise ValueError(f"drafter.attention must be auto, flex, dense or flex-eager; got {choice!r}")
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float() if x.dtype != torch.float64 else x
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Qwen3 RoPE tables for arbitrary positions: [L, head_dim] cos and sin (computed in fp32 or fp64)."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=work) / head_dim))
+    freqs = positions.to(work)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [heads, L, head_dim]; rotate-half convention (as Qwen3 / HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """GQA attention whose queries come from the block and whose keys/values come from [context ; block]."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_kv: tuple[Tensor, Tensor],
+        attend: Callable[[Tensor, Tensor, Tensor], Tensor],
+    ) -> Tensor:
+        m, hd = x.shape[0], self.head_dim
+        kv_in = torch.cat([ctx, x], dim=0)  # [N + M, H]: context features first, then the block tokens
+        q = self.q_norm(self.q_proj(x).view(m, self.num_heads, hd)).transpose(0, 1)
+        k = self.k_norm(self.k_proj(kv_in).view(-1, self.num_kv_heads, hd)).transpose(0, 1)
+        v = self.v_proj(kv_in).view(-1, self.num_kv_heads, hd).transpose(0, 1)
+        q = apply_rope(q, *rope_q)
+        k = apply_rope(k, *rope_kv)
+        out = attend(q, k, v)  # [heads, M, hd]
+        return self.o_proj(out.transpose(0, 1).reshape(m, self.num_heads * hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, hidden: int, head_dim: int, intermediate: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.self_attn = Attention(hidden, cfg.num_heads, cfg.num_kv_heads, head_dim, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.mlp = MLP(hidden, intermediate)
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_kv: tuple[Tensor, Tensor],
+        attend: Callable[[Tensor, Tensor, Tensor], Tensor],
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------- the drafter
+
+
+class DFlashDrafter(nn.Module):
+    """Only these parameters are trained; the target's embedding and LM head are passed into forward, frozen."""
+
+    def __init__(self, cfg: DrafterConfig, target_hidden_size: int, num_taps: int) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size or target_hidden_size
+        if hidden != target_hidden_size:
+            raise ValueError(
+                f"drafter.hidden_size={hidden} must equal the target hidden size {target_hidden_size}: "
+                "the drafter reads the target's embedding and LM head"
+            )
+        if cfg.block_size < 2:
+            raise ValueError(f"drafter.block_size must be >= 2, got {cfg.block_size}")
+        if cfg.num_layers < 1 or cfg.num_anchors < 1 or cfg.ce_chunk < 1 or num_taps < 1:
+            raise ValueError("drafter.num_layers, num_anchors, ce_chunk and the number of taps must be >= 1")
+        if cfg.layer_sliding_windows is not None and len(cfg.layer_sliding_windows) != cfg.num_layers:
+            raise ValueError(
+                f"drafter.layer_sliding_windows needs {cfg.num_layers} entries, got {len(cfg.layer_sliding_windows)}"
+            )
+        head_dim = cfg.head_dim or hidden // cfg.num_heads
+        intermediate = cfg.intermediate_size or 3 * hidden
+        self.cfg = cfg
+        self.hidden_size, self.head_dim, self.num_taps = hidden, head_dim, num_taps
+        self.fc = nn.Linear(num_taps * target_hidden_size, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, hidden, head_dim, intermediate) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.windows: list[int | None] = (
+            list(cfg.layer_sliding_windows)
+            if cfg.layer_sliding_windows is not None
+            else [cfg.sliding_window] * cfg.num_layers
+        )
+        default_device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.attention_backend: str = resolve_attention(cfg.attention, default_device)
+        # Loss weight per block position: 0 for position 0 (the anchor itself), exp(-(k-1)/gamma) for k >= 1.
+        k = torch.arange(cfg.block_size, dtype=torch.float32)
+        pos_w = torch.where(k >= 1, torch.exp(-(k - 1) / cfg.loss_gamma), torch.zeros_like(k))
+        self.register_buffer("position_weight", pos_w, persistent=False)
+
+    # -- attention backends: both return [heads, M, hd] from q [heads, M, hd], k/v [kv_heads, N+M, hd]
+    def _dense_attend(self, mask: Tensor) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            rep = q.shape[0] // k.shape[0]
+            k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None])[0]
+
+        return attend
+
+    def _flex_attend(self, block_mask: Any, compiled: bool) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn = compiled_flex_attention() if compiled else flex_attention
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return fn(q[None], k[None], v[None], block_mask=block_mask, enable_gqa=True)[0]
+
+        return attend
+
+    def _attenders(self, anchors: Tensor, doc_ids: Tensor, m: int) -> list[Callable[[Tensor, Tensor, Tensor], Tensor]]:
+        """One attend function per layer; layers sharing a window share one mask."""
+        b = self.cfg.block_size
+        n = doc_ids.shape[0]
+        backend = self.attention_backend
+        if backend == "flex-compiled" and doc_ids.device.type != "cuda":
+            backend = "dense"  # the compiled flex kernel (and flex's backward) need a GPU; the dense rule is exact
+        cache: dict[int | None, Callable[[Tensor, Tensor, Tensor], Tensor]] = {}
+        for w in self.windows:
+            if w in cache:
+                continue
+            if backend == "dense":
+                cache[w] = self._dense_attend(dense_mask(anchors, doc_ids, b, w))
+            else:
+                from torch.nn.attention.flex_attention import create_block_mask
+
+                block_mask = create_block_mask(
+                    flex_mask_mod(anchors, doc_ids, b, w),
+                    None,
+                    None,
+                    m,
+                    n + m,
+                    device=doc_ids.device,
+                    _compile=doc_ids.device.type == "cuda",
+                )
+                cache[w] = self._flex_attend(block_mask, compiled=backend == "flex-compiled")
+        return [cache[w] for w in self.windows]
+
+    def forward(
+        self,
+        batch: DraftBatch,
+        embed_tokens: nn.Embedding,
+        lm_head: nn.Linear,
+        anchors: Tensor | None = None,
+        keep: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> DraftOutput:
+        cfg, b = self.cfg, self.cfg.block_size
+        if cfg.mask_token_id is None:
+            raise ValueError("drafter.mask_token_id is not set (the caller sets it from the tokenizer's mask token)")
+        if anchors is None:
+            anchors, keep = sample_anchors(batch, cfg.num_anchors, b, generator)
+        elif keep is None:
+            keep = torch.ones_like(anchors, dtype=torch.bool)
+        assert keep is not None
+        ids, pos, docs = batch.input_ids, batch.position_ids, batch.doc_ids
+        n, a = ids.shape[0], anchors.shape[0]
+        m = a * b
+        dtype = self.fc.weight.dtype
+
+        # Context features: the concatenated taps, fused to H and normalised, once for all layers.
+        ctx = self.hidden_norm(self.fc(batch.hidden.to(dtype)))
+        # Blocks: [anchor token, mask x (B-1)], embedded with the target's frozen embedding.
+        offs = torch.arange(b, device=ids.device)
+        block_ids = torch.full((a, b), cfg.mask_token_id, dtype=ids.dtype, device=ids.device)
+        block_ids[:, 0] = ids[anchors]
+        x = embed_tokens(block_ids.reshape(m)).to(dtype)
+        # Positions: context at its own document positions, block position k at anchor position + k.
+        block_pos = (pos[anchors][:, None] + offs[None, :]).reshape(m)
+        rope_q = rope_cos_sin(block_pos, self.head_dim, cfg.rope_theta, x.dtype)
+        rope_kv = rope_cos_sin(torch.cat([pos, block_pos]), self.head_dim, cfg.rope_theta, x.dtype)
+
+        for layer, attend in zip(self.layers, self._attenders(anchors, docs, m), strict=True):
+            if cfg.grad_checkpoint and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, ctx, rope_q, rope_kv, attend, use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_q, rope_kv, attend)
+        x = self.norm(x)
+
+        # Labels: block position k predicts ids[a + k] if that token is in the anchor's document and supervised.
+        tgt = anchors[:, None] + offs[None, :]
+        in_range = tgt < n
+        tgt_c = torch.clamp(tgt, max=n - 1)
+        valid = in_range & (docs[tgt_c] == docs[anchors][:, None]) & batch.loss_mask[tgt_c] & keep[:, None]
+        valid[:, 0] = False
+        labels = ids[tgt_c].reshape(m)
+        weights = (self.position_weight[None, :].to(torch.float32) * valid).reshape(m)
+        loss_sum, correct = chunked_cross_entropy(x, lm_head, labels, weights, cfg.ce_chunk)
+        weight_sum = weights.sum()
+        loss = loss_sum / weight_sum.clamp(min=1e-12)
+        valid_f = valid.to(torch.float32)
+        counts = valid_f.sum(0)[1:]
+        acc = ((correct.reshape(a, b) * valid_f).sum(0)[1:] / counts.clamp(min=1)).detach()
+        return DraftOutput(loss=loss, acc=acc, weight_sum=weight_sum.detach(), num_tokens=valid.sum().detach())
+
+
+def chunked_cross_entropy(
+    hidden: Tensor, lm_head: nn.Linear, labels: Tensor, weights: Tensor, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """sum(weights * CE(lm_head(hidden), labels)) and per-row top-1 correctness, `chunk` rows of logits at a time.
+
+    Each chunk runs under non-reentrant checkpointing, so autograd keeps only the chunk's inputs: its fp32 logits
+    ([chunk, V]) are freed at once and recomputed in backward, one chunk at a time. Shapes depend only on the config.
+    """
+    total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    correct_parts = []
+    for start in range(0, hidden.shape[0], chunk):
+        sl = slice(start, start + chunk)
+        part_loss, part_correct = checkpoint(
+            _ce_chunk, hidden[sl], lm_head.weight, lm_head.bias, labels[sl], weights[sl], use_reentrant=False
+        )
+        total = total + part_loss
+        correct_parts.append(part_correct)
+    return total, torch.cat(correct_parts)
+
+
+def _ce_chunk(
+    h: Tensor, head_weight: Tensor, head_bias: Tensor | None, labels: Tensor, weights: Tensor
+) -> tuple[Tensor, Tensor]:
+    logits = F.linear(h.to(head_weight.dtype), head_weight, head_bias)
+    logits = logits.float() if logits.dtype != torch.float64 else logits
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    correct = (logits.argmax(-1) == labels).to(torch.float32)
+    return (ce * weights.to(ce.dtype)).sum(), correct
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = [
+    "DFlashDrafter",
+    "DraftBatch",
+    "DraftOutput",
+    "DrafterConfig",
+    "anchor_candidates",
+    "block_attention_rule",
+    "chunked_cross_entropy",
+    "dense_mask",
+    "flex_mask_mod",
+    "num_parameters",
+    "sample_anchors",
+]
