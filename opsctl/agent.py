@@ -1,0 +1,1102 @@
+"""Remote agent of opsctl: one stdlib-only file streamed to the remote python3 (docs/agent-protocol.md).
+
+It launches, follows, kills, cleans and reports one run, writing JSON lines on stdout; EOF on stdin ends it.
+"""
+
+# Keep this file ASCII only: the bootstrap reads it with sys.stdin.read(N) where N is a byte count.
+
+from __future__ import annotations
+
+import collections
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+AGENT_VERSION = "1"
+POLL_S = 0.05  # the agent's own file/process poll; the client never polls, it reads this stream
+TAIL_KEEP = 200  # log lines kept in memory for a crash report
+EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "transport": 3, "timeout": 4, "refused": 5}
+
+BOOTSTRAP = (
+    'import sys;n=int(sys.stdin.readline());exec(compile(sys.stdin.read(n),"opsctl-agent","exec"))'
+)
+
+# The wrapper runs inside tmux as the pane's process. It puts the run in its own session/process group,
+# records pid and pgid, tees output to the log and writes the exit status when the run ends. It is written
+# to STATE_DIR/wrapper.py by `launch` so tmux starts it with a plain argv (no shell quoting involved).
+WRAPPER_SOURCE = r'''
+import json, os, signal, subprocess, sys, threading, time
+
+def _atomic(path, text):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+def _ignore(signum, frame):
+    pass  # a handler (not SIG_IGN) so the run itself still gets default signal behaviour after exec
+
+def main():
+    with open(sys.argv[1]) as fh:
+        spec = json.load(fh)
+    state = spec["state_dir"]
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(s, _ignore)
+    env = dict(os.environ)
+    env.pop("TMUX", None)
+    env.pop("TMUX_PANE", None)
+    env.update(spec["env"])
+    argv = spec["argv"]
+    logf = open(spec["log"], "ab", buffering=0)
+    try:
+        proc = subprocess.Popen(argv, cwd=spec["workdir"], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as exc:
+        msg = "opsctl: cannot start %r: %s\n" % (argv, exc)
+        logf.write(msg.encode())
+        _atomic(os.path.join(state, "exit_code"), "127\n")
+        return
+    _atomic(os.path.join(state, "pid"), json.dumps({"pid": proc.pid, "pgid": proc.pid,
+            "wrapper_pid": os.getpid(), "started": time.time()}) + "\n")
+    out = proc.stdout.fileno()
+
+    def pump():
+        while True:
+            try:
+                chunk = os.read(out, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            logf.write(chunk)
+            try:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.flush()
+            except OSError:
+                pass
+
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    rc = proc.wait()
+    code = rc if rc >= 0 else 128 - rc
+    t.join(0.3)  # children that keep the pipe open must not delay the exit status
+    _atomic(os.path.join(state, "exit_code"), "%d\n" % code)
+    try:
+        sys.stdout.write("\n[opsctl] run exited with status %d\n" % code)
+        sys.stdout.flush()
+    except OSError:
+        pass
+
+main()
+'''
+
+
+# -- output -------------------------------------------------------------------------------------------------
+_out_lock = threading.Lock()
+
+
+def emit(t: str, **fields: Any) -> None:
+    """One JSON line per message with a single write, so the client never sees half a message."""
+    msg = {"t": t, "ts": time.time()}
+    msg.update(fields)
+    data = (json.dumps(msg, separators=(",", ":"), default=str) + "\n").encode()
+    with _out_lock:
+        try:
+            os.write(1, data)
+        except OSError:
+            os._exit(0)  # EPIPE: the client is gone, and so are we
+
+
+_final_rc: list[int] = []
+
+
+def bye(rc: int) -> None:
+    _final_rc.append(rc)  # the stdin watcher may see EOF right after the client reads `bye`: same exit code
+    emit("bye", rc=rc)
+    os._exit(rc)
+
+
+def watch_stdin() -> None:
+    """EOF on stdin means the channel closed: exit at once, leaving only the run (in tmux) behind."""
+
+    def run() -> None:
+        try:
+            while sys.stdin.readline():
+                pass
+        except (OSError, ValueError):
+            pass
+        os._exit(_final_rc[0] if _final_rc else 0)
+
+    threading.Thread(target=run, name="stdin-watch", daemon=True).start()
+
+
+class AgentError(Exception):
+    """Bad arguments or an environment the agent cannot work in; reported as `error` + `bye 2`."""
+
+
+# -- NVML ---------------------------------------------------------------------------------------------------
+class Nvml:
+    """NVML through pynvml when importable; otherwise a reason that `hello` reports."""
+
+    def __init__(self) -> None:
+        self.mod: Any = None
+        try:
+            import pynvml  # type: ignore[import-not-found]
+        except Exception as exc:  # noqa: BLE001 - any import failure means "unavailable"
+            self.status = f"unavailable (pynvml not importable: {exc.__class__.__name__})"
+            return
+        try:
+            pynvml.nvmlInit()
+        except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound on GPU-less hosts
+            self.status = f"unavailable ({exc.__class__.__name__}: {exc})"
+            return
+        self.mod = pynvml
+        self.status = "ok"
+
+    @property
+    def ok(self) -> bool:
+        return self.mod is not None
+
+    def sample(self) -> list[dict[str, Any]]:
+        nv = self.mod
+        if nv is None:
+            return []
+        gpus: list[dict[str, Any]] = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            gpus.append(self._device(nv, i))
+        return gpus
+
+    @staticmethod
+    def _device(nv: Any, i: int) -> dict[str, Any]:
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        g: dict[str, Any] = {"index": i}
+
+        def get(key: str, fn: Any) -> None:
+            try:
+                g[key] = fn()
+            except Exception:  # noqa: BLE001 - one unsupported field must not hide the rest
+                g[key] = None
+
+        get("name", lambda: _s(nv.nvmlDeviceGetName(h)))
+        get("util", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu)
+        get("mem_used_mb", lambda: nv.nvmlDeviceGetMemoryInfo(h).used / 2**20)
+        get("mem_total_mb", lambda: nv.nvmlDeviceGetMemoryInfo(h).total / 2**20)
+        get("power_w", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0)
+        get("temp_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+        get("sm_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+        get("mem_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM))
+        procs: list[dict[str, Any]] = []
+        try:
+            for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
+                used = getattr(p, "usedGpuMemory", None)
+                procs.append({"pid": p.pid, "used_mb": None if used is None else used / 2**20})
+        except Exception:  # noqa: BLE001
+            pass
+        g["procs"] = procs
+        return g
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+# -- run settings -------------------------------------------------------------------------------------------
+class Run:
+    """The run's settings from JSON_ARGS, with paths resolved against the workdir."""
+
+    def __init__(self, a: dict[str, Any]) -> None:
+        if not isinstance(a, dict):
+            raise AgentError("JSON_ARGS must be an object")
+        self.args = a
+        self.name = str(a.get("name") or "run")
+        wd = a.get("workdir")
+        if not wd or not isinstance(wd, str):
+            raise AgentError("workdir is required")
+        self.workdir = os.path.abspath(os.path.expanduser(wd))
+        sd = a.get("state_dir")
+        if not sd or not isinstance(sd, str):
+            raise AgentError("state_dir is required")
+        self.state_dir = self.path(sd)
+        self.log = self.path(a.get("log") or os.path.join(self.state_dir, "run.log"))
+        ev = a.get("events")
+        self.events = self.path(ev) if ev else None
+        self.session = str(a.get("tmux_session") or "opsctl-" + self.name)
+        self.env = {str(k): str(v) for k, v in (a.get("env") or {}).items()}
+        self.command = a.get("command")
+        self.ready_pattern = a.get("ready_pattern")
+        self.ready_timeout = float(a.get("ready_timeout") or 600)
+        grace = a.get("kill_grace") or [10, 10]
+        if not (isinstance(grace, list) and len(grace) == 2):
+            raise AgentError(f"kill_grace must be a list of two numbers, got {grace!r}")
+        self.kill_grace = (float(grace[0]), float(grace[1]))
+        self.clean_roots = [str(r) for r in (a.get("clean_roots") or [])]
+        self.inductor_cache_dir = a.get("inductor_cache_dir")
+
+    def path(self, p: str) -> str:
+        return os.path.normpath(os.path.join(self.workdir, os.path.expanduser(str(p))))
+
+    def sf(self, name: str) -> str:
+        return os.path.join(self.state_dir, name)
+
+    def argv(self) -> list[str]:
+        c = self.command
+        if isinstance(c, str) and c.strip():
+            return ["/bin/sh", "-c", c]
+        if isinstance(c, list) and c and all(isinstance(x, str) for x in c):
+            return list(c)
+        raise AgentError(f"command must be a non-empty argv list or a script string, got {c!r}")
+
+    def tmux_socket(self) -> str:
+        sock = self.sf("tmux.sock")
+        if len(sock.encode()) < 100:
+            return sock
+        # AF_UNIX paths are limited to ~107 bytes; derive a stable short path so later calls find it again.
+        digest = hashlib.sha1(self.state_dir.encode()).hexdigest()[:16]
+        d = os.path.join(tempfile.gettempdir(), f"opsctl-tmux-{os.getuid()}")
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        return os.path.join(d, digest + ".sock")
+
+    def cache_dir(self) -> tuple[str | None, bool]:
+        """The inductor cache dir and whether it is torch's default location (allowed without a root)."""
+        if self.inductor_cache_dir:
+            return str(self.inductor_cache_dir), False
+        if self.env.get("TORCHINDUCTOR_CACHE_DIR"):
+            return self.env["TORCHINDUCTOR_CACHE_DIR"], False
+        return default_inductor_dir(), True
+
+
+def default_inductor_dir() -> str:
+    try:
+        import getpass
+
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001
+        user = str(os.getuid())
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r"[\\/:*?\"<>|]", "_", user))
+
+
+# -- process state ------------------------------------------------------------------------------------------
+def read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as fh:
+            obj = json.load(fh)
+        return obj if isinstance(obj, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def read_exit_code(path: str) -> int | None:
+    try:
+        with open(path) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def proc_stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, ppid, pgid, starttime) from /proc/PID/stat, or None if the pid is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    rest = data[data.rfind(")") + 2:].split()
+    try:
+        return rest[0], int(rest[1]), int(rest[2]), int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    st = proc_stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def all_procs() -> dict[int, tuple[str, int, int, int]]:
+    out: dict[int, tuple[str, int, int, int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = proc_stat(int(name))
+            if st is not None:
+                out[int(name)] = st
+    return out
+
+
+def run_procs(pid: int, pgid: int, known: dict[int, int]) -> dict[int, int]:
+    """Live processes of the run: its process group, descendants of its pid (also those that left the group),
+    and processes seen before (tracked by start time, so a reused pid is not mistaken for ours)."""
+    procs = all_procs()
+    found: dict[int, int] = {}
+    for p, (state, _ppid, pg, start) in procs.items():
+        if state in ("Z", "X"):
+            continue
+        if pg == pgid or p == pid or known.get(p) == start:
+            found[p] = start
+    changed = True
+    while changed:
+        changed = False
+        for p, (state, ppid, _pg, start) in procs.items():
+            if p not in found and ppid in found and state not in ("Z", "X"):
+                found[p] = start
+                changed = True
+    return found
+
+
+class ProcWatch:
+    """Process state of the run from STATE_DIR/pid and STATE_DIR/exit_code; emits `proc` on change."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.last: tuple[Any, ...] | None = None
+        self.gone_since: float | None = None
+
+    def snapshot(self) -> dict[str, Any]:
+        info = read_json(self.run.sf("pid")) or {}
+        code = read_exit_code(self.run.sf("exit_code"))
+        pid = info.get("pid")
+        pgid = info.get("pgid")
+        if code is not None:
+            state = "exited"
+        elif isinstance(pid, int) and alive(pid):
+            state = "running"
+            self.gone_since = None
+        elif isinstance(pid, int):
+            # The wrapper writes exit_code right after the run ends; if it never does (wrapper killed),
+            # call the run exited after a short grace.
+            now = time.monotonic()
+            self.gone_since = self.gone_since or now
+            wrapper = info.get("wrapper_pid")
+            wrapper_alive = isinstance(wrapper, int) and alive(wrapper)
+            state = "exited" if (now - self.gone_since > (1.0 if wrapper_alive else 0.3)) else "running"
+        else:
+            state = "absent"
+        return {"state": state, "pid": pid, "pgid": pgid, "exit_code": code, "session": self.run.session}
+
+    def poll(self, force: bool = False) -> dict[str, Any]:
+        snap = self.snapshot()
+        key = (snap["state"], snap["pid"], snap["exit_code"])
+        if force or key != self.last:
+            self.last = key
+            emit("proc", **snap)
+        return snap
+
+
+# -- file following -----------------------------------------------------------------------------------------
+class Tail:
+    """Follows one append-only file by byte offset; survives truncation, rotation and deletion."""
+
+    def __init__(self, path: str, offset: int, tail_lines: int = 0) -> None:
+        self.path = path
+        self.fh: Any = None
+        self.sig = b""
+        self.ino: tuple[int, int] | None = None
+        self.offset = max(0, offset)
+        self.buf = b""
+        self.existed = False
+        self._open()
+        if offset < 0 and self.fh is not None:
+            self.offset = self._tail_offset(tail_lines)
+
+    def _open(self) -> None:
+        try:
+            fh = open(self.path, "rb")
+        except OSError:
+            self.fh, self.ino = None, None
+            return
+        st = os.fstat(fh.fileno())
+        self.fh, self.ino, self.existed = fh, (st.st_dev, st.st_ino), True
+        self.sig = os.pread(fh.fileno(), 64, 0)
+
+    def _tail_offset(self, n: int) -> int:
+        size = os.fstat(self.fh.fileno()).st_size
+        if n <= 0:
+            return size
+        pos, data = size, b""
+        while pos > 0 and data.count(b"\n") <= n:
+            step = min(65536, pos)
+            pos -= step
+            self.fh.seek(pos)
+            data = self.fh.read(step) + data
+        lines = data.split(b"\n")
+        # data ends with the (maybe partial) last line; keep the last n complete lines before it
+        keep = b"\n".join(lines[-(n + 1):])
+        return size - len(keep)
+
+    def _reset(self, reason: str, resets: list[str]) -> None:
+        resets.append(reason)
+        self.offset = 0
+        self.buf = b""
+        self.sig = os.pread(self.fh.fileno(), 64, 0) if self.fh is not None else b""
+
+    def read(self, resets: list[str]) -> list[tuple[int, int, bytes]]:
+        """New complete lines as (start offset, end offset, bytes without newline)."""
+        out: list[tuple[int, int, bytes]] = []
+        try:
+            st = os.stat(self.path)
+            ino: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except OSError:
+            st, ino = None, None
+        if self.fh is not None and ino != self.ino:
+            out += self._drain()  # the rest of the old file first: rotation must lose nothing
+            self.fh.close()
+            self.fh = None
+            self._reset("rotated" if ino is not None else "missing", resets)
+            if ino is None:
+                self.ino = None
+                return out
+        if self.fh is None:
+            if ino is None:
+                return out
+            was = self.existed
+            self._open()
+            if self.fh is None:
+                return out
+            if was and not resets:
+                self._reset("rotated", resets)
+        size = os.fstat(self.fh.fileno()).st_size
+        if size < self.offset + len(self.buf) or self._rewritten():
+            self._reset("truncated", resets)
+        out += self._drain()
+        return out
+
+    def _rewritten(self) -> bool:
+        """Truncated and already grown past our offset: the first bytes differ from those we saw."""
+        if self.offset + len(self.buf) == 0:
+            return False
+        head = os.pread(self.fh.fileno(), 64, 0)
+        if len(self.sig) < 64 and head.startswith(self.sig):
+            self.sig = head  # the file was shorter than 64 bytes when opened and has grown since
+            return False
+        return head != self.sig
+
+    def _drain(self) -> list[tuple[int, int, bytes]]:
+        out: list[tuple[int, int, bytes]] = []
+        start = self.offset
+        self.fh.seek(start + len(self.buf))
+        data = self.fh.read(4 << 20)
+        if not data:
+            return out
+        data = self.buf + data
+        pos = 0
+        while True:
+            nl = data.find(b"\n", pos)
+            if nl < 0:
+                break
+            out.append((start + pos, start + nl + 1, data[pos:nl]))
+            pos = nl + 1
+        self.buf = data[pos:]
+        self.offset = start + pos
+        if len(self.buf) > (1 << 20):  # a megabyte without a newline: hand it over rather than hold it
+            out.append((self.offset, self.offset + len(self.buf), self.buf))
+            self.offset += len(self.buf)
+            self.buf = b""
+        return out
+
+
+class Follower:
+    """Multiplexes log lines, telemetry events, NVML samples and process state onto stdout."""
+
+    def __init__(self, run: Run, nvml: Nvml, log_offset: int = 0, events_offset: int = 0, tail: int = 0,
+                 gpu_interval: float = 1.0, min_event_ts: float = 0.0) -> None:
+        self.run = run
+        self.nvml = nvml
+        self.log = Tail(run.log, log_offset, tail)
+        self.events = Tail(run.events, events_offset, tail) if run.events else None
+        self.proc = ProcWatch(run)
+        self.gpu_interval = gpu_interval
+        self.next_gpu = 0.0
+        self.min_event_ts = min_event_ts
+        self.lines: collections.deque[str] = collections.deque(maxlen=TAIL_KEEP)
+        self.phase: dict[str, Any] = {}
+        self.last_event_ts: float | None = None
+        self.saw_step = False
+        self.saw_run_end: dict[str, Any] | None = None
+        self.fatal_errors: list[dict[str, Any]] = []
+        self.pattern = re.compile(run.ready_pattern) if run.ready_pattern else None
+        self.pattern_hit: str | None = None
+
+    def poll(self) -> dict[str, Any]:
+        resets: list[str] = []
+        for off, end, raw in self.log.read(resets):
+            for r in resets:
+                emit("log_reset", reason=r, file="log")
+            resets = []
+            line = raw.decode("utf-8", errors="replace")
+            self.lines.append(line)
+            if self.pattern is not None and self.pattern_hit is None and self.pattern.search(line):
+                self.pattern_hit = line
+            emit("log", off=off, end=end, line=line)
+        for r in resets:
+            emit("log_reset", reason=r, file="log")
+        if self.events is not None:
+            resets = []
+            for off, end, raw in self.events.read(resets):
+                for r in resets:
+                    emit("log_reset", reason=r, file="events")
+                resets = []
+                try:
+                    ev = json.loads(raw)
+                except ValueError:
+                    continue
+                if not isinstance(ev, dict):
+                    continue
+                self._note(ev)
+                emit("event", off=off, end=end, event=ev)
+            for r in resets:
+                emit("log_reset", reason=r, file="events")
+        now = time.monotonic()
+        if self.gpu_interval > 0 and self.nvml.ok and now >= self.next_gpu:
+            self.next_gpu = now + self.gpu_interval
+            try:
+                emit("gpu", gpus=self.nvml.sample())
+            except Exception as exc:  # noqa: BLE001 - a failing GPU query must not stop the log stream
+                emit("error", message=f"nvml sample failed: {exc}", fatal=False)
+        return self.proc.poll()
+
+    def _note(self, ev: dict[str, Any]) -> None:
+        ts = ev.get("ts")
+        if isinstance(ts, (int, float)) and ts < self.min_event_ts:
+            return  # an event of a previous run in the same file
+        kind = ev.get("kind")
+        self.last_event_ts = ts if isinstance(ts, (int, float)) else time.time()
+        if kind == "run_start":
+            self.phase = {"phase": "starting"}
+        elif kind in ("phase", "heartbeat") and (kind == "phase" or not self.phase):
+            self.phase = {k: ev.get(k) for k in ("phase", "i", "n", "detail") if ev.get(k) is not None}
+        elif kind == "step":
+            self.saw_step = True
+            self.phase = {"phase": "training", "step": ev.get("step")}
+        elif kind == "error" and ev.get("fatal"):
+            self.fatal_errors.append(ev)
+        elif kind == "run_end":
+            self.saw_run_end = ev
+
+    def offsets(self) -> dict[str, int]:
+        return {"log_offset": self.log.offset, "events_offset": self.events.offset if self.events else 0}
+
+    def phase_text(self) -> str:
+        p = self.phase
+        if not p:
+            return "no telemetry events" + ("" if self.run.events else " (no events file configured)")
+        text = str(p.get("phase"))
+        if p.get("i") is not None and p.get("n") is not None:
+            text += " {}/{}".format(p["i"], p["n"])
+        if p.get("detail"):
+            text += " ({})".format(p["detail"])
+        return text
+
+    def traceback(self) -> str | None:
+        for ev in reversed(self.fatal_errors):
+            if ev.get("traceback"):
+                return str(ev["traceback"])
+        lines = list(self.lines)
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].startswith("Traceback (most recent call last)"):
+                return "\n".join(lines[i:])
+        return None
+
+
+# -- preflight ----------------------------------------------------------------------------------------------
+def validate_clean_dir(path: Any, roots: list[str], default_ok: bool) -> str:
+    """Return the real path of a directory that is safe to empty, or raise AgentError saying why not."""
+    if not isinstance(path, str) or not path.strip():
+        raise AgentError("refusing to clean an empty path")
+    if path.strip() in ("~", "~/") or path.startswith("~"):
+        raise AgentError(f"refusing to clean {path!r}: paths starting with ~ are not allowed, give an absolute path")
+    if not os.path.isabs(path):
+        raise AgentError(f"refusing to clean {path!r}: not an absolute path")
+    real = os.path.realpath(path)
+    home = os.path.realpath(os.path.expanduser("~"))
+    if real == "/" or os.path.dirname(real) == real:
+        raise AgentError(f"refusing to clean {path!r}: it is the file system root")
+    if real == home or home.startswith(real.rstrip("/") + "/"):
+        raise AgentError(f"refusing to clean {path!r}: it is the home directory or contains it")
+    allowed = [os.path.realpath(r) for r in roots if isinstance(r, str) and os.path.isabs(r)]
+    if default_ok:
+        allowed.append(os.path.realpath(default_inductor_dir()))
+    for root in allowed:
+        if real == root and default_ok and root == os.path.realpath(default_inductor_dir()):
+            return real
+        if real.startswith(root.rstrip("/") + "/"):
+            return real
+    raise AgentError("refusing to clean {!r} (resolves to {!r}): not inside an allowed root {}".format(path, real, allowed or "(none configured: set clean_roots)"))
+
+
+def empty_dir(real: str, dry_run: bool) -> tuple[int, int]:
+    """Remove the contents of a validated directory without following symlinks; emits `removed` per entry."""
+    count = total = 0
+    try:
+        entries = sorted(os.listdir(real))
+    except FileNotFoundError:
+        return 0, 0
+    for name in entries:
+        p = os.path.join(real, name)
+        size = _tree_size(p)
+        emit("removed", path=p, bytes=size, dry_run=dry_run)
+        count += 1
+        total += size
+        if dry_run:
+            continue
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)  # rmtree never follows symlinks inside the tree
+        else:
+            os.unlink(p)
+    return count, total
+
+
+def _tree_size(p: str) -> int:
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return 0
+    if not os.path.isdir(p) or os.path.islink(p):
+        return st.st_size
+    total = 0
+    for dirpath, _dirs, files in os.walk(p):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def check_manifest(model_dir: str, manifest: str | None) -> tuple[bool, str]:
+    """Sizes and sha256 of the files a manifest lists: {"files": {rel: {size, sha256}}} or a list of entries."""
+    mpath = manifest or os.path.join(model_dir, "manifest.json")
+    if not os.path.isdir(model_dir):
+        return False, f"model dir {model_dir} does not exist"
+    data = read_json(mpath)
+    if data is None:
+        return False, f"manifest {mpath} missing or not a JSON object"
+    files = data.get("files")
+    if isinstance(files, list):
+        files = {str(e.get("path")): e for e in files if isinstance(e, dict)}
+    if not isinstance(files, dict) or not files:
+        return False, f"manifest {mpath} has no 'files'"
+    t0 = time.time()
+    nbytes = 0
+    for rel, meta in files.items():
+        p = os.path.join(model_dir, rel)
+        meta = meta if isinstance(meta, dict) else {"size": meta}
+        try:
+            size = os.path.getsize(p)
+        except OSError:
+            return False, f"{p} is missing"
+        if meta.get("size") is not None and int(meta["size"]) != size:
+            return False, f"{p} has {size} bytes, manifest says {meta['size']}"
+        if meta.get("sha256"):
+            h = hashlib.sha256()
+            with open(p, "rb") as fh:
+                for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                    h.update(chunk)
+            if h.hexdigest() != meta["sha256"]:
+                return False, f"{p} sha256 {h.hexdigest()[:16]} differs from the manifest"
+        nbytes += size
+    return True, f"{len(files)} files, {nbytes / 2**20:.1f} MiB match {mpath} ({time.time() - t0:.1f} s)"
+
+
+def tmux(run: Run, *args: str, timeout: float = 10) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("tmux")
+    if exe is None:
+        raise AgentError("tmux is not installed on this host")
+    env = dict(os.environ)
+    env.pop("TMUX", None)
+    # stdout/stderr to files, never pipes: a tmux server forked from here must not hold our channel open.
+    with tempfile.TemporaryFile("w+") as out:
+        cp = subprocess.run([exe, "-S", run.tmux_socket(), *args], stdin=subprocess.DEVNULL, stdout=out,
+                            stderr=subprocess.STDOUT, text=True, env=env, timeout=timeout)
+        out.seek(0)
+        return subprocess.CompletedProcess(cp.args, cp.returncode, out.read(), "")
+
+
+def session_info(run: Run) -> dict[str, Any]:
+    """Whether our tmux session exists and whether its pane is dead (remain-on-exit keeps it visible)."""
+    if not os.path.exists(run.tmux_socket()) or shutil.which("tmux") is None:
+        return {"exists": False, "pane_dead": None}
+    cp = tmux(run, "list-panes", "-t", "=" + run.session, "-F", "#{pane_dead}")
+    if cp.returncode != 0:
+        return {"exists": False, "pane_dead": None}
+    return {"exists": True, "pane_dead": cp.stdout.strip().splitlines()[:1] == ["1"]}
+
+
+# -- verbs --------------------------------------------------------------------------------------------------
+def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
+    force = bool(opts.get("force"))
+    argv = run.argv()
+    if not os.path.isdir(run.workdir):
+        emit("check", name="workdir", ok=False, detail=f"{run.workdir} is not a directory")
+        return EXIT_CODES["refused"]
+    os.makedirs(run.state_dir, exist_ok=True)
+    prev = ProcWatch(run).snapshot()
+    if prev["state"] == "running":
+        emit("check", name="not_running", ok=False,
+             detail="run already running (pid {}, tmux session {}); kill it first".format(prev["pid"], run.session))
+        return EXIT_CODES["refused"]
+    emit("check", name="not_running", ok=True, detail=f"no live process recorded in {run.state_dir}")
+
+    ok = True
+    if nvml.ok:
+        busy = [(g["index"], p["pid"], p.get("used_mb")) for g in nvml.sample() for p in g.get("procs", [])]
+        if busy and not force:
+            ok = False
+        emit("check", name="gpus_free", ok=not busy or force,
+             detail=("busy: " + ", ".join(f"gpu{i} pid {p} {int(m or 0)} MiB" for i, p, m in busy)
+                     + (" (ignored: --force)" if force else "")) if busy else "no compute processes on any GPU")
+    else:
+        emit("check", name="gpus_free", ok=True, detail="not checked: nvml " + nvml.status)
+
+    if run.args.get("model_dir"):
+        good, detail = check_manifest(run.path(run.args["model_dir"]),
+                                      run.path(run.args["model_manifest"]) if run.args.get("model_manifest") else None)
+        emit("check", name="model_dir", ok=good, detail=detail)
+        ok = ok and good
+
+    pre = run.args.get("preflight")
+    if pre:
+        pargv = ["/bin/sh", "-c", pre] if isinstance(pre, str) else [str(x) for x in pre]
+        env = dict(os.environ)
+        env.update(run.env)
+        try:
+            cp = subprocess.run(pargv, cwd=run.workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                                text=True, timeout=float(opts.get("preflight_timeout") or 300))
+            out = (cp.stdout + cp.stderr).strip().splitlines()
+            good = cp.returncode == 0
+            detail = f"exit {cp.returncode}" + ((": " + " | ".join(out[-5:])) if out else "")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            good, detail = False, str(exc)
+        emit("check", name="preflight", ok=good, detail=detail)
+        ok = ok and good
+
+    cache, default_ok = run.cache_dir()
+    try:
+        real = validate_clean_dir(cache, run.clean_roots, default_ok)
+        n, size = empty_dir(real, dry_run=False) if ok else (0, 0)
+        emit("check", name="inductor_cache", ok=True, detail=f"cleared {real} ({n} entries, {size / 2**20:.1f} MiB)")
+    except (AgentError, OSError) as exc:
+        emit("check", name="inductor_cache", ok=False, detail=str(exc))
+        ok = False
+    if not ok:
+        return EXIT_CODES["refused"]
+
+    # A fresh start: remove what the previous run left, so state cannot be mistaken for this run's.
+    for name in ("pid", "exit_code", "killed"):
+        try:
+            os.unlink(run.sf(name))
+        except FileNotFoundError:
+            pass
+    info = session_info(run)
+    if info["exists"]:
+        tmux(run, "kill-session", "-t", "=" + run.session)
+    os.makedirs(os.path.dirname(run.log), exist_ok=True)
+    with open(run.log, "wb"):
+        pass  # a new run gets a new log; offsets start at 0
+    env = dict(run.env)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", real)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    spec = {"argv": argv, "env": env, "workdir": run.workdir, "log": run.log, "state_dir": run.state_dir}
+    with open(run.sf("spec.json"), "w") as fh:
+        json.dump(spec, fh)
+    with open(run.sf("wrapper.py"), "w") as fh:
+        fh.write(WRAPPER_SOURCE)
+    with open(run.sf("tmux.conf"), "w") as fh:
+        fh.write("set-option -g remain-on-exit on\nset-option -g history-limit 10000\n")
+    launch_ts = time.time()
+    with open(run.sf("launch.json"), "w") as fh:
+        json.dump({"ts": launch_ts, "session": run.session, "log": run.log, "events": run.events}, fh)
+    events_offset = os.path.getsize(run.events) if run.events and os.path.exists(run.events) else 0
+    cp = tmux(run, "-f", run.sf("tmux.conf"), "new-session", "-d", "-s", run.session, "-x", "200", "-y", "50",
+              "-c", run.workdir, sys.executable, run.sf("wrapper.py"), run.sf("spec.json"))
+    if cp.returncode != 0:
+        emit("error", message=f"tmux new-session failed: {cp.stdout.strip()}", fatal=True)
+        return EXIT_CODES["failed"]
+    tmux(run, "set-option", "-t", "=" + run.session, "remain-on-exit", "on")  # also when the server pre-existed
+    deadline = time.monotonic() + 10
+    info_pid: dict[str, Any] | None = None
+    while time.monotonic() < deadline:
+        info_pid = read_json(run.sf("pid"))
+        if info_pid or read_exit_code(run.sf("exit_code")) is not None:
+            break
+        time.sleep(0.02)
+    if info_pid:
+        emit("launched", pid=info_pid["pid"], pgid=info_pid["pgid"], session=run.session, log=run.log,
+             events=run.events, socket=run.tmux_socket())
+    fol = Follower(run, nvml, 0, events_offset, 0, float(opts.get("gpu_interval", 1.0)), launch_ts - 1.0)
+    return follow_loop(fol, run, ready_deadline=time.monotonic() + run.ready_timeout,
+                       keep_following=bool(opts.get("follow")))
+
+
+def follow_loop(fol: Follower, run: Run, ready_deadline: float | None, keep_following: bool) -> int:
+    """Ready / death / timeout verdicts for launch; `follow` runs it with no deadline until the run ends."""
+    ready = ready_deadline is None
+    while True:
+        snap = fol.poll()
+        if not ready and (fol.saw_step or fol.pattern_hit is not None):
+            ready = True
+            how = "first step event" if fol.saw_step else f"log line matched {run.ready_pattern!r}: {fol.pattern_hit}"
+            emit("verdict", ok=True, reason="ready", detail=how, phase=fol.phase_text(), **fol.offsets())
+            if not keep_following:
+                return EXIT_CODES["ok"]
+        if snap["state"] in ("exited", "absent") and (snap["state"] == "exited" or ready_deadline is not None):
+            fol.poll()  # drain what the run wrote just before it died
+            code = snap["exit_code"]
+            if ready and ready_deadline is None and snap["state"] == "absent":
+                emit("verdict", ok=False, reason="absent", detail="no process recorded for this run",
+                     phase=fol.phase_text(), **fol.offsets())
+                return EXIT_CODES["failed"]
+            good = code == 0
+            emit("verdict", ok=good and ready, reason="exited" if ready else "died_before_ready", exit_code=code,
+                 phase=fol.phase_text(), traceback=None if good else fol.traceback(), tail=list(fol.lines)[-30:],
+                 detail="run exited with status {}{}".format(code, "" if ready else " before it was ready, in phase "
+                                                           + fol.phase_text()), **fol.offsets())
+            return EXIT_CODES["ok"] if good and ready else EXIT_CODES["failed"]
+        if not ready and ready_deadline is not None and time.monotonic() > ready_deadline:
+            age = None if fol.last_event_ts is None else round(time.time() - fol.last_event_ts, 1)
+            emit("verdict", ok=False, reason="timeout", phase=fol.phase_text(), last_event_age_s=age,
+                 detail="not ready after {:g} s: stuck in phase {}{}; the run was left running".format(run.ready_timeout, fol.phase_text(), "" if age is None else f", last event {age:.1f} s ago"),
+                 tail=list(fol.lines)[-10:], **fol.offsets())
+            return EXIT_CODES["timeout"]
+        time.sleep(POLL_S)
+
+
+def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
+    fol = Follower(run, nvml, int(opts.get("log_offset", 0)), int(opts.get("events_offset", 0)),
+                   int(opts.get("tail", 10)), float(opts.get("gpu_interval", 1.0)))
+    if not opts.get("until_exit", True):
+        while True:
+            fol.poll()
+            time.sleep(POLL_S)
+    return follow_loop(fol, run, ready_deadline=None, keep_following=True)
+
+
+def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
+    pw = ProcWatch(run)
+    snap = pw.poll(force=True)
+    launch = read_json(run.sf("launch.json")) or {}
+    killed = read_json(run.sf("killed"))
+    since = float(launch.get("ts", 0)) - 1.0
+    # The events since the last run_start that a reducer needs: phase, last steps, errors, checkpoint, end.
+    picked: dict[int, tuple[int, dict[str, Any]]] = {}
+    steps: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque(maxlen=20)
+    errors: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque(maxlen=50)
+    last: dict[str, tuple[int, int, dict[str, Any]]] = {}
+    size = 0
+    if run.events and os.path.exists(run.events):
+        with open(run.events, "rb") as fh:
+            off = 0
+            for raw in fh:
+                start, off = off, off + len(raw)
+                if not raw.endswith(b"\n"):
+                    break
+                try:
+                    ev = json.loads(raw)
+                except ValueError:
+                    continue
+                if not isinstance(ev, dict) or (isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since):
+                    continue
+                kind = ev.get("kind")
+                if kind == "run_start":
+                    steps.clear()
+                    errors.clear()
+                    last.clear()
+                if kind == "step":
+                    steps.append((start, off, ev))
+                elif kind == "error":
+                    errors.append((start, off, ev))
+                elif isinstance(kind, str):
+                    last[kind] = (start, off, ev)
+            size = off
+    for item in list(last.values()) + list(steps) + list(errors):
+        picked[item[0]] = (item[1], item[2])
+    for start in sorted(picked):
+        end, ev = picked[start]
+        emit("event", off=start, end=end, event=ev)
+    if nvml.ok:
+        emit("gpu", gpus=nvml.sample())
+    sess = session_info(run)
+    try:
+        log_size = os.path.getsize(run.log)
+    except OSError:
+        log_size = None
+    emit("status", name=run.name, proc=snap, killed_by_opsctl=killed is not None, killed=killed,
+         launched_ts=launch.get("ts"), session=run.session, session_exists=sess["exists"],
+         pane_dead=sess["pane_dead"], log=run.log, log_size=log_size, events=run.events, events_size=size)
+    return EXIT_CODES["ok"]
+
+
+def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
+    info = read_json(run.sf("pid"))
+    pw = ProcWatch(run)
+    snap = pw.poll(force=True)
+    if not info or not isinstance(info.get("pid"), int):
+        emit("verdict", ok=True, reason="not_running", detail=f"no process recorded in {run.state_dir}")
+        return EXIT_CODES["ok"]
+    pid, pgid = int(info["pid"]), int(info.get("pgid") or info["pid"])
+    known = run_procs(pid, pgid, {})
+    if not known:
+        emit("verdict", ok=True, reason="not_running", detail=f"pid {pid} and process group {pgid} are gone (state {snap['state']})",
+             exit_code=snap["exit_code"])
+        return EXIT_CODES["ok"]
+    with open(run.sf("killed"), "w") as fh:
+        json.dump({"ts": time.time(), "pid": pid, "pgid": pgid, "by": "opsctl kill"}, fh)
+    events_offset = os.path.getsize(run.events) if run.events and os.path.exists(run.events) else 0
+    grace = [run.kill_grace[0], run.kill_grace[1], 5.0]
+    if opts.get("grace") is not None:
+        g = opts["grace"]
+        grace = [float(g[0]), float(g[1]), 5.0]
+    seen_pids = dict(known)
+    for sig, wait in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), grace):  # noqa: B905 - the remote python may predate 3.10
+        targets = run_procs(pid, pgid, seen_pids)
+        if not targets:
+            break
+        seen_pids.update(targets)
+        try:
+            os.killpg(pgid, sig)
+        except OSError:
+            pass
+        for p in targets:
+            try:
+                os.kill(p, sig)  # descendants that left the group (setsid/setpgid) too
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait
+        left = targets
+        while time.monotonic() < deadline:
+            left = run_procs(pid, pgid, seen_pids)
+            if not left:
+                break
+            time.sleep(POLL_S)
+        emit("killed", signal=signal.Signals(sig).name, pgid=pgid, alive=sorted(left))
+        if not left:
+            break
+    left = run_procs(pid, pgid, seen_pids)
+    # The wrapper records the exit status right after the run ends; the training core writes run_end first.
+    deadline = time.monotonic() + 3.0
+    while read_exit_code(run.sf("exit_code")) is None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    run_end = None
+    if run.events and os.path.exists(run.events):
+        tail = Tail(run.events, events_offset)
+        for _off, _end, raw in tail.read([]):
+            try:
+                ev = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and ev.get("kind") == "run_end":
+                run_end = ev
+            if isinstance(ev, dict) and ev.get("kind") in ("run_end", "checkpoint"):
+                emit("event", off=_off, end=_end, event=ev)
+    pw.poll()
+    gpu_detail = "could not check GPU memory: nvml " + nvml.status
+    gpu_ok = True
+    if nvml.ok:
+        holders = [(g["index"], p["pid"]) for g in nvml.sample() for p in g.get("procs", []) if p["pid"] in seen_pids]
+        gpu_ok = not holders
+        gpu_detail = ("GPU memory still held by " + ", ".join(f"pid {p} on gpu{i}" for i, p in holders)
+                      if holders else "no process of the run holds GPU memory")
+    emit("check", name="gpu_released", ok=gpu_ok, detail=gpu_detail)
+    ok = not left and gpu_ok
+    emit("verdict", ok=ok, reason="killed" if ok else "survivors", alive=sorted(left),
+         exit_code=read_exit_code(run.sf("exit_code")), run_end=run_end,
+         detail=f"all {len(seen_pids)} processes gone" if not left else f"still alive: {sorted(left)}")
+    return EXIT_CODES["ok"] if ok else EXIT_CODES["failed"]
+
+
+def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
+    dry = bool(opts.get("dry_run"))
+    snap = ProcWatch(run).snapshot()
+    rc = EXIT_CODES["ok"]
+    cache, default_ok = run.cache_dir()
+    if snap["state"] == "running":
+        emit("check", name="inductor_cache", ok=False,
+             detail="run is running (pid {}): its compile cache is in use; not cleaned".format(snap["pid"]))
+        rc = EXIT_CODES["refused"]
+    else:
+        try:
+            real = validate_clean_dir(cache, run.clean_roots, default_ok)
+            n, size = empty_dir(real, dry)
+            emit("check", name="inductor_cache", ok=True,
+                 detail=("would empty" if dry else "emptied") + f" {real}: {n} entries, {size / 2**20:.1f} MiB")
+        except AgentError as exc:
+            emit("check", name="inductor_cache", ok=False, detail=str(exc))
+            rc = EXIT_CODES["refused"]
+    sess = session_info(run)
+    if sess["exists"] and sess["pane_dead"]:
+        emit("removed", path=f"tmux:{run.session}", bytes=0, dry_run=dry)
+        if not dry:
+            tmux(run, "kill-session", "-t", "=" + run.session)
+    sock = run.tmux_socket()
+    if not sess["exists"] and os.path.exists(sock) and not _socket_live(sock):
+        emit("removed", path=sock, bytes=0, dry_run=dry)
+        if not dry:
+            os.unlink(sock)
+    if snap["state"] != "running" and os.path.exists(run.sf("pid")):
+        emit("removed", path=run.sf("pid"), bytes=os.path.getsize(run.sf("pid")), dry_run=dry)
+        if not dry:
+            os.unlink(run.sf("pid"))
+    return rc
+
+
+def _socket_live(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError as exc:
+        return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+    finally:
+        s.close()
+
+
+def verb_hello(run: Run | None, nvml: Nvml, opts: dict[str, Any]) -> int:
+    return EXIT_CODES["ok"]
+
+
+VERBS = {"launch": verb_launch, "follow": verb_follow, "status": verb_status, "kill": verb_kill,
+         "clean": verb_clean, "hello": verb_hello}
+
+
+def main(argv: list[str]) -> None:
+    watch_stdin()
+    nvml = Nvml()
+    emit("hello", agent_version=AGENT_VERSION, host=socket.gethostname(), pid=os.getpid(),
+         python=sys.version.split()[0], nvml=nvml.status, verb=argv[0] if argv else None)
+    try:
+        if len(argv) != 2 or argv[0] not in VERBS:
+            raise AgentError("usage: agent VERB JSON_ARGS with VERB one of {}".format(", ".join(sorted(VERBS))))
+        try:
+            args = json.loads(argv[1])
+        except ValueError as exc:
+            raise AgentError(f"JSON_ARGS is not JSON: {exc}") from exc
+        if not isinstance(args, dict):
+            raise AgentError("JSON_ARGS must be an object")
+        opts = args.pop("options", {}) or {}
+        run = None if argv[0] == "hello" else Run(args)
+        rc = VERBS[argv[0]](run, nvml, opts)  # type: ignore[arg-type]
+    except AgentError as exc:
+        emit("error", message=str(exc), fatal=True)
+        rc = EXIT_CODES["usage"]
+    except Exception as exc:  # noqa: BLE001 - report, never die silently
+        import traceback
+
+        emit("error", message=f"agent failed: {exc.__class__.__name__}: {exc}", fatal=True,
+             traceback=traceback.format_exc())
+        rc = EXIT_CODES["failed"]
+    bye(rc)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

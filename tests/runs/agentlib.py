@@ -1,0 +1,76 @@
+"""Test helpers that speak the agent protocol over plain pipes, exactly as a local transport does.
+
+Used by the agent-level tests; the CLI-level tests go through opsctl's real transports instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from opsctl import agent
+
+RUNS = Path(__file__).resolve().parent
+SOURCE = Path(agent.__file__).read_bytes()
+
+
+def start(verb: str, args: dict[str, Any]) -> subprocess.Popen[bytes]:
+    """Start the agent the way the client does: bootstrap line, then its byte length and source on stdin."""
+    p = subprocess.Popen([sys.executable, "-u", "-c", agent.BOOTSTRAP, verb, json.dumps(args)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert p.stdin is not None
+    p.stdin.write(str(len(SOURCE)).encode() + b"\n" + SOURCE)
+    p.stdin.flush()
+    return p
+
+
+def drive(verb: str, args: dict[str, Any], timeout: float = 60) -> tuple[int, list[dict[str, Any]]]:
+    """Run one verb to its `bye`; return the exit code and every message (each stamped with `_rx`)."""
+    p = start(verb, args)
+    msgs: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    assert p.stdout is not None
+    for raw in p.stdout:
+        m = json.loads(raw)
+        m["_rx"] = time.time()
+        msgs.append(m)
+        if m["t"] == "bye" or time.monotonic() > deadline:
+            break
+    p.stdin.close()  # type: ignore[union-attr]
+    rc = p.wait(timeout=10)
+    assert msgs and msgs[0]["t"] == "hello", msgs
+    assert msgs[-1]["t"] == "bye" and msgs[-1]["rc"] == rc, msgs[-3:]
+    return rc, msgs
+
+
+def run_args(tmp: Path, script: str, *script_args: str, **kw: Any) -> dict[str, Any]:
+    """Run settings (as opsctl's RunConfig sends them) for one of the scripts in tests/runs."""
+    state = tmp / "state"
+    args: dict[str, Any] = {
+        "name": kw.pop("name", "t"), "workdir": str(tmp), "state_dir": str(state), "log": str(tmp / "run.log"),
+        "events": str(tmp / "events.jsonl"), "tmux_session": kw.pop("session", f"opsctl-test-{os.getpid()}"),
+        "command": [sys.executable, str(RUNS / script), *script_args] if script else kw.pop("command"),
+        "env": {}, "inductor_cache_dir": str(tmp / "cache"), "clean_roots": [str(tmp)], "ready_timeout": 20,
+        "kill_grace": [2, 2],
+    }
+    if script and script != "chatty.py":
+        args["command"] += ["--events", str(tmp / "events.jsonl")]
+    args.update(kw)
+    return args
+
+
+def of(msgs: list[dict[str, Any]], t: str) -> list[dict[str, Any]]:
+    return [m for m in msgs if m["t"] == t]
+
+
+def cleanup(args: dict[str, Any]) -> None:
+    """Kill what a test started (through the agent's own kill verb) and its tmux server."""
+    drive("kill", {**args, "kill_grace": [0.5, 0.5]})
+    sock = agent.Run(args).tmux_socket()
+    if os.path.exists(sock):
+        subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True)

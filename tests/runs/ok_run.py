@@ -1,0 +1,48 @@
+"""Test run that loads, then trains steps and honours SIGINT/SIGTERM like the training core.
+
+On a signal it finishes the step, writes a checkpoint (a real file) and `run_end`, and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from _common import parse, writer
+
+args = parse(steps=5, step_time=0.2, load_time=0.3, ckpt_dir="")
+stop = {"sig": None}
+
+
+def on_signal(signum: int, frame: object) -> None:
+    if stop["sig"] is not None:
+        os._exit(130)  # a second signal exits at once
+    stop["sig"] = signal.Signals(signum).name
+
+
+signal.signal(signal.SIGINT, on_signal)
+signal.signal(signal.SIGTERM, on_signal)
+w = writer(args.events, args.steps)
+print("loading model", flush=True)
+w.emit("phase", phase="loading_target", i=1, n=1)
+time.sleep(args.load_time)
+w.emit("phase", phase="training")
+step = 0
+while step < args.steps and stop["sig"] is None:
+    time.sleep(args.step_time)
+    step += 1
+    w.emit("step", step=step, epoch=0, loss=5.0 / step, acc=[0.1, 0.05], lr=1e-3, grad_norm=1.0, tokens=100,
+           tokens_per_s=500.0, step_time_s=args.step_time, queue_depth=0, queue_wait_s=0.0, recompiles=0,
+           total_steps=args.steps)
+    print(f"step {step} loss {5.0 / step:.3f}", flush=True)
+if stop["sig"] is not None and args.ckpt_dir:
+    os.makedirs(args.ckpt_dir, exist_ok=True)
+    path = os.path.join(args.ckpt_dir, f"step{step}.pt")
+    with open(path, "w") as fh:
+        fh.write(f"checkpoint at step {step}\n")
+    w.emit("checkpoint", path=path, step=step, manifest_sha256="0" * 64, bytes=os.path.getsize(path), seconds=0.0)
+reason = "signal" if stop["sig"] else "completed"
+extra = {"signal": stop["sig"]} if stop["sig"] else {}
+w.emit("run_end", reason=reason, exit_code=0, step=step, **extra)
+print(f"run ended: {reason}", flush=True)

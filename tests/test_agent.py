@@ -1,0 +1,182 @@
+"""Tests of the remote agent itself (opsctl/agent.py) over plain pipes: protocol, file following, lifetime.
+
+Launch/kill/status/clean behaviour through the CLI and SSH + pct lives in test_launch.py and friends.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
+
+from agentlib import cleanup, drive, of, run_args, start  # noqa: E402
+
+from opsctl import agent  # noqa: E402
+
+
+def test_agent_source_is_ascii_and_stdlib_only() -> None:
+    # The bootstrap reads N *characters* where the client sends the byte count: ASCII keeps them equal.
+    src = Path(agent.__file__).read_bytes()
+    assert all(b < 128 for b in src)
+    allowed = set(sys.stdlib_module_names) | {"pynvml"}
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            assert all(a.name.split(".")[0] in allowed for a in node.names), ast.dump(node)
+        elif isinstance(node, ast.ImportFrom):
+            assert (node.module or "").split(".")[0] in allowed, ast.dump(node)
+    # the wrapper that tmux runs is stdlib-only too
+    for node in ast.walk(ast.parse(agent.WRAPPER_SOURCE)):
+        if isinstance(node, ast.Import):
+            assert all(a.name in allowed for a in node.names)
+
+
+def _wait_gone(pid: int, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not agent.alive(pid):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_agent_exits_when_channel_closes(tmp_path: Path) -> None:
+    (tmp_path / "run.log").write_text("x\n")
+    p = start("follow", {**run_args(tmp_path, "chatty.py"), "options": {"until_exit": False}})
+    assert p.stdout is not None and p.stdin is not None
+    hello = json.loads(p.stdout.readline())
+    assert json.loads(p.stdout.readline())["t"] in ("log", "proc")
+    assert agent.alive(hello["pid"])
+    t0 = time.monotonic()
+    p.stdin.close()
+    assert p.wait(timeout=3) == 0
+    assert time.monotonic() - t0 < 1.0
+    assert _wait_gone(hello["pid"])
+
+
+def test_agent_exits_on_epipe(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    log.write_text("")
+    p = start("follow", {**run_args(tmp_path, "chatty.py"), "options": {"until_exit": False}})
+    assert p.stdout is not None
+    hello = json.loads(p.stdout.readline())
+    p.stdout.close()  # the client went away but the channel's stdin stays open
+    with log.open("a") as fh:
+        fh.write("a line the agent cannot deliver\n")
+    assert p.wait(timeout=3) == 0
+    assert _wait_gone(hello["pid"])
+    p.stdin.close()  # type: ignore[union-attr]
+
+
+def _lines(tail: agent.Tail) -> tuple[list[tuple[int, int, bytes]], list[str]]:
+    resets: list[str] = []
+    return tail.read(resets), resets
+
+
+def test_tail_offsets_truncation_rotation_and_partial_lines(tmp_path: Path) -> None:
+    log = tmp_path / "f.log"
+    log.write_bytes(b"one\ntwo\nthr")
+    t = agent.Tail(str(log), 0)
+    got, resets = _lines(t)
+    assert [(o, e, b) for o, e, b in got] == [(0, 4, b"one"), (4, 8, b"two")] and resets == []
+    with log.open("ab") as fh:
+        fh.write(b"ee\n")
+    got, _ = _lines(t)
+    assert got == [(8, 14, b"three")]
+    # resume from an offset: nothing before it again
+    t2 = agent.Tail(str(log), 4)
+    assert [b for _, _, b in _lines(t2)[0]] == [b"two", b"three"]
+    # truncation, then the file grows back past the old offset before we look: still detected
+    log.write_bytes(b"NEW first line that is long enough to pass the old offset\n")
+    got, resets = _lines(t)
+    assert resets == ["truncated"] and got == [(0, 58, b"NEW first line that is long enough to pass the old offset")]
+    # rotation: the rest of the old file is read first, then the new one from 0
+    with log.open("ab") as fh:
+        fh.write(b"last of old\n")
+    os.rename(log, tmp_path / "f.log.1")
+    log.write_bytes(b"fresh\n")
+    got, resets = _lines(t)
+    assert [b for _, _, b in got] == [b"last of old", b"fresh"] and resets == ["rotated"]
+    assert got[-1][:2] == (0, 6)
+    os.unlink(log)
+    got, resets = _lines(t)
+    assert got == [] and resets == ["missing"]
+    log.write_bytes(b"back\n")
+    got, resets = _lines(t)
+    assert [b for _, _, b in got] == [b"back"]
+
+
+def test_tail_last_n_lines(tmp_path: Path) -> None:
+    log = tmp_path / "f.log"
+    log.write_bytes(b"".join(b"l%d\n" % i for i in range(100)) + b"partial")
+    t = agent.Tail(str(log), -1, tail_lines=3)
+    assert [b for _, _, b in _lines(t)[0]] == [b"l97", b"l98", b"l99"]
+
+
+def test_follow_resumes_at_offsets_without_loss_or_repeat(tmp_path: Path) -> None:
+    args = run_args(tmp_path, "chatty.py", "--lines", "300")
+    rc, msgs = drive("launch", {**args, "ready_pattern": r"line 000010 "})
+    assert rc == 0
+    verdict = of(msgs, "verdict")[0]
+    assert verdict["reason"] == "ready" and "matched" in verdict["detail"]
+    seen = [m["line"].split()[1] for m in of(msgs, "log")]
+    # the chatty run exits by itself; follow from where launch stopped, until the run ends
+    rc, more = drive("follow", {**args, "options": {"log_offset": verdict["log_offset"], "events_offset": 0}})
+    assert rc == 0 and of(more, "verdict")[0]["exit_code"] == 0
+    seen += [m["line"].split()[1] for m in of(more, "log") if m["line"].startswith("line ")]
+    assert seen == [f"{i:06d}" for i in range(300)]
+    cleanup(args)
+
+
+def test_launch_refuses_on_failing_preflight_and_bad_manifest(tmp_path: Path) -> None:
+    args = run_args(tmp_path, "ok_run.py", preflight=[sys.executable, "-c", "import sys; print('no fla'); sys.exit(3)"])
+    rc, msgs = drive("launch", args)
+    pre = [c for c in of(msgs, "check") if c["name"] == "preflight"][0]
+    assert rc == agent.EXIT_CODES["refused"] and not pre["ok"] and "exit 3" in pre["detail"] and "no fla" in pre["detail"]
+    assert not of(msgs, "launched") and not (tmp_path / "state" / "pid").exists()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "w.bin").write_bytes(b"weights")
+    import hashlib
+
+    good = {"files": {"w.bin": {"size": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}}}
+    (model / "manifest.json").write_text(json.dumps(good))
+    ok, detail = agent.check_manifest(str(model), None)
+    assert ok, detail
+    (model / "w.bin").write_bytes(b"weightz")
+    ok, detail = agent.check_manifest(str(model), None)
+    assert not ok and "sha256" in detail
+    rc, msgs = drive("launch", {**run_args(tmp_path, "ok_run.py"), "model_dir": str(model)})
+    assert rc == 5 and [c for c in of(msgs, "check") if c["name"] == "model_dir"][0]["ok"] is False
+
+
+def test_second_launch_refused_while_running(tmp_path: Path) -> None:
+    args = run_args(tmp_path, "hang_loading.py", ready_timeout=0.5)
+    try:
+        rc, msgs = drive("launch", args)
+        assert rc == agent.EXIT_CODES["timeout"]
+        rc, msgs = drive("launch", args)
+        assert rc == agent.EXIT_CODES["refused"]
+        assert "already running" in [c for c in of(msgs, "check") if not c["ok"]][0]["detail"]
+    finally:
+        cleanup(args)
+
+
+@pytest.mark.parametrize("script", ["ok_run.py"])
+def test_wrapper_records_exit_code_and_tmux_keeps_dead_pane(tmp_path: Path, script: str) -> None:
+    args = run_args(tmp_path, script, "--steps", "1", "--step-time", "0.05", "--load-time", "0")
+    try:
+        rc, msgs = drive("launch", {**args, "options": {"follow": True}})
+        assert rc == 0
+        assert (tmp_path / "state" / "exit_code").read_text().strip() == "0"
+        rc, msgs = drive("status", args)
+        st = of(msgs, "status")[0]
+        assert st["proc"]["state"] == "exited" and st["session_exists"] and st["pane_dead"] is True
+    finally:
+        cleanup(args)
