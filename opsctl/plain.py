@@ -1,0 +1,138 @@
+"""`opsctl watch --plain` (a rich Live view for terminals without full-screen support) and `--once --json`.
+
+Both reuse the dashboard's workers, RunModel and alert rules, so they report exactly what the TUI shows.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from opsctl.alerts import CRITICAL
+from opsctl.tui import RunModel, SourceWorker, WatchSource
+from opsctl.widgets import fmt_duration, fmt_num, spark, state_badge
+
+SETTLE_S = 1.0  # --once: a stream quiet this long has sent its backlog
+ONCE_TIMEOUT_S = 10.0
+PLAIN_HZ = 4.0
+
+
+def _fold(workers: Sequence[SourceWorker], models: Sequence[RunModel]) -> bool:
+    got = False
+    for worker, model in zip(workers, models, strict=True):
+        other, logs, dropped = worker.drain()
+        for msg in other:
+            model.ingest(msg)
+        for msg in logs:
+            model.ingest(msg)
+        model.add_dropped(dropped)
+        got = got or bool(other or logs or dropped)
+    return got
+
+
+def snapshot_once(sources: Sequence[WatchSource], settle_s: float = SETTLE_S, timeout_s: float = ONCE_TIMEOUT_S,
+                  clock: Callable[[], float] | None = None) -> list[dict[str, Any]]:
+    """Follow every source until each has ended or gone quiet for `settle_s` (at most `timeout_s`); one dict per run.
+
+    The agent's `follow` never ends by itself, so "quiet" is how we know the backlog (tail, state, a GPU sample) is in.
+    """
+    if settle_s <= 0 or timeout_s <= 0:
+        raise ValueError("settle_s and timeout_s must be > 0")
+    models = [RunModel(s.label, clock=clock) for s in sources]
+    workers = [SourceWorker(s) for s in sources]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + timeout_s
+    last_news = [time.monotonic()] * len(workers)
+    try:
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            for i, (worker, model) in enumerate(zip(workers, models, strict=True)):
+                if _fold([worker], [model]):
+                    last_news[i] = now
+            settled = [w.ended.is_set() or (w.received and now - last_news[i] >= settle_s)
+                       for i, w in enumerate(workers)]
+            if all(settled) and not any(w.pending() for w in workers):
+                break
+            time.sleep(0.02)
+        _fold(workers, models)
+    finally:
+        for w in workers:
+            w.stop()
+    return [m.snapshot() for m in models]
+
+
+def render_run(model: RunModel, log_lines: int = 8) -> Panel:
+    """One run as a rich panel: the same facts as the TUI's summary, GPUs, alerts and log tail."""
+    view = model.view()
+    alerts = model.alerts(view)
+    head = Text()
+    head.append(model.label + "  ", style="bold")
+    head.append_text(state_badge(view))
+    total = f"/{view.total_steps:,}" if view.total_steps else ""
+    head.append(f"  step {view.step:,}{total}  epoch {'-' if view.epoch is None else view.epoch}"
+                f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(view.tokens_per_s)}"
+                f"  ETA {fmt_duration(view.eta_s)}  heartbeat "
+                f"{'-' if view.heartbeat_age_s is None else fmt_duration(view.heartbeat_age_s) + ' ago'}"
+                f"  link {model.link}  log {model.lines_total:,} lines, {model.dropped:,} dropped")
+    parts: list[Any] = [head]
+    if view.gpus:
+        table = Table(box=None, pad_edge=False, show_header=True, header_style="dim")
+        for col in ("gpu", "util", "", "mem", "power", "temp", "procs"):
+            table.add_column(col)
+        for g in view.gpus:
+            idx = g.get("index")
+            hist = model.gpu_hist.get(idx, {}) if isinstance(idx, int) else {}
+            used, tot = g.get("mem_used_mb"), g.get("mem_total_mb")
+            mem = f"{used / 1024:.1f}/{tot / 1024:.0f}G" if isinstance(used, (int, float)) and isinstance(
+                tot, (int, float)) else "-"
+            procs = " ".join(str(p.get("pid")) for p in (g.get("procs") or [])) or "none"
+            table.add_row(f"GPU{idx}", f"{fmt_num(g.get('util'), 0)}%", spark(hist.get("util", []), 16, 0, 100), mem,
+                          f"{fmt_num(g.get('power_w'), 0)}W", f"{fmt_num(g.get('temp_c'), 0)}°C", procs)
+        parts.append(table)
+    for a in alerts:
+        style = "bold white on red" if a.severity == CRITICAL else "bold black on yellow"
+        parts.append(Text.assemble((f" {a.title} ", style), f" {a.evidence}"))
+    for line in list(model.log)[-log_lines:]:
+        parts.append(Text(line.text, style="red" if line.sev == 2 else "", overflow="ellipsis", no_wrap=True))
+    return Panel(Group(*parts), title=model.label)
+
+
+def run_plain(sources: Sequence[WatchSource], bell: bool = False, hz: float = PLAIN_HZ,
+              stream: TextIO | None = None, exit_when_ended: bool = True) -> int:
+    """Live view until Ctrl-C (or until every stream has ended); exit code 0."""
+    console = Console(file=stream or sys.stdout)
+    models = [RunModel(s.label) for s in sources]
+    workers = [SourceWorker(s) for s in sources]
+    seen: list[set[str]] = [set() for _ in sources]
+    for w in workers:
+        w.start()
+    try:
+        with Live(console=console, refresh_per_second=hz, transient=False) as live:
+            while True:
+                _fold(workers, models)
+                panels = []
+                for i, m in enumerate(models):
+                    panels.append(render_run(m))
+                    keys = {a.key for a in m.alerts(m.view())}
+                    if bell and keys - seen[i]:
+                        console.bell()
+                    seen[i] = keys
+                live.update(Group(*panels))
+                if exit_when_ended and all(w.ended.is_set() and not w.pending() for w in workers):
+                    break
+                time.sleep(1.0 / hz)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for w in workers:
+            w.stop()
+    return 0

@@ -1,0 +1,509 @@
+"""`opsctl watch`: the live Textual dashboard of one or many runs, fed by agent message streams.
+
+Each source is followed on its own thread and handed to the UI in batches, so a dead or chatty host never freezes the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Header, Input, Static
+
+from opsctl.alerts import CRITICAL, WARNING, Alert, AlertTracker
+from opsctl.runstate import RunState, RunView
+from opsctl.widgets import (
+    AlertsPanel,
+    Charts,
+    ConfirmScreen,
+    GpuPanel,
+    LogLine,
+    LogPane,
+    RunsBar,
+    RunSummary,
+    SeverityClassifier,
+)
+
+DEFAULT_LOG_CAPACITY = 10_000  # lines kept per run for scroll-back and search
+DEFAULT_INBOX_LINES = 50_000  # log lines a worker may queue before the UI drains them; more are dropped (and counted)
+DEFAULT_INBOX_OTHER = 20_000  # non-log messages likewise
+HISTORY = 120  # points kept per chart / GPU sparkline
+TICK_S = 0.1
+BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+STATE_TYPES = frozenset({"event", "proc", "gpu", "hello", "killed"})
+
+
+@runtime_checkable
+class WatchSource(Protocol):
+    """One run on one host, as the dashboard consumes it (the agent's `follow` stream, or a recording)."""
+
+    label: str  # "host:run"
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        """Blocking iterator of agent messages (docs/agent-protocol.md); raises or ends when the link is lost."""
+        ...
+
+    def kill(self) -> None: ...
+
+    def clean(self) -> None: ...
+
+    def reconnect(self) -> None:
+        """Re-establish the link; the next `messages()` resumes after the last offsets seen."""
+        ...
+
+
+class RecordedSource:
+    """Replays a recorded agent stream (JSON lines), as fast as possible or paced by its `ts` fields.
+
+    It has no process behind it: kill/clean/reconnect are recorded in `actions` so tests can check what was asked.
+    """
+
+    def __init__(self, path: str | Path, label: str | None = None, speed: float | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"recorded stream not found: {self.path}")
+        self.label = label or self.path.stem
+        if speed is not None and speed <= 0:
+            raise ValueError(f"speed must be > 0 (or None for as fast as possible), got {speed}")
+        self.speed = speed
+        self._sleep = sleep
+        self.actions: list[str] = []
+        self.invalid_lines = 0
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        first_ts: float | None = None
+        started = time.monotonic()
+        with self.path.open(encoding="utf-8") as fh:
+            for raw in fh:
+                if not raw.strip():
+                    continue
+                try:
+                    msg = json.loads(raw)
+                except json.JSONDecodeError:
+                    self.invalid_lines += 1
+                    continue
+                if not isinstance(msg, dict):
+                    self.invalid_lines += 1
+                    continue
+                ts = msg.get("ts")
+                if self.speed is not None and isinstance(ts, (int, float)):
+                    if first_ts is None:
+                        first_ts = float(ts)
+                    delay = (float(ts) - first_ts) / self.speed - (time.monotonic() - started)
+                    if delay > 0:
+                        self._sleep(delay)
+                yield msg
+
+    def kill(self) -> None:
+        self.actions.append("kill")
+
+    def clean(self) -> None:
+        self.actions.append("clean")
+
+    def reconnect(self) -> None:
+        self.actions.append("reconnect")
+
+
+def link_msg(state: str, detail: str = "") -> dict[str, Any]:
+    """The watcher's own message about the link (not from the agent): up / lost / reconnecting / ended."""
+    return {"t": "link", "state": state, "detail": detail, "local_ts": time.time()}
+
+
+class SourceWorker:
+    """Follows one source on a daemon thread and queues its messages for the UI thread, bounded and counted.
+
+    Link loss is retried with back-off (or at once on `request_reconnect`); a normal end waits for a manual reconnect.
+    """
+
+    def __init__(self, source: WatchSource, inbox_lines: int = DEFAULT_INBOX_LINES,
+                 inbox_other: int = DEFAULT_INBOX_OTHER, backoff: Sequence[float] = BACKOFF_S) -> None:
+        self.source = source
+        self._lock = threading.Lock()
+        self._logs: deque[dict[str, Any]] = deque(maxlen=inbox_lines)
+        self._other: deque[dict[str, Any]] = deque(maxlen=inbox_other)
+        self._dropped = 0
+        self._backoff = tuple(backoff) or (1.0,)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.received = 0
+        self.ended = threading.Event()  # set while the stream has ended normally (until a reconnect)
+        self._thread = threading.Thread(target=self._run, name=f"watch:{source.label}", daemon=True)
+
+    def start(self) -> SourceWorker:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def request_reconnect(self) -> None:
+        self._wake.set()
+
+    def _put(self, msg: dict[str, Any]) -> None:
+        with self._lock:
+            box = self._logs if msg.get("t") == "log" else self._other
+            if len(box) == box.maxlen:
+                self._dropped += 1
+            box.append(msg)
+            self.received += 1
+
+    def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+        """(non-log messages, log messages, drops since the last drain), emptying the inbox."""
+        with self._lock:
+            other, logs, dropped = list(self._other), list(self._logs), self._dropped
+            self._other.clear()
+            self._logs.clear()
+            self._dropped = 0
+        return other, logs, dropped
+
+    def _follow(self) -> None:
+        announced = False
+        for msg in self.source.messages():
+            if self._stop.is_set():
+                return
+            if not announced:
+                self._put(link_msg("up"))
+                announced = True
+            self._put(msg)
+
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                if attempt:
+                    self._put(link_msg("reconnecting", f"attempt {attempt}"))
+                    self.source.reconnect()
+                self._follow()
+            except Exception as exc:  # the transport's errors are many; every one means the link is gone
+                attempt += 1
+                delay = self._backoff[min(attempt - 1, len(self._backoff) - 1)]
+                self._put(link_msg("lost", f"{type(exc).__name__}: {exc} (retry in {delay:.0f} s)"))
+                self._wake.wait(delay)
+                self._wake.clear()
+                continue
+            if self._stop.is_set():
+                return
+            self._put(link_msg("ended", "r: reconnect"))
+            self.ended.set()
+            self._wake.wait()
+            self._wake.clear()
+            self.ended.clear()
+            attempt = 1
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._logs) + len(self._other)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+class RunModel:
+    """Everything shown about one run, folded on the UI thread from its source's messages."""
+
+    def __init__(self, label: str, clock: Callable[[], float] | None = None,
+                 log_capacity: int = DEFAULT_LOG_CAPACITY, history: int = HISTORY,
+                 stall_after_s: float | None = None) -> None:
+        self.label = label
+        self.clock = clock  # None: live (local clock + agent skew); tests and replays pass the agent's clock
+        self.state = RunState(stall_after_s=stall_after_s)
+        self.tracker = AlertTracker()
+        self.log: deque[LogLine] = deque(maxlen=log_capacity)
+        self.lines_total = 0
+        self.dropped = 0
+        self._classify = SeverityClassifier()
+        self.series: dict[str, deque[float]] = {k: deque(maxlen=history)
+                                                for k in ("loss", "tokens_per_s", "step_time_s", "queue_depth")}
+        self.gpu_hist: dict[int, dict[str, deque[float]]] = {}
+        self._history = history
+        self.link = "connecting"
+        self.version = 0
+
+    def ingest(self, msg: dict[str, Any]) -> None:
+        t = msg.get("t")
+        self.version += 1
+        if t == "log":
+            line = str(msg.get("line", ""))
+            self.log.append(LogLine(self.lines_total, line, self._classify(line)))
+            self.lines_total += 1
+            self.tracker.observe(msg)
+            return
+        if t in STATE_TYPES:
+            self.state.apply(msg)
+        self.tracker.observe(msg)
+        if t == "event":
+            ev = msg.get("event") or {}
+            if ev.get("kind") == "step":
+                for key, series in self.series.items():
+                    value = ev.get(key)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        series.append(float(value))
+        elif t == "gpu":
+            for g in msg.get("gpus") or []:
+                idx = g.get("index")
+                if not isinstance(idx, int):
+                    continue
+                hist = self.gpu_hist.setdefault(idx, {k: deque(maxlen=self._history)
+                                                      for k in ("util", "mem_used_mb", "power_w", "temp_c")})
+                for key, series in hist.items():
+                    value = g.get(key)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        series.append(float(value))
+        elif t == "link":
+            detail = msg.get("detail")
+            self.link = str(msg.get("state")) + (f" ({detail})" if detail else "")
+        elif t == "log_reset":
+            self.log.append(LogLine(self.lines_total, f"--- log {msg.get('reason', 'reset')} ---", 1))
+            self.lines_total += 1
+
+    def add_dropped(self, n: int) -> None:
+        if n:
+            self.dropped += n
+            self.version += 1
+
+    def view(self) -> RunView:
+        return self.state.view(self.clock() if self.clock is not None else None)
+
+    def alerts(self, view: RunView) -> list[Alert]:
+        return self.tracker.evaluate(view, self.clock() if self.clock is not None else time.time())
+
+    def mark_killed(self) -> None:
+        """The kill came from us: a `run_end` by signal (or the process gone) now reads as killed, not crashed."""
+        self.state.killed_by_us = True
+        self.version += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        view = self.view()
+        return {"label": self.label, "link": self.link, "log_lines": self.lines_total, "dropped_lines": self.dropped,
+                "view": view.to_dict(), "alerts": [a.to_dict() for a in self.alerts(view)]}
+
+
+class WatchApp(App[int]):
+    """The dashboard: a bar of every run, then the selected run's numbers, charts, GPUs, alerts and log."""
+
+    TITLE = "opsctl watch"
+    CSS = """
+    RunsBar { height: 1; background: $panel; }
+    #top { height: auto; }
+    RunSummary { width: 46; height: auto; border: round $primary; padding: 0 1; }
+    #right { width: 1fr; height: auto; }
+    Charts { border: round $primary; height: 6; padding: 0 1; }
+    AlertsPanel { height: auto; min-height: 6; border: round $error; padding: 0 1; }
+    GpuPanel { border: round $primary; padding: 0 1; }
+    LogPane { height: 1fr; min-height: 5; border: round $secondary; }
+    #logstatus { height: 1; background: $panel; color: $text-muted; }
+    #search { dock: bottom; display: none; }
+    #search.visible { display: block; }
+    """
+    BINDINGS = [
+        Binding("k", "kill", "kill"),
+        Binding("c", "clean", "clean"),
+        Binding("r", "reconnect", "reconnect"),
+        Binding("tab", "next_run", "next run", priority=True),
+        Binding("slash", "search", "search"),
+        Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(self, sources: Sequence[WatchSource], bell: bool = False, clock: Callable[[], float] | None = None,
+                 tick_s: float = TICK_S, log_capacity: int = DEFAULT_LOG_CAPACITY,
+                 inbox_lines: int = DEFAULT_INBOX_LINES) -> None:
+        super().__init__()
+        if not sources:
+            raise ValueError("opsctl watch needs at least one run to watch")
+        labels = [s.label for s in sources]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"two sources share a label: {labels}")
+        self.sources = list(sources)
+        self.models = [RunModel(s.label, clock=clock, log_capacity=log_capacity) for s in sources]
+        self.followers = [SourceWorker(s, inbox_lines=inbox_lines) for s in sources]
+        self.bell_on = bell
+        self.current = 0
+        self._tick_s = tick_s
+        self._alerted: list[set[str]] = [set() for _ in sources]
+        self._shown_version = -1
+        self.ticks = 0
+
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False)
+        yield RunsBar(id="runs")
+        with Horizontal(id="top"):
+            yield RunSummary(id="summary")
+            with Vertical(id="right"):
+                yield Charts(id="charts")
+                yield AlertsPanel(id="alerts")
+        yield GpuPanel(id="gpus")
+        yield LogPane(id="log")
+        yield Static(id="logstatus")
+        yield Input(placeholder="search the log (enter: find, escape: clear)", id="search")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#charts").border_title = "loss · tokens/s · step time · queue depth"
+        self.query_one("#gpus").border_title = "GPUs"
+        self.query_one("#alerts").border_title = "alerts"
+        self.query_one("#log").border_title = "log"
+        self.query_one(LogPane).attach(self.models[0].log)
+        self.query_one(LogPane).focus()
+        for worker in self.followers:
+            worker.start()
+        self.tick()
+        self.set_interval(self._tick_s, self.tick)
+
+    def on_unmount(self) -> None:
+        for worker in self.followers:
+            worker.stop()
+
+    # -- the batch loop -----------------------------------------------------------------
+    def drain(self) -> bool:
+        """Fold every queued message into its run; True when the shown run changed."""
+        changed = False
+        for i, (worker, model) in enumerate(zip(self.followers, self.models, strict=True)):
+            other, logs, dropped = worker.drain()
+            if not (other or logs or dropped):
+                continue
+            for msg in other:
+                model.ingest(msg)
+            for msg in logs:
+                model.ingest(msg)
+            model.add_dropped(dropped)
+            changed = changed or i == self.current
+        return changed
+
+    def tick(self) -> None:
+        self.ticks += 1
+        changed = self.drain()
+        entries = []
+        for i, model in enumerate(self.models):
+            view = model.view()
+            alerts = model.alerts(view)
+            self._maybe_bell(i, alerts)
+            entries.append((model.label, view, len(alerts)))
+            if i == self.current:
+                current_view, current_alerts = view, alerts
+        self.query_one(RunsBar).show(entries, self.current)
+        model = self.models[self.current]
+        pane = self.query_one(LogPane)
+        pane.sync()
+        if changed or model.version != self._shown_version:
+            self.query_one(Charts).show(model.series)
+            self.query_one(GpuPanel).show(current_view.gpus, model.gpu_hist, current_view.nvml)
+            self._shown_version = model.version
+        self.query_one(RunSummary).show(model.label, current_view, model.link, model.lines_total, model.dropped,
+                                        len(pane.lines))
+        self.query_one(AlertsPanel).show(current_alerts)
+        self.query_one("#logstatus", Static).update(pane.status())
+
+    def _maybe_bell(self, i: int, alerts: list[Alert]) -> None:
+        keys = {a.key for a in alerts if a.severity in (CRITICAL, WARNING)}
+        new = keys - self._alerted[i]
+        self._alerted[i] = keys
+        if new and self.bell_on:
+            self.bell()
+
+    # -- keys ---------------------------------------------------------------------------
+    def action_next_run(self) -> None:
+        if isinstance(self.focused, Input):
+            return
+        self.current = (self.current + 1) % len(self.models)
+        self.query_one(LogPane).attach(self.models[self.current].log)
+        self._shown_version = -1
+        self.tick()
+
+    def _confirm_then(self, verb: str, action: Callable[[], None]) -> None:
+        model = self.models[self.current]
+        view = model.view()
+        question = f"{verb} {model.label}? (state {view.state}, pid {view.pid or '-'}, pgid {view.pgid or '-'})"
+
+        def done(answer: bool | None) -> None:
+            if answer:
+                self._in_thread(verb, action)
+
+        self.push_screen(ConfirmScreen(question), done)
+
+    def _in_thread(self, verb: str, action: Callable[[], None]) -> None:
+        """Kill and clean go over SSH and may block: never on the UI thread."""
+        label = self.models[self.current].label
+
+        def run() -> None:
+            try:
+                action()
+            except Exception as exc:  # report any transport or agent failure to the person, not a traceback
+                self.call_from_thread(self.notify, f"{verb} {label} failed: {exc}", severity="error")
+            else:
+                self.call_from_thread(self.notify, f"{verb} {label}: sent")
+
+        threading.Thread(target=run, name=f"{verb}:{label}", daemon=True).start()
+
+    def action_kill(self) -> None:
+        i = self.current
+
+        def kill() -> None:
+            self.models[i].mark_killed()
+            self.sources[i].kill()
+
+        self._confirm_then("kill", kill)
+
+    def action_clean(self) -> None:
+        self._confirm_then("clean", self.sources[self.current].clean)
+
+    def action_reconnect(self) -> None:
+        worker = self.followers[self.current]
+        self.models[self.current].link = "reconnecting: requested"
+        worker.request_reconnect()
+
+    def action_search(self) -> None:
+        box = self.query_one("#search", Input)
+        box.add_class("visible")
+        box.value = self.query_one(LogPane).search
+        box.focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        pane = self.query_one(LogPane)
+        pane.set_search(event.value)
+        event.input.remove_class("visible")
+        pane.focus()
+
+    def on_key(self, event: Any) -> None:
+        box = self.query_one("#search", Input)
+        if event.key == "escape" and box.has_class("visible"):
+            box.remove_class("visible")
+            pane = self.query_one(LogPane)
+            pane.set_search("")
+            pane.focus()
+            event.stop()
+
+    def action_quit(self) -> None:  # type: ignore[override]
+        self.exit(0)
+
+    # -- for tests and the benchmark ----------------------------------------------------
+    def replay_done(self) -> bool:
+        """Every source has ended and every queued message has been folded in."""
+        return all(w.ended.is_set() and not w.pending() for w in self.followers)
+
+
+def watch_main(sources: list[WatchSource], plain: bool, once_json: bool, bell: bool) -> int:
+    """Entry point for `opsctl watch`: the Textual app, `--plain` (rich Live) or `--once --json` (one snapshot)."""
+    if not sources:
+        raise SystemExit("opsctl watch: no runs to watch (check hosts.yaml or the HOST:RUN arguments)")
+    if once_json:
+        from opsctl.plain import snapshot_once
+
+        snaps = snapshot_once(sources)
+        print(json.dumps(snaps, indent=2, default=str))
+        return 0 if all(s["link"] != "connecting" and not s["link"].startswith("lost") for s in snaps) else 1
+    if plain:
+        from opsctl.plain import run_plain
+
+        return run_plain(sources, bell=bell)
+    result = WatchApp(sources, bell=bell).run()
+    return int(result or 0)

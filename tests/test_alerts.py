@@ -1,0 +1,222 @@
+"""Alert rules of `opsctl watch`: each fires on the situation it names, stays quiet otherwise, and quotes its evidence.
+
+Messages are built the way the agent emits them (docs/agent-protocol.md) around contract events (docs/events.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from opsctl.alerts import GPU_IDLE_AFTER_S, Alert, AlertTracker, exception_line
+from opsctl.runstate import RunState
+
+T0 = 1_767_225_600.0
+FAST = {"chunk_gated_delta_rule": "fla", "causal_conv1d_fn": "causal_conv1d", "attention": "flex-compiled"}
+
+
+def ev(kind: str, ts: float, **fields: Any) -> dict[str, Any]:
+    return {"t": "event", "ts": ts, "event": {"v": 1, "ts": ts, "kind": kind, "run_id": "r", "rank": 0, "seq": 0,
+                                                **fields}}
+
+
+def run_start(ts: float, kernels: dict[str, str] | None = None, config: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+    return ev("run_start", ts, config=config or {}, versions={}, kernels=kernels or FAST, device="cuda:0",
+              world_size=2, roles={"target": [0], "drafter": [1]}, resumed_from=None, pid=7, host="h",
+              total_steps=100)
+
+
+def step(n: int, ts: float, loss: float = 2.0, dt: float = 1.0, wait: float = 0.01, depth: int = 2,
+         recompiles: int = 1) -> dict[str, Any]:
+    return ev("step", ts, step=n, epoch=0, loss=loss, acc=[0.5], lr=1e-3, grad_norm=1.0, tokens=10,
+              tokens_per_s=10.0, step_time_s=dt, queue_depth=depth, queue_wait_s=wait, recompiles=recompiles,
+              total_steps=100)
+
+
+def gpu(ts: float, utils: list[float], procs: bool = True) -> dict[str, Any]:
+    return {"t": "gpu", "ts": ts, "gpus": [
+        {"index": i, "name": "H200", "util": u, "mem_used_mb": 1000.0, "mem_total_mb": 143771.0, "power_w": 100.0,
+         "temp_c": 40.0, "procs": [{"pid": 7, "used_mb": 900.0}] if procs else []} for i, u in enumerate(utils)]}
+
+
+class Run:
+    """A RunState and an AlertTracker fed the same messages, as the dashboard's RunModel does."""
+
+    def __init__(self, stall_after_s: float | None = None) -> None:
+        self.state = RunState(stall_after_s=stall_after_s)
+        self.tracker = AlertTracker()
+        self.feed({"t": "proc", "ts": T0, "state": "running", "pid": 7, "pgid": 7, "exit_code": None})
+
+    def feed(self, *msgs: dict[str, Any]) -> None:
+        for m in msgs:
+            if m["t"] != "log":
+                self.state.apply(m)
+            self.tracker.observe(m)
+
+    def alerts(self, now: float) -> dict[str, Alert]:
+        return {a.key: a for a in self.tracker.evaluate(self.state.view(now), now)}
+
+
+def training_run(steps: int = 10, **kw: Any) -> Run:
+    r = Run()
+    r.feed(run_start(T0), ev("phase", T0 + 1, phase="training"))
+    for n in range(1, steps + 1):
+        r.feed(step(n, T0 + 1 + n, **kw))
+    return r
+
+
+def test_healthy_training_run_has_no_alerts() -> None:
+    r = training_run(10)
+    r.feed(gpu(T0 + 11, [97.0, 95.0]))
+    assert r.alerts(T0 + 12) == {}
+
+
+def test_crashed_alert_quotes_the_exception_line_of_the_fatal_error() -> None:
+    r = training_run(3)
+    tb = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\n    g()\nRuntimeError: NCCL timeout'
+    r.feed(ev("error", T0 + 10, **{"class": "nccl", "message": "collective timed out", "traceback": tb,
+                                    "fatal": True}),
+           ev("run_end", T0 + 11, reason="error", exit_code=1, step=3))
+    a = r.alerts(T0 + 12)["crashed"]
+    assert a.severity == "critical"
+    assert a.evidence == "RuntimeError: NCCL timeout; error class nccl; run_end error; exit code 1"
+
+
+def test_crash_without_events_takes_the_exception_from_the_log() -> None:
+    r = Run()
+    for line in ["starting", "Traceback (most recent call last):", '  File "run.py", line 3, in <module>',
+                 "    import flash_attn", "ModuleNotFoundError: No module named 'flash_attn'", "bye"]:
+        r.feed({"t": "log", "ts": T0, "off": 0, "end": 1, "line": line})
+    r.feed({"t": "proc", "ts": T0 + 1, "state": "exited", "pid": 7, "pgid": 7, "exit_code": 1})
+    a = r.alerts(T0 + 2)["crashed"]
+    assert a.evidence == "ModuleNotFoundError: No module named 'flash_attn'; exit code 1"
+
+
+def test_stalled_names_the_silence_and_where_the_run_was() -> None:
+    r = Run(stall_after_s=60)
+    r.feed(run_start(T0), ev("phase", T0 + 1, phase="loading_target", i=3, n=8))
+    assert "stalled" not in r.alerts(T0 + 50)
+    a = r.alerts(T0 + 95)["stalled"]
+    assert a.evidence == "no heartbeat or step for 94 s (stall_after 60 s); last seen in loading_target 3/8, step 0"
+    r.feed(ev("heartbeat", T0 + 96, phase="loading_target", step=0, rss_mb=1.0, gpu_mem_mb=None))
+    assert "stalled" not in r.alerts(T0 + 97)  # progress resumed: the alert clears
+
+
+def test_nan_loss_is_reported_with_its_step_from_float_or_string() -> None:
+    r = training_run(4)
+    r.feed(step(5, T0 + 20, loss=math.nan))
+    assert r.alerts(T0 + 21)["nan"].evidence == "loss=nan at step 5"
+    r2 = training_run(4)
+    r2.feed(step(5, T0 + 20, loss="inf"))  # type: ignore[arg-type]  # the writer's JSON-safe spelling
+    assert r2.alerts(T0 + 21)["nan"].evidence == "loss=inf at step 5"
+
+
+def test_nan_error_event_also_raises_nan() -> None:
+    r = training_run(4)
+    r.feed(ev("error", T0 + 20, **{"class": "nan", "message": "grad norm is nan", "traceback": None,
+                                    "fatal": False}))
+    assert r.alerts(T0 + 21)["nan"].evidence == "error nan: grad norm is nan"
+
+
+def test_slow_kernel_fallback_at_start_lists_the_kernels() -> None:
+    r = Run()
+    r.feed(run_start(T0, kernels={"chunk_gated_delta_rule": "torch-fallback", "causal_conv1d_fn": "torch-fallback",
+                                  "attention": "flex-compiled"}))
+    a = r.alerts(T0 + 1)["slow_kernel"]
+    assert a.severity == "warning"
+    assert a.evidence == "causal_conv1d_fn: torch-fallback; chunk_gated_delta_rule: torch-fallback"
+    r2 = Run()
+    r2.feed(run_start(T0), ev("error", T0 + 1, **{"class": "slow_kernel", "message": "48 layers on torch fallback",
+                                                   "traceback": None, "fatal": False}))
+    assert r2.alerts(T0 + 2)["slow_kernel"].evidence == "48 layers on torch fallback"
+    r3 = Run()
+    r3.feed(run_start(T0))
+    assert "slow_kernel" not in r3.alerts(T0 + 1)
+
+
+def test_recompiles_during_warmup_are_fine_later_ones_alert() -> None:
+    r = Run()
+    r.feed(run_start(T0), ev("phase", T0, phase="training"))
+    for n, rc in [(1, 1), (2, 2), (3, 3), (4, 3), (5, 3), (6, 3)]:
+        r.feed(step(n, T0 + n, recompiles=rc))
+    assert "recompile" not in r.alerts(T0 + 7)
+    r.feed(step(7, T0 + 7, recompiles=5))
+    assert r.alerts(T0 + 8)["recompile"].evidence == "recompiles 3 at step 4 -> 5 at step 7"
+
+
+def test_uncompiled_flex_error_is_a_recompile_alert() -> None:
+    r = training_run(2)
+    r.feed(ev("error", T0 + 5, **{"class": "uncompiled_flex", "message": "flex_attention called without "
+                                  "torch.compile()", "traceback": None, "fatal": False}))
+    assert r.alerts(T0 + 6)["recompile"].evidence == "uncompiled_flex: flex_attention called without torch.compile()"
+
+
+def test_gpu_idle_while_training_only_after_the_threshold_and_only_gpus_of_the_run() -> None:
+    r = training_run(3)
+    # GPU 0 (the run's) idles; GPU 1 has no process of anyone and is ignored.
+    t = T0 + 10
+    for k in range(0, int(GPU_IDLE_AFTER_S) + 6, 2):
+        msg = gpu(t + k, [1.0, 0.0])
+        msg["gpus"][1]["procs"] = []
+        r.feed(msg)
+        if k <= GPU_IDLE_AFTER_S:
+            assert "gpu_idle" not in r.alerts(t + k), k
+    a = r.alerts(t + 40)["gpu_idle"]
+    assert a.evidence == "GPU 0 util <= 1% for 34 s while the run reports training"
+    busy = gpu(t + 40, [90.0, 0.0])
+    busy["gpus"][1]["procs"] = []
+    r.feed(busy)
+    assert "gpu_idle" not in r.alerts(t + 41)
+
+
+def test_gpu_idle_during_loading_is_not_an_alert() -> None:
+    r = Run()
+    r.feed(run_start(T0), ev("phase", T0 + 1, phase="loading_target", i=1, n=8))
+    for k in range(0, 60, 5):
+        r.feed(gpu(T0 + 1 + k, [0.0]), ev("heartbeat", T0 + 1 + k, phase="loading_target", step=0, rss_mb=1.0,
+                                          gpu_mem_mb=None))
+    assert "gpu_idle" not in r.alerts(T0 + 61)
+
+
+def test_queue_starvation_and_backlog() -> None:
+    starving = training_run(6, dt=2.0, wait=1.5)
+    a = starving.alerts(T0 + 10)["queue_starved"]
+    assert a.evidence == "median queue wait 1.50 s of 2.00 s step (75%), steps 2-6"
+    backlog = Run()
+    backlog.feed(run_start(T0, config={"data": {"reservoir_size": 8}}), ev("phase", T0, phase="training"))
+    for n in range(1, 7):
+        backlog.feed(step(n, T0 + n, depth=8))
+    alerts = backlog.alerts(T0 + 7)
+    assert alerts["queue_backlog"].evidence.startswith("queue depth 8/8 for steps 2-6")
+    assert "queue_starved" not in alerts
+    healthy = training_run(6, dt=2.0, wait=0.1, depth=3)
+    assert not {"queue_starved", "queue_backlog"} & set(healthy.alerts(T0 + 10))
+
+
+def test_link_lost_and_reconnecting_then_up_again() -> None:
+    r = training_run(2)
+    r.feed({"t": "link", "state": "lost", "detail": "SSHException: Socket is closed (retry in 2 s)",
+            "local_ts": T0})
+    a = r.alerts(T0 + 4)["link"]
+    assert (a.title, a.evidence) == ("SSH link lost", "SSHException: Socket is closed (retry in 2 s)")
+    r.feed({"t": "link", "state": "reconnecting", "detail": "attempt 1", "local_ts": T0 + 2})
+    assert r.alerts(T0 + 4)["link"].title == "SSH link lost, reconnecting"
+    r.feed({"t": "link", "state": "up", "detail": "", "local_ts": T0 + 3})
+    assert "link" not in r.alerts(T0 + 4)
+
+
+def test_since_is_kept_while_active_and_reset_after_clearing() -> None:
+    r = Run(stall_after_s=10)
+    r.feed(run_start(T0))
+    assert r.tracker.evaluate(r.state.view(T0 + 20), 100.0)[0].since == 100.0
+    assert r.tracker.evaluate(r.state.view(T0 + 30), 200.0)[0].since == 100.0
+    r.feed(ev("heartbeat", T0 + 31, phase="loading_target", step=0, rss_mb=1.0, gpu_mem_mb=None))
+    assert r.tracker.evaluate(r.state.view(T0 + 32), 300.0) == []
+    assert r.tracker.evaluate(r.state.view(T0 + 60), 400.0)[0].since == 400.0
+
+
+def test_exception_line() -> None:
+    assert exception_line("Traceback (most recent call last):\n  File 'a'\nValueError: bad\n\n") == "ValueError: bad"
+    assert exception_line(None) is None
+    assert exception_line("   \n") is None
