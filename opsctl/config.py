@@ -1,0 +1,597 @@
+"""The opsctl inventory: hosts.yaml -> validated pydantic models (hosts, how to reach them, and their runs).
+
+Errors name the file, the line and the field path, so a typo in hosts.yaml is fixed in seconds, not debugged.
+"""
+
+from __future__ import annotations
+
+import difflib
+import getpass
+import os
+import posixpath
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PYTHON_PLACEHOLDER = "{python}"
+DEFAULT_HOSTS_FILE = "hosts.yaml"
+ENV_HOSTS_FILE = "OPSCTL_HOSTS"
+VMID_MIN, VMID_MAX = 100, 999_999_999  # Proxmox's pve-vmid range
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Top-level directories whose removal (or the removal of whose direct contents) would wreck a machine.
+_SYSTEM_DIRS = {
+    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
+    "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/workspace", "/dev/shm",
+    "/var/tmp", "/var/lib", "/usr/local", "/usr/lib",
+}  # fmt: skip
+
+# The inventory used when no hosts.yaml exists: the training core's tiny CPU run on this machine.
+# tests/test_config.py checks that the shipped hosts.yaml defines the same `local`/`tiny`.
+DEFAULT_HOSTS_YAML = """\
+hosts:
+  local:
+    local: true
+    runs:
+      tiny:
+        workdir: .
+        command: ["{python}", -m, dflash, train, --config, configs/tiny.yaml, --out, runs/tiny]
+        log: runs/tiny/train.log
+        events: runs/tiny/events.jsonl
+        tmux_session: dflash-tiny
+        ready_timeout: 600
+"""
+
+
+class InventoryError(Exception):
+    """A hosts.yaml problem; str() is one `FILE:LINE: field.path: message` line per problem."""
+
+    def __init__(self, problems: list[tuple[str, int | None, str, str]]) -> None:
+        self.problems = problems  # (file, line or None, dotted field path, message)
+        super().__init__("\n".join(_format_problem(*p) for p in problems))
+
+
+def _format_problem(file: str, line: int | None, path: str, msg: str) -> str:
+    where = f"{file}:{line}" if line is not None else file
+    return f"{where}: {path}: {msg}" if path else f"{where}: {msg}"
+
+
+def dangerous_path_reason(path: str) -> str | None:
+    """Why deleting inside `path` could destroy something that is not ours (None when it is acceptable).
+
+    Shared by config validation and `clean`, so the rule that protects `/`, `~` and system trees lives in one place.
+    """
+    if not isinstance(path, str) or not path.strip():
+        return "empty path"
+    if path.startswith("~"):
+        return f"{path!r} starts with '~' (home directories are never cleaned; write an absolute path)"
+    if not path.startswith("/"):
+        return f"{path!r} is not absolute"
+    if "\x00" in path or "\n" in path:
+        return f"{path!r} contains a NUL or newline"
+    parts = path.split("/")
+    if ".." in parts or "." in parts[1:]:
+        return f"{path!r} contains '.' or '..' components"
+    norm = posixpath.normpath(path)
+    if norm in ("/", "//"):
+        return "'/' is never cleaned"
+    if norm in _SYSTEM_DIRS:
+        return f"{norm!r} is a system directory; use a dedicated subdirectory (e.g. {norm}/torchinductor_<user>)"
+    if norm.count("/") < 2 and norm not in ("/scratch",):
+        return f"{norm!r} is a top-level directory; use a dedicated subdirectory"
+    return None
+
+
+def path_is_within(path: str, root: str) -> bool:
+    """True when `path` is `root` or lies under it (purely lexical: both are absolute and normalized)."""
+    p, r = posixpath.normpath(path), posixpath.normpath(root)
+    return p == r or p.startswith(r.rstrip("/") + "/")
+
+
+def _scalar_to_str(v: Any) -> Any:
+    # YAML turns `OMP_NUM_THREADS: 4` into an int; an env value is text, so accept numbers as their text.
+    if isinstance(v, bool):
+        raise ValueError("booleans are ambiguous as environment values; quote them ('1', 'true')")
+    if isinstance(v, int | float):
+        return str(v)
+    return v
+
+
+EnvValue = Annotated[str, BeforeValidator(_scalar_to_str)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class SSHSettings(_Strict):
+    """How to reach a host over SSH. Unset values fall back to ~/.ssh/config (when use_ssh_config), then ssh defaults."""
+
+    host: str
+    user: str | None = None
+    port: int = Field(22, ge=1, le=65535)
+    identity_file: str | None = None
+    jump: str | None = None  # another host's name in this inventory, or [user@]host[:port]
+    connect_timeout: float = Field(10.0, gt=0)
+    keepalive_s: int = Field(15, gt=0)
+    use_ssh_config: bool = True
+    known_hosts: str | None = None  # default: ~/.ssh/known_hosts
+
+    @field_validator("host", "user", "jump")
+    @classmethod
+    def _no_option_like(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v or v != v.strip() or any(c.isspace() for c in v):
+            raise ValueError(f"{v!r} must be non-empty and contain no whitespace")
+        if v.startswith("-"):
+            raise ValueError(f"{v!r} must not start with '-'")
+        return v
+
+
+class HostConfig(_Strict):
+    """One machine (or Proxmox container on a machine) that runs training jobs."""
+
+    name: str
+    local: bool = False
+    ssh: SSHSettings | None = None
+    pct: int | None = None  # Proxmox container VMID: commands run as `pct exec VMID -- argv...` on that host
+    python: str = "python3"  # interpreter used for the remote agent and for `{python}` in commands
+    gpus: list[int] | None = None
+
+    @field_validator("pct")
+    @classmethod
+    def _vmid(cls, v: int | None) -> int | None:
+        if v is not None and not (VMID_MIN <= v <= VMID_MAX):
+            raise ValueError(f"a Proxmox VMID is an integer in {VMID_MIN}..{VMID_MAX}, got {v}")
+        return v
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None:
+            if any(g < 0 for g in v):
+                raise ValueError("GPU indices are >= 0")
+            if len(set(v)) != len(v):
+                raise ValueError("GPU indices must be unique")
+        return v
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, v: str) -> str:
+        if not v or any(c.isspace() for c in v):
+            raise ValueError("python must be one executable name or path, without whitespace")
+        return v
+
+    @model_validator(mode="after")
+    def _reachability(self) -> HostConfig:
+        if self.local and self.ssh is not None:
+            raise ValueError("a host is either `local: true` or has `ssh:` settings, not both")
+        if not self.local and self.ssh is None:
+            raise ValueError("set `local: true` or give `ssh:` settings (at least `host:`)")
+        return self
+
+    @property
+    def kind(self) -> str:
+        """`local`, `ssh`, `local+pct` or `ssh+pct`: which transport layers a command crosses."""
+        base = "local" if self.local else "ssh"
+        return f"{base}+pct" if self.pct is not None else base
+
+
+class RunConfig(_Strict):
+    """One training job on one host. After loading, every path here is absolute (see hosts.yaml for the rules)."""
+
+    name: str
+    workdir: str
+    # argv list (no shell anywhere: each element arrives as one argument), or a string run as `bash -c STRING`
+    # (then the string is bash code, by intent). An argv element exactly "{python}" becomes the host's interpreter.
+    command: list[str] | str
+    env: dict[str, EnvValue] = {}
+    log: str
+    events: str | None = None
+    inductor_cache_dir: str | None = None
+    tmux_session: str | None = None
+    state_dir: str | None = None
+    model_dir: str | None = None
+    model_manifest: str | None = None
+    preflight: list[str] | None = None
+    ready_pattern: str | None = None
+    ready_timeout: float = Field(600.0, gt=0)
+    stall_after: float | None = Field(None, gt=0)
+    kill_grace: list[float] = [10.0, 10.0]
+    clean_roots: list[str] | None = None
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, str):
+            if not v.strip():
+                raise ValueError("command script is empty")
+        elif not v or not v[0]:
+            raise ValueError("command argv is empty")
+        return v
+
+    @field_validator("preflight")
+    @classmethod
+    def _preflight(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or not v[0]):
+            raise ValueError("preflight argv is empty")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not ENV_NAME_RE.match(k):
+                raise ValueError(f"environment variable name {k!r} must match [A-Za-z_][A-Za-z0-9_]*")
+            if "\x00" in val:
+                raise ValueError(f"environment value of {k} contains a NUL byte")
+        return v
+
+    @field_validator("ready_pattern")
+    @classmethod
+    def _pattern(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"not a valid regular expression: {e}") from None
+        return v
+
+    @field_validator("kill_grace")
+    @classmethod
+    def _grace(cls, v: list[float]) -> list[float]:
+        if len(v) != 2 or any(x < 0 for x in v):
+            raise ValueError("kill_grace is [seconds after SIGINT, seconds after SIGTERM], both >= 0")
+        return v
+
+    @field_validator("tmux_session")
+    @classmethod
+    def _session(cls, v: str | None) -> str | None:
+        # tmux treats ':' and '.' in a target as window/pane separators; keep names unambiguous.
+        if v is not None and (not v or any(c in v for c in ":.") or v.startswith("-") or "\n" in v):
+            raise ValueError(f"tmux session name {v!r} must be non-empty, not start with '-', and contain no ':', '.', newline")
+        return v
+
+    @property
+    def argv(self) -> list[str]:
+        """The command as an argv list: a script string becomes ["bash", "-c", script]."""
+        if isinstance(self.command, str):
+            return ["bash", "-c", self.command]
+        return list(self.command)
+
+
+class _RunFile(RunConfig):
+    name: str = ""  # taken from the mapping key
+
+
+class _HostFile(HostConfig):
+    name: str = ""
+    runs: dict[str, _RunFile] = {}
+
+
+class _InventoryFile(_Strict):
+    hosts: dict[str, _HostFile]
+
+
+class Inventory(BaseModel):
+    """All hosts and their runs; `runs[host][run]`. Built only by load_inventory, which resolves every default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None  # the file it came from (None: the embedded default)
+    hosts: dict[str, HostConfig]
+    runs: dict[str, dict[str, RunConfig]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# YAML with line numbers
+
+
+def _line_map(text: str, file: str) -> dict[tuple[str, ...], int]:
+    """Map every mapping key path (and sequence index path) to its 1-based line; reject duplicate keys."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise InventoryError([(file, line, "", f"not valid YAML: {getattr(e, 'problem', None) or e}")]) from None
+    lines: dict[tuple[str, ...], int] = {}
+    dups: list[tuple[str, int | None, str, str]] = []
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[str] = set()
+            for k, v in node.value:
+                key = str(k.value)
+                if key in seen:
+                    dups.append((file, k.start_mark.line + 1, ".".join((*path, key)), "duplicate key"))
+                seen.add(key)
+                lines[(*path, key)] = k.start_mark.line + 1
+                walk(v, (*path, key))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                lines[(*path, str(i))] = item.start_mark.line + 1
+                walk(item, (*path, str(i)))
+
+    if root is not None:
+        lines[()] = root.start_mark.line + 1
+        walk(root, ())
+    if dups:
+        raise InventoryError(dups)
+    return lines
+
+
+def _line_for(lines: dict[tuple[str, ...], int], loc: tuple[str, ...]) -> int | None:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in lines:
+            return lines[loc[:n]]
+    return None
+
+
+def _problems_from(err: ValidationError, lines: dict[tuple[str, ...], int], file: str) -> list[tuple[str, int | None, str, str]]:
+    out = []
+    for e in err.errors():
+        # pydantic adds the union member name ("list[str]", "str") to the location; hide it from people.
+        loc = tuple(str(p) for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float"))))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key '{loc[-1]}'" + _suggest_key(loc, lines)
+        elif e["type"] == "missing":
+            msg = f"missing required field '{loc[-1]}'"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        prob = (file, _line_for(lines, loc), ".".join(loc), msg)
+        if out and out[-1][2] == prob[2] and e["type"] in ("list_type", "string_type"):
+            # one union field (command: argv list | script string) failing both ways: say it once.
+            out[-1] = (file, prob[1], prob[2], "expected an argv list of strings or a script string")
+            continue
+        out.append(prob)
+    return out
+
+
+_ALL_KEYS = set(SSHSettings.model_fields) | set(_HostFile.model_fields) | set(RunConfig.model_fields) | {"hosts"}
+
+
+def _suggest_key(loc: tuple[str, ...], lines: dict[tuple[str, ...], int]) -> str:
+    close = difflib.get_close_matches(loc[-1], sorted(_ALL_KEYS - {"name"}), n=1, cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# defaults and path resolution
+
+
+def _default_user(host: HostConfig) -> str:
+    """The user a command runs as on `host` (for TORCHINDUCTOR_CACHE_DIR's /tmp/torchinductor_<user> default)."""
+    if host.pct is not None:
+        return "root"  # `pct exec` (lxc-attach) runs commands as root inside the container
+    if host.local or host.ssh is None:
+        return getpass.getuser()
+    if host.ssh.user:
+        return host.ssh.user
+    if host.ssh.use_ssh_config:
+        try:
+            import paramiko
+
+            cfg_path = Path("~/.ssh/config").expanduser()
+            if cfg_path.is_file():
+                user = paramiko.SSHConfig.from_path(str(cfg_path)).lookup(host.ssh.host).get("user")
+                if user:
+                    return str(user)
+        except Exception:  # an unreadable ssh config must not break loading hosts.yaml
+            pass
+    return getpass.getuser()  # what ssh itself would use
+
+
+def _resolve_local_path(p: str, base: Path) -> str:
+    q = Path(p).expanduser()
+    return str(q if q.is_absolute() else (base / q).resolve())
+
+
+def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc: tuple[str, ...],
+                lines: dict[tuple[str, ...], int]) -> RunConfig:
+    """Resolve relative paths and computed defaults, so every consumer sees the same absolute values."""
+    problems: list[tuple[str, int | None, str, str]] = []
+
+    def bad(field: str, msg: str) -> None:
+        problems.append((file, _line_for(lines, (*loc, field)), ".".join((*loc, field)), msg))
+
+    data = run.model_dump()
+    if host.local and host.pct is None:
+        workdir = _resolve_local_path(run.workdir, base_dir)
+    else:
+        workdir = run.workdir
+        if not posixpath.isabs(workdir):
+            bad("workdir", f"{workdir!r}: a remote (ssh or pct) workdir must be an absolute path")
+            workdir = posixpath.join("/", workdir)
+        workdir = posixpath.normpath(workdir)
+    data["workdir"] = workdir
+
+    def under_workdir(p: str | None) -> str | None:
+        if p is None:
+            return None
+        if host.local and host.pct is None:
+            return _resolve_local_path(p, Path(workdir))
+        return posixpath.normpath(posixpath.join(workdir, p))
+
+    for key in ("log", "events", "state_dir", "model_dir", "inductor_cache_dir"):
+        data[key] = under_workdir(data[key])
+    if data["model_manifest"] is not None:
+        base = data["model_dir"] or workdir
+        data["model_manifest"] = (
+            _resolve_local_path(data["model_manifest"], Path(base)) if host.local and host.pct is None
+            else posixpath.normpath(posixpath.join(base, data["model_manifest"]))
+        )
+    if data["tmux_session"] is None:
+        data["tmux_session"] = f"dflash-{run.name}"
+    if data["state_dir"] is None:
+        data["state_dir"] = posixpath.join(workdir, ".opsctl", run.name)
+    if data["inductor_cache_dir"] is None:
+        # torch's rule: $TORCHINDUCTOR_CACHE_DIR if set for the run, else <tempdir>/torchinductor_<user>.
+        env_dir = run.env.get("TORCHINDUCTOR_CACHE_DIR")
+        data["inductor_cache_dir"] = under_workdir(env_dir) if env_dir else f"/tmp/torchinductor_{_default_user(host)}"
+    if data["clean_roots"] is None:
+        data["clean_roots"] = [data["inductor_cache_dir"]]
+    for i, root in enumerate(data["clean_roots"]):
+        why = dangerous_path_reason(root)
+        if why:
+            problems.append((file, _line_for(lines, (*loc, "clean_roots", str(i))), ".".join((*loc, "clean_roots", str(i))),
+                             f"refusing clean root: {why}"))
+    cache = data["inductor_cache_dir"]
+    why = dangerous_path_reason(cache)
+    if why:
+        bad("inductor_cache_dir", f"refusing inductor cache dir (it is emptied by launch/clean): {why}")
+    elif not any(path_is_within(cache, r) for r in data["clean_roots"]):
+        bad("inductor_cache_dir", f"{cache!r} is not inside any of clean_roots {data['clean_roots']}")
+    if isinstance(run.command, list):
+        python = sys.executable if host.local and host.pct is None else host.python
+        data["command"] = [python if a == PYTHON_PLACEHOLDER else a for a in run.command]
+    if problems:
+        raise InventoryError(problems)
+    data.pop("runs", None)
+    return RunConfig.model_validate(data)
+
+
+def _finish_host(h: _HostFile, file: str, base_dir: Path) -> HostConfig:
+    data = h.model_dump(exclude={"runs"})
+    if h.ssh is not None:
+        for key in ("identity_file", "known_hosts"):
+            if data["ssh"][key] is not None:
+                data["ssh"][key] = _resolve_local_path(data["ssh"][key], base_dir)
+    return HostConfig.model_validate(data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# public entry points
+
+
+def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | Path | None = None) -> Inventory:
+    """Validate hosts.yaml text; `file` is the name used in messages, `base_dir` anchors relative paths."""
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    lines = _line_map(text, file)
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:  # pragma: no cover - compose already parsed it
+        raise InventoryError([(file, None, "", f"not valid YAML: {e}")]) from None
+    if not isinstance(raw, dict):
+        raise InventoryError([(file, 1, "", "the top level must be a mapping with a `hosts:` key")])
+    hosts_raw = raw.get("hosts")
+    problems: list[tuple[str, int | None, str, str]] = []
+    if isinstance(hosts_raw, dict):
+        for hname, hval in hosts_raw.items():
+            if not isinstance(hname, str) or not NAME_RE.match(hname):
+                problems.append((file, _line_for(lines, ("hosts", str(hname))), f"hosts.{hname}",
+                                 "host names use letters, digits, '_', '.', '-' and start with a letter or digit"))
+            if isinstance(hval, dict):
+                for key in ("name",):
+                    if key in hval:
+                        problems.append((file, _line_for(lines, ("hosts", str(hname), key)), f"hosts.{hname}.{key}",
+                                         "the name is the mapping key; remove this field"))
+                hval["name"] = str(hname)
+                runs = hval.get("runs")
+                if isinstance(runs, dict):
+                    for rname, rval in runs.items():
+                        if not isinstance(rname, str) or not NAME_RE.match(rname):
+                            problems.append((file, _line_for(lines, ("hosts", str(hname), "runs", str(rname))),
+                                             f"hosts.{hname}.runs.{rname}",
+                                             "run names use letters, digits, '_', '.', '-' and start with a letter or digit"))
+                        if isinstance(rval, dict):
+                            if "name" in rval:
+                                problems.append((file, _line_for(lines, ("hosts", str(hname), "runs", str(rname), "name")),
+                                                 f"hosts.{hname}.runs.{rname}.name",
+                                                 "the name is the mapping key; remove this field"))
+                            rval["name"] = str(rname)
+    if problems:
+        raise InventoryError(problems)
+    try:
+        parsed = _InventoryFile.model_validate(raw)
+    except ValidationError as e:
+        raise InventoryError(_problems_from(e, lines, file)) from None
+
+    hosts: dict[str, HostConfig] = {}
+    runs: dict[str, dict[str, RunConfig]] = {}
+    for hname, h in parsed.hosts.items():
+        host = _finish_host(h, file, base)
+        if host.ssh is not None and host.ssh.jump is not None and host.ssh.jump in parsed.hosts:
+            jh = parsed.hosts[host.ssh.jump]
+            if jh.ssh is None or jh.name == hname:
+                problems.append((file, _line_for(lines, ("hosts", hname, "ssh", "jump")), f"hosts.{hname}.ssh.jump",
+                                 f"jump host {host.ssh.jump!r} must be another host with `ssh:` settings"))
+        hosts[hname] = host
+        runs[hname] = {}
+        for rname, r in h.runs.items():
+            try:
+                runs[hname][rname] = _finish_run(r, host, base, file, ("hosts", hname, "runs", rname), lines)
+            except InventoryError as e:
+                problems.extend(e.problems)
+    if problems:
+        raise InventoryError(problems)
+    return Inventory(path=None, hosts=hosts, runs=runs)
+
+
+def default_inventory_path() -> Path | None:
+    """$OPSCTL_HOSTS if set, else ./hosts.yaml if it exists, else None (the embedded default)."""
+    env = os.environ.get(ENV_HOSTS_FILE)
+    if env:
+        return Path(env)
+    p = Path(DEFAULT_HOSTS_FILE)
+    return p if p.is_file() else None
+
+
+def load_inventory(path: str | Path | None = None) -> Inventory:
+    """Load and validate an inventory. None: $OPSCTL_HOSTS, else ./hosts.yaml, else the embedded default.
+
+    Relative paths in the file resolve against the file's directory (workdir) and then the workdir (the rest).
+    """
+    p = Path(path) if path is not None else default_inventory_path()
+    if p is None:
+        inv = parse_inventory(DEFAULT_HOSTS_YAML, file="<embedded default hosts.yaml>", base_dir=Path.cwd())
+        return inv
+    shown = str(path) if path is not None else str(p)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InventoryError([(shown, None, "", "file not found")]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InventoryError([(shown, None, "", f"cannot read: {e}")]) from None
+    inv = parse_inventory(text, file=shown, base_dir=p.resolve().parent)
+    inv.path = str(p.resolve())
+    return inv
+
+
+def check_inventory(path: str | Path | None = None) -> list[str]:
+    """Every problem in the inventory as one line each (empty list: valid). For `opsctl hosts check`."""
+    try:
+        load_inventory(path)
+    except InventoryError as e:
+        return [_format_problem(*p) for p in e.problems]
+    return []
+
+
+def _unknown(kind: str, name: str, known: list[str], where: str = "") -> InventoryError:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    listing = ", ".join(sorted(known)) if known else "none"
+    return InventoryError([("hosts.yaml" if not where else where, None, "", f"unknown {kind} '{name}'{hint}; known {kind}s: {listing}")])
+
+
+def resolve(inv: Inventory, host: str, run: str | None) -> tuple[HostConfig, RunConfig | None]:
+    """Look up HOST [RUN] as typed on the command line; a typo gets the closest known name suggested."""
+    where = inv.path or "hosts.yaml"
+    if host not in inv.hosts:
+        raise _unknown("host", host, list(inv.hosts), where)
+    h = inv.hosts[host]
+    if run is None:
+        return h, None
+    runs = inv.runs.get(host, {})
+    if run not in runs:
+        err = _unknown("run", run, list(runs), where)
+        err.problems = [(p[0], p[1], f"hosts.{host}.runs", p[3]) for p in err.problems]
+        err.args = ("\n".join(_format_problem(*p) for p in err.problems),)
+        raise err
+    return h, runs[run]

@@ -1,0 +1,563 @@
+"""Transports that run an argv on a host: local (subprocess), SSH (Fabric/paramiko), and Proxmox `pct exec` on top.
+
+Every command is an argv list; each shell layer quotes it exactly once (shell_join), so hosts.yaml values never become code.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from opsctl.config import HostConfig, Inventory, SSHSettings
+
+STDERR_KEEP = 1 << 20  # bytes of a stream's stderr kept for error messages
+
+
+class TransportError(Exception):
+    """The host could not be reached or the channel broke; the message says what to do about it."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A command or a wait did not finish within its timeout."""
+
+
+class Completed(NamedTuple):
+    """A finished command: exit code and its raw output bytes (unpacks as `rc, out, err`)."""
+
+    rc: int
+    stdout: bytes
+    stderr: bytes
+
+
+def shell_join(argv: list[str]) -> str:
+    """Quote argv for ONE POSIX shell layer; the only place opsctl quotes, called once per layer crossed."""
+    if not isinstance(argv, list) or not argv:
+        raise ValueError(f"argv must be a non-empty list of strings, got {argv!r}")
+    for a in argv:
+        if not isinstance(a, str):
+            raise ValueError(f"argv elements must be str, got {a!r} in {argv!r}")
+        if "\x00" in a:
+            raise ValueError(f"argv element {a!r} contains a NUL byte, which no exec can pass")
+    return shlex.join(argv)
+
+
+def _check_argv(argv: list[str]) -> None:
+    shell_join(argv)
+
+
+class Stream:
+    """A long-running remote process: read `stdout` lines, `write` to its stdin, `close` to send EOF.
+
+    Lines are bytes and keep their trailing b"\\n" (the last one may lack it); iteration blocks on the
+    channel, it never sleeps. Closing stdin is how the remote side learns that the client went away.
+    """
+
+    stdout: Iterator[bytes]
+
+    def __init__(self) -> None:
+        self._stderr = bytearray()
+        self._stderr_lock = threading.Lock()
+
+    def _keep_stderr(self, data: bytes) -> None:
+        with self._stderr_lock:
+            self._stderr += data
+            if len(self._stderr) > STDERR_KEEP:
+                del self._stderr[: len(self._stderr) - STDERR_KEEP]
+
+    @property
+    def stderr(self) -> bytes:
+        """What the process wrote to stderr so far (the last STDERR_KEEP bytes)."""
+        with self._stderr_lock:
+            return bytes(self._stderr)
+
+    def write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> int:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Runs argv lists on one host. Implementations: LocalTransport, SSHTransport, PctTransport."""
+
+    def argv_for(self, argv: list[str]) -> list[str] | str: ...
+
+    def run(self, argv: list[str], input: bytes | None = None, timeout: float | None = None) -> Completed: ...
+
+    def stream(self, argv: list[str], stdin_data: bytes = b"") -> Stream: ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# local
+
+
+class _LocalStream(Stream):
+    def __init__(self, proc: subprocess.Popen[bytes], what: str) -> None:
+        super().__init__()
+        self._proc = proc
+        self._what = what
+        assert proc.stdout is not None and proc.stderr is not None and proc.stdin is not None
+        self.stdout = iter(proc.stdout.readline, b"")
+        self._stderr_thread = threading.Thread(target=self._drain, args=(proc.stderr,), daemon=True)
+        self._stderr_thread.start()
+
+    def _drain(self, f: object) -> None:
+        for chunk in iter(lambda: f.read1(65536), b""):  # type: ignore[attr-defined]
+            self._keep_stderr(chunk)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def write(self, data: bytes) -> None:
+        assert self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(data)
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError) as e:
+            raise TransportError(f"{self._what}: the process no longer reads its stdin ({e})") from None
+
+    def close(self) -> None:
+        assert self._proc.stdin is not None
+        try:
+            self._proc.stdin.close()
+        except BrokenPipeError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            rc = self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TransportTimeout(f"{self._what}: still running after {timeout}s") from None
+        self._stderr_thread.join(5)
+        return rc
+
+    def kill(self) -> None:
+        # The stream runs in its own session (start_new_session), so its process group is exactly its tree.
+        if self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.close()
+        self._proc.wait()
+
+
+class LocalTransport:
+    """Runs argv directly with subprocess (no shell at all). `env` adds to (or overrides) os.environ."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self._env = dict(env) if env else None
+
+    def _environ(self) -> dict[str, str] | None:
+        return {**os.environ, **self._env} if self._env else None
+
+    def argv_for(self, argv: list[str]) -> list[str]:
+        _check_argv(argv)
+        return list(argv)
+
+    def run(self, argv: list[str], input: bytes | None = None, timeout: float | None = None) -> Completed:
+        cmd = self.argv_for(argv)
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self._environ(),
+                                    start_new_session=True)
+        except FileNotFoundError:
+            # What a shell (and therefore ssh) reports, so callers see one behaviour on every transport.
+            return Completed(127, b"", f"{cmd[0]}: command not found\n".encode())
+        except PermissionError as e:
+            return Completed(126, b"", f"{cmd[0]}: {e.strerror}\n".encode())
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.communicate()
+            raise TransportTimeout(f"timed out after {timeout}s (killed): {shell_join(cmd)}") from None
+        return Completed(proc.returncode, out, err)
+
+    def stream(self, argv: list[str], stdin_data: bytes = b"") -> Stream:
+        cmd = self.argv_for(argv)
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=self._environ(), start_new_session=True)
+        except OSError as e:
+            raise TransportError(f"cannot start {cmd[0]!r}: {e.strerror or e}") from None
+        s = _LocalStream(proc, shell_join(cmd)[:200])
+        if stdin_data:
+            s.write(stdin_data)
+        return s
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "LocalTransport()"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ssh
+
+
+def _parse_jump(spec: str) -> tuple[str | None, str, int | None]:
+    user, _, rest = spec.rpartition("@")
+    host, port = rest, None
+    if rest.count(":") == 1:
+        host, p = rest.split(":")
+        if not p.isdigit():
+            raise TransportError(f"jump host {spec!r}: port {p!r} is not a number")
+        port = int(p)
+    return (user or None), host, port
+
+
+class _SSHStream(Stream):
+    def __init__(self, chan: object, what: str, transport: object) -> None:
+        super().__init__()
+        self._chan = chan
+        self._what = what
+        self._transport = transport
+        self._out = chan.makefile("rb")  # type: ignore[attr-defined]
+        self.stdout = self._lines()
+        self._stderr_thread = threading.Thread(target=self._drain, daemon=True)
+        self._stderr_thread.start()
+
+    def _lines(self) -> Iterator[bytes]:
+        while True:
+            try:
+                line = self._out.readline()
+            except (OSError, EOFError):
+                return
+            if not line:
+                return
+            yield line
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                chunk = self._chan.recv_stderr(65536)  # type: ignore[attr-defined]
+            except (OSError, EOFError):
+                return
+            if not chunk:
+                return
+            self._keep_stderr(chunk)
+
+    def write(self, data: bytes) -> None:
+        try:
+            self._chan.sendall(data)  # type: ignore[attr-defined]
+        except (OSError, EOFError) as e:
+            raise TransportError(f"{self._what}: channel closed ({e or 'connection lost'})") from None
+
+    def close(self) -> None:
+        try:
+            self._chan.shutdown_write()  # type: ignore[attr-defined]
+        except (OSError, EOFError):
+            pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._chan.status_event.wait(timeout):  # type: ignore[attr-defined]
+            raise TransportTimeout(f"{self._what}: still running after {timeout}s")
+        rc = int(self._chan.exit_status)  # type: ignore[attr-defined]
+        if rc == -1 and not self._transport.is_active():  # type: ignore[attr-defined]
+            raise TransportError(f"{self._what}: SSH connection lost before the command finished")
+        self._stderr_thread.join(5)
+        return rc
+
+    def kill(self) -> None:
+        # SSH cannot signal a remote process portably; closing the channel closes its pipes (EOF/EPIPE/SIGHUP).
+        try:
+            self._chan.close()  # type: ignore[attr-defined]
+        except (OSError, EOFError):
+            pass
+
+
+class SSHTransport:
+    """Runs argv over one SSH connection (Fabric `Connection`), opened on first use and re-opened after a drop.
+
+    Fabric resolves ~/.ssh/config (User, Port, IdentityFile, ProxyJump); commands run on raw paramiko channels
+    because Fabric's runner decodes output to text and we need bytes-exact lines. Host keys are verified against
+    known_hosts with RejectPolicy unless `accept_new_host_key`, which adds and saves an unknown key (a *changed*
+    key is always refused).
+    """
+
+    def __init__(self, settings: SSHSettings, accept_new_host_key: bool = False,
+                 jump: SSHSettings | None = None) -> None:
+        self.settings = settings
+        self.accept_new_host_key = accept_new_host_key
+        self._jump_settings = jump
+        self._conn: object | None = None
+        self._lock = threading.Lock()
+
+    # -- connection ----------------------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        s = self.settings
+        return f"{s.user + '@' if s.user else ''}{s.host}:{s.port}"
+
+    def _known_hosts(self) -> Path:
+        return Path(self.settings.known_hosts or "~/.ssh/known_hosts").expanduser()
+
+    def _client(self) -> object:
+        import paramiko
+
+        client = paramiko.SSHClient()
+        kh = self._known_hosts()
+        if self.accept_new_host_key and not kh.exists():
+            kh.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            kh.touch(mode=0o600)
+        if kh.exists():
+            client.load_host_keys(str(kh))  # also where AutoAddPolicy saves a newly accepted key
+        if self.settings.known_hosts is None and Path("/etc/ssh/ssh_known_hosts").is_file():
+            client.load_system_host_keys("/etc/ssh/ssh_known_hosts")
+        client.set_missing_host_key_policy(paramiko.AutoAddPolicy() if self.accept_new_host_key
+                                           else paramiko.RejectPolicy())
+        return client
+
+    def _connection(self, s: SSHSettings, gateway: object | None) -> object:
+        import paramiko
+        from fabric import Config, Connection
+
+        config = Config() if s.use_ssh_config else Config(ssh_config=paramiko.SSHConfig())
+        kwargs: dict[str, object] = {"banner_timeout": s.connect_timeout, "auth_timeout": s.connect_timeout,
+                                     "channel_timeout": s.connect_timeout}
+        if s.identity_file:
+            # An explicit key means exactly that key: no agent, no ~/.ssh/id_* guessing (like IdentitiesOnly).
+            kwargs.update(key_filename=s.identity_file, look_for_keys=False, allow_agent=False)
+        conn = Connection(s.host, user=s.user, port=s.port, config=config, gateway=gateway,
+                          connect_timeout=s.connect_timeout, connect_kwargs=kwargs)
+        # Fabric's default client auto-adds unknown host keys; every hop (incl. ProxyJump gateways) gets ours.
+        c: object | None = conn
+        while c is not None and not isinstance(c, str):
+            c.client = self._client()  # type: ignore[attr-defined]
+            c = getattr(c, "gateway", None)
+        return conn
+
+    def _open(self) -> object:
+        import paramiko
+
+        gateway = None
+        if self._jump_settings is not None:
+            gateway = self._connection(self._jump_settings, None)
+        elif self.settings.jump:
+            user, host, port = _parse_jump(self.settings.jump)
+            js = SSHSettings(host=host, user=user, port=port or 22, connect_timeout=self.settings.connect_timeout,
+                             keepalive_s=self.settings.keepalive_s, known_hosts=self.settings.known_hosts,
+                             identity_file=self.settings.identity_file, use_ssh_config=self.settings.use_ssh_config)
+            gateway = self._connection(js, None)
+        conn = self._connection(self.settings, gateway)
+        kh = self._known_hosts()
+        try:
+            conn.open()  # type: ignore[attr-defined]
+        except paramiko.BadHostKeyException as e:
+            raise TransportError(
+                f"{self.label}: HOST KEY MISMATCH: the server presented {e.key.get_name()} "
+                f"{e.key.fingerprint} but {kh} has a different key for it. This may be an attack or a "
+                f"reinstalled host; if you know it was reinstalled, remove the old entry with "
+                f"`ssh-keygen -R '[{self.settings.host}]:{self.settings.port}' -f {kh}` and connect again.") from None
+        except paramiko.AuthenticationException as e:
+            key = self.settings.identity_file or "your ssh agent / default keys"
+            raise TransportError(f"{self.label}: authentication failed ({e}); tried {key}. Check `user:` and "
+                                 f"`identity_file:` in hosts.yaml and the server's authorized_keys.") from None
+        except paramiko.SSHException as e:
+            if "not found in known_hosts" in str(e):
+                raise TransportError(
+                    f"{self.label}: host key not in known_hosts ({kh}); verify the host, then re-run with "
+                    f"--accept-new-host-key to trust and save it.") from None
+            raise TransportError(f"{self.label}: SSH error: {e}") from None
+        except TimeoutError:
+            raise TransportTimeout(f"{self.label}: no answer within connect_timeout={self.settings.connect_timeout}s "
+                                   f"(host down, firewalled, or wrong port?)") from None
+        except socket.gaierror as e:
+            raise TransportError(f"{self.label}: cannot resolve host name {self.settings.host!r} ({e.strerror})") from None
+        except (paramiko.ssh_exception.NoValidConnectionsError, OSError) as e:
+            raise TransportError(f"{self.label}: unreachable ({e}); is sshd running and the port right?") from None
+        conn.transport.set_keepalive(self.settings.keepalive_s)  # type: ignore[attr-defined]
+        return conn
+
+    def connect(self) -> None:
+        """Open the connection now (otherwise the first command opens it); re-opens a dropped one."""
+        self._transport()
+
+    @property
+    def is_connected(self) -> bool:
+        c = self._conn
+        return c is not None and bool(c.is_connected)  # type: ignore[attr-defined]
+
+    def _transport(self) -> object:
+        with self._lock:
+            if self._conn is None or not self._conn.is_connected:  # type: ignore[attr-defined]
+                if self._conn is not None:
+                    try:
+                        self._conn.close()  # type: ignore[attr-defined]
+                    except Exception:
+                        pass
+                self._conn = None
+                self._conn = self._open()
+            return self._conn.transport  # type: ignore[attr-defined]
+
+    def _session(self, cmd: str) -> object:
+        t = self._transport()
+        try:
+            chan = t.open_session(timeout=self.settings.connect_timeout)  # type: ignore[attr-defined]
+            chan.exec_command(cmd)
+        except Exception as e:
+            raise TransportError(f"{self.label}: cannot start a command on the SSH connection ({e or type(e).__name__})") from None
+        return chan
+
+    # -- Transport API -------------------------------------------------------------------------------------
+    def argv_for(self, argv: list[str]) -> str:
+        # sshd hands the string to the remote user's login shell: exactly one POSIX-shell layer.
+        return shell_join(argv)
+
+    def run(self, argv: list[str], input: bytes | None = None, timeout: float | None = None) -> Completed:
+        cmd = self.argv_for(argv)
+        chan = self._session(cmd)
+        out, err = bytearray(), bytearray()
+
+        def reader(recv: object, buf: bytearray) -> None:
+            while True:
+                try:
+                    data = recv(65536)  # type: ignore[operator]
+                except (OSError, EOFError):
+                    return
+                if not data:
+                    return
+                buf += data
+
+        def writer() -> None:
+            try:
+                if input:
+                    chan.sendall(input)  # type: ignore[attr-defined]
+                chan.shutdown_write()  # type: ignore[attr-defined]
+            except (OSError, EOFError):
+                pass
+
+        threads = [threading.Thread(target=reader, args=(chan.recv, out), daemon=True),  # type: ignore[attr-defined]
+                   threading.Thread(target=reader, args=(chan.recv_stderr, err), daemon=True),  # type: ignore[attr-defined]
+                   threading.Thread(target=writer, daemon=True)]
+        for th in threads:
+            th.start()
+        if not chan.status_event.wait(timeout):  # type: ignore[attr-defined]
+            chan.close()  # type: ignore[attr-defined]
+            raise TransportTimeout(f"{self.label}: timed out after {timeout}s: {cmd[:200]}")
+        for th in threads[:2]:
+            th.join(timeout if timeout is not None else None)
+        rc = int(chan.exit_status)  # type: ignore[attr-defined]
+        if rc == -1 and not self._conn_active():
+            raise TransportError(f"{self.label}: SSH connection lost while running: {cmd[:200]}")
+        chan.close()  # type: ignore[attr-defined]
+        return Completed(rc, bytes(out), bytes(err))
+
+    def _conn_active(self) -> bool:
+        c = self._conn
+        return c is not None and c.transport is not None and c.transport.is_active()  # type: ignore[attr-defined]
+
+    def stream(self, argv: list[str], stdin_data: bytes = b"") -> Stream:
+        cmd = self.argv_for(argv)
+        chan = self._session(cmd)
+        s = _SSHStream(chan, f"{self.label}: {cmd[:200]}", chan.get_transport())  # type: ignore[attr-defined]
+        if stdin_data:
+            s.write(stdin_data)
+        return s
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                try:
+                    self._conn.close()  # type: ignore[attr-defined]
+                finally:
+                    self._conn = None
+
+    def __repr__(self) -> str:
+        return f"SSHTransport({self.label})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pct
+
+
+class PctTransport:
+    """Runs argv inside Proxmox container `vmid` as `pct exec VMID -- argv...`, through `inner` (local or SSH).
+
+    `pct exec` hands its extra args to `lxc-attach -- ...` as an argv (no shell on the Proxmox side); the `--`
+    is always there so an argv starting with '-' is never taken as a pct option. The inner layer quotes once.
+    """
+
+    def __init__(self, inner: Transport, vmid: int, pct: str = "pct") -> None:
+        if not isinstance(vmid, int) or isinstance(vmid, bool) or vmid < 100:
+            raise ValueError(f"vmid must be an integer >= 100, got {vmid!r}")
+        self.inner = inner
+        self.vmid = vmid
+        self.pct = pct
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """The argv the inner transport runs on the Proxmox host."""
+        _check_argv(argv)
+        return [self.pct, "exec", str(self.vmid), "--", *argv]
+
+    def argv_for(self, argv: list[str]) -> list[str] | str:
+        return self.inner.argv_for(self.wrap(argv))
+
+    def run(self, argv: list[str], input: bytes | None = None, timeout: float | None = None) -> Completed:
+        return self.inner.run(self.wrap(argv), input=input, timeout=timeout)
+
+    def stream(self, argv: list[str], stdin_data: bytes = b"") -> Stream:
+        return self.inner.stream(self.wrap(argv), stdin_data)
+
+    def status(self, timeout: float | None = 30) -> str:
+        """`running` / `stopped` / ... from `pct status VMID`; raises TransportError with pct's message."""
+        r = self.inner.run([self.pct, "status", str(self.vmid)], timeout=timeout)
+        text = r.stdout.decode(errors="replace").strip()
+        if r.rc != 0 or not text.startswith("status: "):
+            msg = (r.stderr.decode(errors="replace").strip() or text or f"exit code {r.rc}")
+            raise TransportError(f"pct status {self.vmid}: {msg}")
+        return text.split(": ", 1)[1]
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __repr__(self) -> str:
+        return f"PctTransport({self.inner!r}, {self.vmid})"
+
+
+def transport_for(host: HostConfig, accept_new_host_key: bool = False, inventory: Inventory | None = None) -> Transport:
+    """The transport stack for a host: local | ssh, plus `pct exec` when the host names a container.
+
+    `inventory` lets `ssh.jump` name another host of the inventory (its ssh settings become the gateway).
+    """
+    inner: Transport
+    if host.local:
+        inner = LocalTransport()
+    elif host.ssh is not None:
+        jump = None
+        if host.ssh.jump and inventory is not None and host.ssh.jump in inventory.hosts:
+            jump = inventory.hosts[host.ssh.jump].ssh
+        inner = SSHTransport(host.ssh, accept_new_host_key=accept_new_host_key, jump=jump)
+    else:  # pragma: no cover - HostConfig validation forbids it
+        raise TransportError(f"host {host.name!r} has neither `local: true` nor `ssh:`")
+    if host.pct is not None:
+        return PctTransport(inner, host.pct)
+    return inner
