@@ -435,9 +435,10 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
         # torch's rule: $TORCHINDUCTOR_CACHE_DIR if set for the run, else <tempdir>/torchinductor_<user>.
         env_dir = run.env.get("TORCHINDUCTOR_CACHE_DIR")
         data["inductor_cache_dir"] = under_workdir(env_dir) if env_dir else f"/tmp/torchinductor_{_default_user(host)}"
-    if data["clean_roots"] is None:
+    explicit_roots = data["clean_roots"] is not None
+    if not explicit_roots:
         data["clean_roots"] = [data["inductor_cache_dir"]]
-    for i, root in enumerate(data["clean_roots"]):
+    for i, root in enumerate(data["clean_roots"] if explicit_roots else []):
         why = dangerous_path_reason(root)
         if why:
             problems.append((file, _line_for(lines, (*loc, "clean_roots", str(i))), ".".join((*loc, "clean_roots", str(i))),
