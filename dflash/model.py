@@ -309,10 +309,15 @@ class DFlashDrafter(nn.Module):
         )
         default_device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.attention_backend: str = resolve_attention(cfg.attention, default_device)
-        # Loss weight per block position: 0 for position 0 (the anchor itself), exp(-(k-1)/gamma) for k >= 1.
-        k = torch.arange(cfg.block_size, dtype=torch.float32)
-        pos_w = torch.where(k >= 1, torch.exp(-(k - 1) / cfg.loss_gamma), torch.zeros_like(k))
-        self.register_buffer("position_weight", pos_w, persistent=False)
+
+    def position_weight(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+        """[B] loss weight per block position: 0 for position 0 (the anchor itself), exp(-(k-1)/gamma) for k >= 1.
+
+        Computed in fp64 and cast (not a buffer: `.bfloat16()` on the module must not round the weights).
+        """
+        k = torch.arange(self.cfg.block_size, dtype=torch.float64, device=device)
+        w = torch.where(k >= 1, torch.exp(-(k - 1) / self.cfg.loss_gamma), torch.zeros_like(k))
+        return w.to(dtype)
 
     # -- attention backends: both return [heads, M, hd] from q [heads, M, hd], k/v [kv_heads, N+M, hd]
     def _dense_attend(self, mask: Tensor) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
@@ -409,11 +414,12 @@ class DFlashDrafter(nn.Module):
         valid = in_range & (docs[tgt_c] == docs[anchors][:, None]) & batch.loss_mask[tgt_c] & keep[:, None]
         valid[:, 0] = False
         labels = ids[tgt_c].reshape(m)
-        weights = (self.position_weight[None, :].to(torch.float32) * valid).reshape(m)
+        wdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        weights = (self.position_weight(ids.device, wdtype)[None, :] * valid).reshape(m)
         loss_sum, correct = chunked_cross_entropy(x, lm_head, labels, weights, cfg.ce_chunk)
         weight_sum = weights.sum()
         loss = loss_sum / weight_sum.clamp(min=1e-12)
-        valid_f = valid.to(torch.float32)
+        valid_f = valid.to(wdtype)
         counts = valid_f.sum(0)[1:]
         acc = ((correct.reshape(a, b) * valid_f).sum(0)[1:] / counts.clamp(min=1)).detach()
         return DraftOutput(loss=loss, acc=acc, weight_sum=weight_sum.detach(), num_tokens=valid.sum().detach())

@@ -1,0 +1,394 @@
+"""Tests for the DFlash drafter: mask rule, anchors, loss weights, chunked CE, and dense == naive per-block reference.
+
+CPU only; the flex-vs-dense equality on a GPU lives in tests/gpu/test_gpu_checks.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dflash.model import (
+    DFlashDrafter,
+    DraftBatch,
+    DrafterConfig,
+    anchor_candidates,
+    dense_mask,
+    flex_mask_mod,
+    sample_anchors,
+)
+
+H = 32
+VOCAB = 97  # prime, so no other tensor dimension equals it by accident
+
+
+def make_batch(
+    n: int, doc_lengths: list[int], seed: int = 0, hidden_dim: int = 2 * H, unsupervised: int = 0
+) -> DraftBatch:
+    """A packed buffer: documents back to back, padding (doc -1) after them; first `unsupervised` tokens of each doc masked."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB - 1, (n,), generator=g)
+    doc = torch.full((n,), -1, dtype=torch.long)
+    pos = torch.zeros(n, dtype=torch.long)
+    lm = torch.zeros(n, dtype=torch.bool)
+    start = 0
+    for d, length in enumerate(doc_lengths):
+        doc[start : start + length] = d
+        pos[start : start + length] = torch.arange(length)
+        lm[start + unsupervised : start + length] = True
+        start += length
+    assert start <= n
+    hidden = torch.randn(n, hidden_dim, generator=g)
+    return DraftBatch(hidden=hidden, input_ids=ids, loss_mask=lm, position_ids=pos, doc_ids=doc)
+
+
+def frozen_target_parts(seed: int = 1, dtype: torch.dtype = torch.float32) -> tuple[nn.Embedding, nn.Linear]:
+    torch.manual_seed(seed)
+    emb = nn.Embedding(VOCAB, H).to(dtype).requires_grad_(False)
+    head = nn.Linear(H, VOCAB, bias=False).to(dtype).requires_grad_(False)
+    return emb, head
+
+
+def make_drafter(seed: int = 2, **kw: object) -> DFlashDrafter:
+    base: dict[str, object] = dict(
+        num_layers=2, num_heads=4, num_kv_heads=2, block_size=4, num_anchors=6, mask_token_id=VOCAB - 1
+    )
+    base.update(kw)
+    torch.manual_seed(seed)
+    return DFlashDrafter(DrafterConfig(**base), target_hidden_size=H, num_taps=2)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- mask rule
+
+
+def test_mask_rule_strict_before_anchor_same_doc_own_block() -> None:
+    # N=10: doc 0 = 0..3, doc 1 = 4..6, padding 7..9. Anchors 2 (doc 0) and 5 (doc 1), B=3.
+    doc = torch.tensor([0, 0, 0, 0, 1, 1, 1, -1, -1, -1])
+    anchors = torch.tensor([2, 5])
+    mask = dense_mask(anchors, doc, block_size=3, window=None)
+    assert mask.shape == (6, 10 + 6)
+    expected = torch.zeros(6, 16, dtype=torch.bool)
+    expected[0:3, [0, 1]] = True  # block 0 sees 0 and 1, NOT 2 (the anchor itself: strict <)
+    expected[0:3, 10:13] = True  # and its whole block, bidirectionally
+    expected[3:6, [4]] = True  # block 1 sees only position 4: doc 0 is another document
+    expected[3:6, 13:16] = True
+    assert torch.equal(mask, expected)
+
+
+def test_mask_rule_sliding_window_and_padding() -> None:
+    doc = torch.tensor([0] * 8 + [-1] * 2)
+    anchors = torch.tensor([6, 9])  # 9 is a padding position (an unused anchor slot)
+    mask = dense_mask(anchors, doc, block_size=2, window=2)
+    # window 2: anchor 6 sees 4 and 5 only
+    assert mask[0, :10].nonzero().flatten().tolist() == [4, 5]
+    assert mask[1, :10].nonzero().flatten().tolist() == [4, 5]
+    # a block anchored on padding sees no context at all (padding never matches a document), only its own block
+    assert not mask[2:, :10].any()
+    assert mask[2:, 12:].all() and not mask[2:, 10:12].any()
+    no_window = dense_mask(anchors, doc, block_size=2, window=None)
+    assert no_window[0, :10].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_flex_mask_mod_is_the_dense_mask() -> None:
+    from torch.nn.attention.flex_attention import create_mask
+
+    batch = make_batch(40, [13, 9, 11], seed=3)
+    anchors, _ = sample_anchors(batch, 5, 4, torch.Generator().manual_seed(0))
+    for window in (None, 3):
+        dense = dense_mask(anchors, batch.doc_ids, 4, window)
+        flex = create_mask(flex_mask_mod(anchors, batch.doc_ids, 4, window), 1, 1, 20, 60, device="cpu")[0, 0]
+        assert torch.equal(dense, flex)
+
+
+# ----------------------------------------------------------------------------- anchors
+
+
+def test_anchors_respect_loss_mask_docs_and_fixed_count() -> None:
+    batch = make_batch(64, [20, 15, 18], seed=4, unsupervised=5)
+    valid = anchor_candidates(batch)
+    for seed in range(5):
+        anchors, keep = sample_anchors(batch, 12, 4, torch.Generator().manual_seed(seed))
+        assert anchors.shape == (12,) and keep.shape == (12,) and keep.dtype == torch.bool
+        assert keep.all()  # 28 valid positions >= 12
+        a = anchors[keep]
+        assert len(set(a.tolist())) == len(a)
+        assert batch.loss_mask[a].all() and batch.loss_mask[a + 1].all()
+        assert torch.equal(batch.doc_ids[a], batch.doc_ids[a + 1]) and (batch.doc_ids[a] >= 0).all()
+        assert torch.equal(anchors, torch.sort(anchors).values)
+    # the candidate rule itself: last token of a doc can't anchor (next token is another doc), first 5 of each can't
+    assert valid.sum().item() == (20 - 5 - 1) + (15 - 5 - 1) + (18 - 5 - 1)
+    a1, _ = sample_anchors(batch, 12, 4, torch.Generator().manual_seed(1))
+    a2, _ = sample_anchors(batch, 12, 4, torch.Generator().manual_seed(1))
+    a3, _ = sample_anchors(batch, 12, 4, torch.Generator().manual_seed(2))
+    assert torch.equal(a1, a2) and not torch.equal(a1, a3)
+
+
+def test_anchors_with_fewer_valid_positions_pad_with_keep_false() -> None:
+    batch = make_batch(32, [6], seed=5)  # 5 valid anchor positions (0..4), the rest padding
+    anchors, keep = sample_anchors(batch, 8, 4, torch.Generator().manual_seed(0))
+    assert anchors.shape == (8,)
+    assert keep.sum().item() == 5
+    assert sorted(anchors[keep].tolist()) == [0, 1, 2, 3, 4]
+    assert not anchor_candidates(batch)[anchors[~keep]].any()
+    with pytest.raises(ValueError, match="exceeds the buffer"):
+        sample_anchors(batch, 33, 4, None)
+
+
+# ----------------------------------------------------------------------------- naive reference
+
+
+def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """x: [L, heads, d]; explicit per-pair rotation written independently of the model's table code."""
+    d = x.shape[-1]
+    out = torch.empty_like(x)
+    half = d // 2
+    for i in range(half):
+        angle = positions.to(x.dtype) * (theta ** (-(2 * i) / d))
+        c, s = torch.cos(angle)[:, None], torch.sin(angle)[:, None]
+        x1, x2 = x[:, :, i], x[:, :, i + half]
+        out[:, :, i] = x1 * c - x2 * s
+        out[:, :, i + half] = x2 * c + x1 * s
+    return out
+
+
+def naive_drafter_loss(
+    d: DFlashDrafter, batch: DraftBatch, emb: nn.Embedding, head: nn.Linear, anchors: Tensor, keep: Tensor
+) -> tuple[Tensor, list[float]]:
+    """One block at a time, Python loops over allowed keys, explicit softmax attention: the spec, written plainly."""
+    cfg = d.cfg
+    b, n = cfg.block_size, batch.input_ids.shape[0]
+    ctx = _rms(batch.hidden.to(d.fc.weight.dtype) @ d.fc.weight.T, d.hidden_norm.weight, cfg.rms_norm_eps)
+    total, wsum = 0.0, 0.0
+    correct = [0.0] * (b - 1)
+    count = [0.0] * (b - 1)
+    for j in range(anchors.shape[0]):
+        a = int(anchors[j])
+        allowed = [
+            p
+            for p in range(n)
+            if batch.doc_ids[p] == batch.doc_ids[a]
+            and batch.doc_ids[p] >= 0
+            and p < a
+            and (cfg.sliding_window is None or a - p <= cfg.sliding_window)
+        ]
+        ids = torch.tensor([int(batch.input_ids[a])] + [cfg.mask_token_id] * (b - 1))
+        x = emb(ids).to(ctx.dtype)
+        bpos = batch.position_ids[a] + torch.arange(b)
+        cpos = batch.position_ids[allowed] if allowed else torch.zeros(0, dtype=torch.long)
+        for layer in d.layers:
+            at = layer.self_attn
+            hd, nh, nkv = at.head_dim, at.num_heads, at.num_kv_heads
+            xn = _rms(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
+            kv_in = torch.cat([ctx[allowed], xn]) if allowed else xn
+            kv_pos = torch.cat([cpos, bpos])
+            q = _rms((xn @ at.q_proj.weight.T).view(b, nh, hd), at.q_norm.weight, cfg.rms_norm_eps)
+            k = _rms((kv_in @ at.k_proj.weight.T).view(-1, nkv, hd), at.k_norm.weight, cfg.rms_norm_eps)
+            v = (kv_in @ at.v_proj.weight.T).view(-1, nkv, hd)
+            q, k = _rope(q, bpos, cfg.rope_theta), _rope(k, kv_pos, cfg.rope_theta)
+            heads = []
+            for h in range(nh):
+                g = h // (nh // nkv)
+                scores = q[:, h] @ k[:, g].T / math.sqrt(hd)
+                heads.append(torch.softmax(scores, dim=-1) @ v[:, g])
+            x = x + torch.cat(heads, dim=-1) @ at.o_proj.weight.T
+            xm = _rms(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+            mlp = layer.mlp
+            x = x + (F.silu(xm @ mlp.gate_proj.weight.T) * (xm @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+        x = _rms(x, d.norm.weight, cfg.rms_norm_eps)
+        logits = x @ head.weight.T
+        for k_pos in range(1, b):
+            t = a + k_pos
+            if not keep[j] or t >= n or batch.doc_ids[t] != batch.doc_ids[a] or not batch.loss_mask[t]:
+                continue
+            w = math.exp(-(k_pos - 1) / cfg.loss_gamma)
+            total = total + w * F.cross_entropy(logits[k_pos][None], batch.input_ids[t][None])
+            wsum += w
+            count[k_pos - 1] += 1
+            correct[k_pos - 1] += float(logits[k_pos].argmax() == batch.input_ids[t])
+    acc = [c / max(n_, 1) for c, n_ in zip(correct, count, strict=True)]
+    return total / wsum, acc
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_dense_equals_naive_per_block_loop_forward_and_grads(window: int | None) -> None:
+    emb, head = frozen_target_parts(dtype=torch.float64)
+    d = make_drafter(sliding_window=window, ce_chunk=7).double()
+    batch = make_batch(48, [17, 12, 14], seed=6)
+    batch.hidden = batch.hidden.double()
+    batch.loss_mask[3] = False  # a hole inside a document: its label must get weight 0
+    anchors, keep = sample_anchors(batch, 6, 4, torch.Generator().manual_seed(3))
+    keep = keep.clone()
+    keep[1] = False  # a dropped slot contributes nothing
+    out = d(batch, emb, head, anchors=anchors, keep=keep)
+    out.loss.backward()
+    grads = {k: p.grad.clone() for k, p in d.named_parameters()}
+    d.zero_grad()
+    ref_loss, ref_acc = naive_drafter_loss(d, batch, emb, head, anchors, keep)
+    ref_loss.backward()
+    torch.testing.assert_close(out.loss, ref_loss, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.acc, torch.tensor(ref_acc, dtype=out.acc.dtype), rtol=0, atol=1e-12)
+    for k, p in d.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, rtol=1e-8, atol=1e-10, msg=lambda m, k=k: f"{k}: {m}")
+    assert all(g.abs().sum() > 0 for g in grads.values())
+
+
+# ----------------------------------------------------------------------------- loss weights and CE chunks
+
+
+def test_loss_weights_decay_and_position_zero_unsupervised() -> None:
+    emb, head = frozen_target_parts()
+    gamma, b, a = 3.0, 5, 4
+    d = make_drafter(block_size=b, num_anchors=a, loss_gamma=gamma)
+    batch = make_batch(40, [40], seed=7)
+    anchors = torch.tensor([1, 10, 20, 38])  # the last block runs past the buffer end: only position 1 is in range
+    keep = torch.tensor([True, True, False, True])
+    out = d(batch, emb, head, anchors=anchors, keep=keep)
+    w = [math.exp(-(k - 1) / gamma) for k in range(1, b)]
+    assert out.weight_sum.item() == pytest.approx(2 * sum(w) + w[0])
+    assert out.num_tokens.item() == 2 * (b - 1) + 1
+    pw = d.position_weight()
+    assert pw[0].item() == 0.0 and pw[1].item() == 1.0 and pw[4].item() == pytest.approx(w[3])
+
+
+def test_chunked_ce_equals_unchunked() -> None:
+    emb, head = frozen_target_parts()
+    batch = make_batch(60, [30, 25], seed=8)
+    results = []
+    for chunk in (5, 7, 10_000):
+        d = make_drafter(ce_chunk=chunk)
+        out = d(batch, emb, head, generator=torch.Generator().manual_seed(0))
+        out.loss.backward()
+        results.append((out.loss.detach(), out.acc, [p.grad.clone() for p in d.parameters()]))
+    for loss, acc, grads in results[:2]:
+        torch.testing.assert_close(loss, results[2][0], rtol=1e-6, atol=1e-6)
+        assert torch.equal(acc, results[2][1])
+        for g, g_ref in zip(grads, results[2][2], strict=True):
+            torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
+
+
+class _ShapeRecorder(TorchDispatchMode):
+    """Record every tensor any aten op produces (forward and backward), to find logits-shaped results."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def test_no_logits_beyond_one_chunk_exist_or_are_kept_for_backward() -> None:
+    emb, head = frozen_target_parts()
+    chunk = 6
+    d = make_drafter(ce_chunk=chunk, num_anchors=8)  # 8 blocks x 4 = 32 rows -> 6 chunks
+    batch = make_batch(50, [50], seed=9)
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t: Tensor) -> Tensor:
+        if t is not head.weight:
+            saved.append(tuple(t.shape))
+        return t
+
+    rec = _ShapeRecorder()
+    with rec, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = d(batch, emb, head, generator=torch.Generator().manual_seed(0))
+        out.loss.backward()
+    # (H, VOCAB) is the head weight's transpose inside linear/mm, not logits
+    logits_like = [s for s in rec.shapes if s and s[-1] == VOCAB and s != (H, VOCAB)]
+    assert logits_like, "the recorder must see the chunk logits"
+    assert max(math.prod(s) for s in logits_like) <= chunk * VOCAB
+    # autograd holds no logits between forward and backward: each chunk is recomputed (checkpointed)
+    assert not [s for s in saved if VOCAB in s]
+
+
+# ----------------------------------------------------------------------------- shapes, parameters, options
+
+
+def test_output_shapes_fixed_by_config_not_data() -> None:
+    emb, head = frozen_target_parts()
+    d = make_drafter(num_anchors=7, block_size=5)
+    outs = [
+        d(make_batch(64, layout, seed=s), emb, head, generator=torch.Generator().manual_seed(s))
+        for s, layout in enumerate([[64], [10, 20, 30], [5]])
+    ]
+    for o in outs:
+        assert o.loss.shape == () and o.acc.shape == (4,) and o.weight_sum.shape == () and o.num_tokens.shape == ()
+        assert torch.isfinite(o.loss)
+    assert outs[2].num_tokens.item() <= 4 * 4  # 4 valid anchors in a 5-token doc, at most 4 labels each
+
+
+def test_embedding_and_head_are_not_drafter_parameters() -> None:
+    emb, head = frozen_target_parts()
+    d = make_drafter()
+    names = set(d.state_dict())
+    assert not any("embed" in k or "lm_head" in k for k in names)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"} <= names
+    assert all(p is not emb.weight and p is not head.weight for p in d.parameters())
+    out = d(make_batch(30, [30]), emb, head, generator=torch.Generator().manual_seed(0))
+    out.loss.backward()
+    assert emb.weight.grad is None and head.weight.grad is None
+
+
+def test_grad_checkpoint_gives_same_gradients() -> None:
+    emb, head = frozen_target_parts()
+    batch = make_batch(40, [40], seed=10)
+    grads = []
+    for gc in (False, True):
+        d = make_drafter(grad_checkpoint=gc)
+        d.train()
+        d(batch, emb, head, generator=torch.Generator().manual_seed(0)).loss.backward()
+        grads.append([p.grad for p in d.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_flex_eager_on_cpu_matches_dense_forward() -> None:
+    emb, head = frozen_target_parts()
+    d = make_drafter(sliding_window=6)
+    batch = make_batch(40, [18, 20], seed=11)
+    with torch.no_grad():
+        dense = d(batch, emb, head, generator=torch.Generator().manual_seed(0))
+        d.attention_backend = "flex-eager"
+        flex = d(batch, emb, head, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_config_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="must equal the target hidden size"):
+        DFlashDrafter(DrafterConfig(hidden_size=48), target_hidden_size=H, num_taps=2)
+    with pytest.raises(ValueError, match="attention"):
+        DFlashDrafter(DrafterConfig(attention="sparse"), target_hidden_size=H, num_taps=2)
+    emb, head = frozen_target_parts()
+    d = make_drafter(mask_token_id=None)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        d(make_batch(20, [20]), emb, head)
+
+
+def test_drafter_learns_a_fixed_batch() -> None:
+    """A few AdamW steps on one buffer must drive the loss down: gradients reach every layer the right way."""
+    emb, head = frozen_target_parts()
+    d = make_drafter(num_anchors=8)
+    batch = make_batch(64, [64], seed=12)
+    anchors, keep = sample_anchors(batch, 8, 4, torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = d(batch, emb, head, anchors=anchors, keep=keep).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]

@@ -1,0 +1,159 @@
+"""Tests for the target adapter on a real tiny qwen3_5 (transformers' own code): taps, padding exactness, packing leak.
+
+The fla varlen path needs a GPU and the kernels; its equality with padding is in tests/gpu/test_gpu_checks.py.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.target import TINY_ARCH, Target, TargetConfig, default_tap_layers
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return Target(TargetConfig(seed=0), num_draft_layers=2, device=CPU)
+
+
+def random_ids(lengths: list[int], seed: int, vocab: int = TINY_ARCH["vocab_size"]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def right_pad(seqs: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    t = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), t), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def test_default_tap_layers_follow_the_dflash_rule() -> None:
+    assert default_tap_layers(64, 5) == [1, 16, 31, 46, 61]  # the Qwen3.6-27B recipe's taps
+    assert default_tap_layers(36, 3) == [1, 17, 33]
+    assert default_tap_layers(6, 2) == [1, 3]
+    assert default_tap_layers(64, 1) == [32]  # one draft layer: the middle layer
+    with pytest.raises(ValueError):
+        default_tap_layers(3, 2)
+    with pytest.raises(ValueError):
+        default_tap_layers(8, 0)
+
+
+def test_tiny_target_is_frozen_deterministic_and_fast() -> None:
+    a = Target(TargetConfig(seed=7), num_draft_layers=2, device=CPU)  # the first build also imports transformers
+    t0 = time.perf_counter()
+    b = Target(TargetConfig(seed=7), num_draft_layers=2, device=CPU)
+    assert time.perf_counter() - t0 < 2.0
+    c = Target(TargetConfig(seed=8), num_draft_layers=2, device=CPU)
+    assert a.model.config.model_type.startswith("qwen3_5")
+    assert set(a.model.config.layer_types) == {"linear_attention", "full_attention"}
+    assert not a.model.training
+    assert not any(p.requires_grad for p in a.model.parameters())
+    assert a.embed_tokens is a.model.get_input_embeddings() and not a.embed_tokens.weight.requires_grad
+    assert a.lm_head is a.model.get_output_embeddings() and not a.lm_head.weight.requires_grad
+    assert a.dtype == torch.float32 and a.tap_layers == [1, 3] and a.num_layers == 6
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert any(not torch.equal(pa, pc) for pa, pc in zip(a.model.parameters(), c.model.parameters(), strict=True))
+
+
+def test_taps_are_hf_hidden_states_id_plus_one(target: Target) -> None:
+    ids = random_ids([12, 12], seed=1)
+    x = torch.stack(ids)
+    mask = torch.ones_like(x)
+    with torch.inference_mode():
+        ref = target.model(input_ids=x, attention_mask=mask, output_hidden_states=True).hidden_states
+    got = target.hidden_states(x, mask)
+    k = target.hidden_size
+    assert got.shape == (2, 12, 2 * k)
+    for j, layer in enumerate(target.tap_layers):
+        torch.testing.assert_close(got[..., j * k : (j + 1) * k], ref[layer + 1], rtol=0, atol=0)
+
+
+def test_padded_batch_equals_each_sequence_alone(target: Target) -> None:
+    seqs = random_ids([23, 7, 16, 1], seed=2)
+    ids, mask = right_pad(seqs, pad_id=5)
+    batched = target.hidden_states(ids, mask)
+    for i, s in enumerate(seqs):
+        alone = target.hidden_states(s[None], torch.ones(1, len(s), dtype=torch.long))
+        torch.testing.assert_close(batched[i, : len(s)], alone[0], rtol=1e-5, atol=1e-5)
+    # the pad token's value must not matter either
+    ids2, _ = right_pad(seqs, pad_id=77)
+    torch.testing.assert_close(target.hidden_states(ids2, mask)[0], batched[0])
+
+
+def test_naive_packing_with_position_ids_leaks_between_documents(target: Target) -> None:
+    """Why the code pads: packing two documents into one row with only position_ids (no cu_seqlens) corrupts the second
+    document in the linear-attention layers (their conv and recurrent state run straight across the boundary)."""
+    first, second = random_ids([20, 18], seed=3)
+    alone = [target.hidden_states(s[None], torch.ones(1, len(s), dtype=torch.long))[0] for s in (first, second)]
+    packed_ids = torch.cat([first, second])[None]
+    position_ids = torch.cat([torch.arange(20), torch.arange(18)])[None]
+    packed = target._tapped(input_ids=packed_ids, position_ids=position_ids)[0]
+    torch.testing.assert_close(packed[:20], alone[0], rtol=1e-5, atol=1e-5)  # the first document is unaffected
+    leak = (packed[20:] - alone[1]).abs().max().item()  # vs the 1e-5 the padded path stays within
+    assert leak > 100 * 1e-5, f"expected the second document to differ when packed naively, max diff {leak}"
+
+
+def test_cpu_target_pads_and_refuses_packing(target: Target) -> None:
+    assert target.packing == "pad"
+    with pytest.raises(RuntimeError, match="packing"):
+        target.hidden_states_packed(torch.zeros(1, 8, dtype=torch.long), torch.tensor([0, 4, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="varlen"):
+        Target(TargetConfig(packing="varlen"), num_draft_layers=2, device=CPU)
+
+
+def test_reference_fallback_refuses_cu_seqlens_itself(target: Target) -> None:
+    """transformers' own fallback refuses boundaries it cannot honour; we rely on that as a second line of defence."""
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="packed sequences"):
+        target._tapped(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), cu_seq_lens_q=cu)
+
+
+def test_bad_inputs_are_refused(target: Target) -> None:
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    left_padded = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="right-padded"):
+        target.hidden_states(ids, left_padded)
+    with pytest.raises(ValueError, match="shape"):
+        target.hidden_states(ids, torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="tap_layers"):
+        Target(TargetConfig(tap_layers=[1, 6]), num_draft_layers=2, device=CPU)
+    with pytest.raises(ValueError, match="dtype"):
+        Target(TargetConfig(dtype="fp8"), num_draft_layers=2, device=CPU)
+    with pytest.raises(ValueError, match="packing"):
+        Target(TargetConfig(packing="pack"), num_draft_layers=2, device=CPU)
+
+
+def test_load_from_local_directory_gives_equal_outputs(target: Target, tmp_path: Path) -> None:
+    target.model.save_pretrained(tmp_path / "tiny")
+    progress: list[tuple[int, int]] = []
+    loaded = Target(
+        TargetConfig(path=str(tmp_path / "tiny")),
+        num_draft_layers=2,
+        device=CPU,
+        on_progress=lambda i, n: progress.append((i, n)),
+    )
+    assert loaded.tap_layers == target.tap_layers and loaded.packing == "pad"
+    assert not any(p.requires_grad for p in loaded.model.parameters())
+    ids, mask = right_pad(random_ids([9, 14], seed=4))
+    torch.testing.assert_close(loaded.hidden_states(ids, mask), target.hidden_states(ids, mask), rtol=0, atol=0)
+    assert progress[0] == (0, 1) and progress[-1] == (1, 1)
+    weight_steps = [p for p in progress[1:-1]]
+    assert weight_steps, "per-weight loading progress must be reported"
+    assert [i for i, _ in weight_steps] == sorted(i for i, _ in weight_steps)
+    assert weight_steps[-1][0] == weight_steps[-1][1]
+
+
+def test_missing_directory_fails_with_its_name(tmp_path: Path) -> None:
+    with pytest.raises(OSError, match="nope"):
+        Target(TargetConfig(path=str(tmp_path / "nope")), num_draft_layers=2, device=CPU)
