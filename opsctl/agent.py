@@ -610,29 +610,41 @@ class Follower:
 
 
 # -- preflight ----------------------------------------------------------------------------------------------
+# Directories whose contents must never be emptied wholesale (the same rule as opsctl/config.py, repeated here
+# because the agent runs alone on the remote and checks again after resolving symlinks there).
+SYSTEM_DIRS = {
+    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
+    "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/workspace", "/dev/shm",
+    "/var/tmp", "/var/lib", "/usr/local", "/usr/lib",
+}
+
+
 def validate_clean_dir(path: Any, roots: list[str], default_ok: bool) -> str:
-    """Return the real path of a directory that is safe to empty, or raise AgentError saying why not."""
+    """Return the real path of a directory that is safe to empty, or raise AgentError saying why not.
+
+    Symlinks are resolved on this host before the root check, so a link pointing out of a root is refused."""
     if not isinstance(path, str) or not path.strip():
         raise AgentError("refusing to clean an empty path")
-    if path.strip() in ("~", "~/") or path.startswith("~"):
+    if path.startswith("~"):
         raise AgentError(f"refusing to clean {path!r}: paths starting with ~ are not allowed, give an absolute path")
     if not os.path.isabs(path):
         raise AgentError(f"refusing to clean {path!r}: not an absolute path")
     real = os.path.realpath(path)
     home = os.path.realpath(os.path.expanduser("~"))
-    if real == "/" or os.path.dirname(real) == real:
+    if os.path.dirname(real) == real:
         raise AgentError(f"refusing to clean {path!r}: it is the file system root")
     if real == home or home.startswith(real.rstrip("/") + "/"):
         raise AgentError(f"refusing to clean {path!r}: it is the home directory or contains it")
+    if real in SYSTEM_DIRS or real.count("/") < 2:
+        raise AgentError(f"refusing to clean {path!r} (resolves to {real!r}): a system or top-level directory")
     allowed = [os.path.realpath(r) for r in roots if isinstance(r, str) and os.path.isabs(r)]
     if default_ok:
         allowed.append(os.path.realpath(default_inductor_dir()))
     for root in allowed:
-        if real == root and default_ok and root == os.path.realpath(default_inductor_dir()):
+        if real == root or real.startswith(root.rstrip("/") + "/"):
             return real
-        if real.startswith(root.rstrip("/") + "/"):
-            return real
-    raise AgentError("refusing to clean {!r} (resolves to {!r}): not inside an allowed root {}".format(path, real, allowed or "(none configured: set clean_roots)"))
+    raise AgentError(f"refusing to clean {path!r} (resolves to {real!r}): not inside an allowed root "
+                     f"{allowed or '(none configured: set clean_roots)'}")
 
 
 def empty_dir(real: str, dry_run: bool) -> tuple[int, int]:
@@ -873,8 +885,14 @@ def follow_loop(fol: Follower, run: Run, ready_deadline: float | None, keep_foll
 
 
 def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
+    if opts.get("no_events"):
+        run.events = None  # `logs` wants the human log only
     fol = Follower(run, nvml, int(opts.get("log_offset", 0)), int(opts.get("events_offset", 0)),
                    int(opts.get("tail", 10)), float(opts.get("gpu_interval", 1.0)))
+    if opts.get("once"):
+        fol.poll()  # what is there now (the last `tail` lines), then stop
+        emit("verdict", ok=True, reason="snapshot", **fol.offsets())
+        return EXIT_CODES["ok"]
     if not opts.get("until_exit", True):
         while True:
             fol.poll()

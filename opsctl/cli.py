@@ -1,0 +1,153 @@
+"""Command line of opsctl: argument parsing, help with examples and exit codes, dispatch to opsctl.commands.
+
+`opsctl --help` (and `opsctl VERB --help`) is meant to teach the tool; keep examples in step with the verbs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from opsctl import commands as c
+from opsctl.transport import TransportError
+
+EXIT_CODES_HELP = f"""\
+exit codes:
+  {c.EXIT_OK}  ok: the run is ready (launch), finished with status 0 (--follow, logs -f), or the verb succeeded
+  {c.EXIT_FAILED}  the run crashed / failed before it was ready / exited non-zero; kill left survivors
+  {c.EXIT_USAGE}  bad command line or hosts.yaml (the message names file, line and field)
+  {c.EXIT_TRANSPORT}  host unreachable, host key unknown or changed, SSH channel lost
+  {c.EXIT_TIMEOUT}  launch: not ready within ready_timeout; the message names the phase it is stuck in
+     (the run is left running: inspect with `opsctl logs`, stop with `opsctl kill`)
+  {c.EXIT_REFUSED}  launch/clean refused: container stopped, GPUs busy, model dir != manifest, preflight
+     command failed, run already running, or a cache dir that fails validation
+"""
+
+EXAMPLES = """\
+examples:
+  opsctl hosts check                         validate hosts.yaml without connecting anywhere
+  opsctl launch local tiny --follow          preflight, clean the inductor cache, start in tmux, stream
+                                             the log until ready, then keep following until the run ends
+  opsctl launch pve-box qwen27b              same through SSH + `pct exec 200`; exits 0 as soon as the
+                                             first training step is reported, non-zero within 1 s of a crash
+  opsctl status pve-box                      state, phase, step, loss, tokens/s, heartbeat age, GPUs
+  opsctl status pve-box qwen27b --json       the same as JSON (for scripts)
+  opsctl logs pve-box qwen27b -f             follow the log; survives SSH drops without losing a line
+  opsctl kill pve-box qwen27b                SIGINT, SIGTERM, SIGKILL to the run's process tree; waits for
+                                             run_end and checks through NVML that the GPUs were released
+  opsctl clean pve-box --dry-run             what clean would delete (inductor cache, dead tmux sessions,
+                                             stale pid files) - it only ever deletes inside validated dirs
+  opsctl watch                               live dashboard of every run in hosts.yaml
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="opsctl", formatter_class=fmt,
+        description="Launch, follow, inspect, kill and clean training runs on local hosts, SSH hosts and "
+                    "Proxmox containers, without sleep-and-poll: every verb reads a live stream from a small "
+                    "agent that opsctl sends over the channel (nothing to install remotely but python3 + tmux).",
+        epilog=EXAMPLES + "\n" + EXIT_CODES_HELP)
+    p.add_argument("--hosts", metavar="FILE", help="inventory file (default: $OPSCTL_HOSTS, else ./hosts.yaml)")
+    p.add_argument("--accept-new-host-key", action="store_true",
+                   help="trust an SSH host key that is not in known_hosts yet (and record it)")
+    sub = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    s = sub.add_parser("launch", formatter_class=fmt, help="preflight, start in tmux, stream until ready",
+                       description="Preflight (container running, GPUs free, model dir vs manifest, the run's "
+                       "preflight command), clear the inductor cache, start the run in tmux (exit status "
+                       "captured, log teed, pid and process group recorded), then stream its log until it "
+                       "reports ready (first `step` event or ready_pattern). Exits non-zero within 1 s if it "
+                       "dies first, printing the traceback; after ready_timeout it names the phase it is stuck "
+                       "in and leaves it running.", epilog=EXIT_CODES_HELP)
+    s.add_argument("host")
+    s.add_argument("run")
+    s.add_argument("--force", action="store_true", help="start even if other processes hold the GPUs")
+    s.add_argument("--follow", action="store_true",
+                   help="after ready, keep streaming the log until the run ends; exit with its status")
+
+    s = sub.add_parser("status", formatter_class=fmt, help="state, phase, step, loss, tokens/s, GPUs",
+                       description="One snapshot per run: state (starting, loading, compiling, training, "
+                       "stalled, finished, crashed, killed), phase, step, last loss, tokens/s, heartbeat age, "
+                       "GPUs. Without RUN: every run of HOST.")
+    s.add_argument("host")
+    s.add_argument("run", nargs="?")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    s = sub.add_parser("logs", formatter_class=fmt, help="print or follow a run's log",
+                       description="Print the last N lines, or follow (-f) with reconnect: after an SSH drop "
+                       "it reconnects with back-off and resumes at the last byte offset, so no line is lost or "
+                       "repeated. -f ends when the run ends, with exit 0 if its status was 0.")
+    s.add_argument("host")
+    s.add_argument("run")
+    s.add_argument("-f", "--follow", action="store_true")
+    s.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines of history (default 50)")
+
+    s = sub.add_parser("kill", formatter_class=fmt, help="stop a run: SIGINT, SIGTERM, SIGKILL",
+                       description="Signal the recorded process group and every descendant (also those that "
+                       "left the group): SIGINT, wait kill_grace[0]; SIGTERM, wait kill_grace[1]; SIGKILL. "
+                       "Reports the training core's run_end and checkpoint, and whether NVML still shows a "
+                       "process of the run holding GPU memory. Never pkill -f.")
+    s.add_argument("host")
+    s.add_argument("run")
+
+    s = sub.add_parser("clean", formatter_class=fmt, help="inductor cache, dead tmux sessions, stale pid files",
+                       description="Empty the run's inductor cache dir (only after validation: absolute, not "
+                       "/, ~ or a system dir, inside clean_roots, symlinks resolved), remove dead tmux sessions "
+                       "of our runs and stale pid files. Refuses while the run is alive. Without RUN: every "
+                       "run of HOST.")
+    s.add_argument("host")
+    s.add_argument("run", nargs="?")
+    s.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+
+    s = sub.add_parser("watch", formatter_class=fmt, help="live dashboard (Textual) of one or many runs")
+    s.add_argument("targets", nargs="*", metavar="HOST[:RUN]")
+    s.add_argument("--plain", action="store_true", help="rich Live output instead of the full-screen app")
+    s.add_argument("--once", action="store_true", help="one snapshot (with --json) and exit")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--bell", action="store_true", help="ring the terminal bell on new alerts")
+
+    s = sub.add_parser("hosts", help="inventory commands")
+    hs = s.add_subparsers(dest="hosts_verb", metavar="check", required=True)
+    hs.add_parser("check", help="validate hosts.yaml without connecting")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    ctx = c.Ctx(hosts_file=args.hosts, accept_new_host_key=args.accept_new_host_key)
+    try:
+        if args.verb == "launch":
+            return c.cmd_launch(ctx, args.host, args.run, force=args.force, follow=args.follow)
+        if args.verb == "status":
+            return c.cmd_status(ctx, args.host, args.run, as_json=args.json)
+        if args.verb == "logs":
+            if args.lines < 0:
+                raise c.OpsError("-n must be >= 0", c.EXIT_USAGE)
+            return c.cmd_logs(ctx, args.host, args.run, follow=args.follow, lines=args.lines)
+        if args.verb == "kill":
+            return c.cmd_kill(ctx, args.host, args.run)
+        if args.verb == "clean":
+            return c.cmd_clean(ctx, args.host, args.run, dry_run=args.dry_run)
+        if args.verb == "watch":
+            from opsctl.tui import watch_main
+
+            return watch_main(c.watch_sources(ctx, args.targets), plain=args.plain,  # type: ignore[arg-type]
+                              once_json=args.once and args.json, bell=args.bell)
+        if args.verb == "hosts":
+            return c.cmd_hosts_check(ctx)
+    except c.OpsError as exc:
+        ctx.err.print(f"[bold red]opsctl:[/] {exc}", markup=True, highlight=False)
+        return exc.code
+    except TransportError as exc:
+        ctx.err.print(f"[bold red]opsctl:[/] {exc}")
+        return c.EXIT_TRANSPORT
+    except KeyboardInterrupt:
+        ctx.err.print("[yellow]interrupted (the run itself keeps going; stop it with `opsctl kill`)[/]")
+        return 130
+    return c.EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,538 @@
+"""The opsctl verbs (launch, status, logs, kill, clean, hosts check) on top of transports and the remote agent.
+
+Each verb streams the agent's JSON lines and renders them; nothing here sleeps to poll a remote: it reads a stream.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from opsctl import agent
+from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
+from opsctl.runstate import RunState, RunView
+from opsctl.transport import PctTransport, Transport, TransportError, transport_for
+
+EXIT_OK = 0  # done / the run is ready / the run finished with status 0
+EXIT_FAILED = 1  # the run crashed or failed, or kill left survivors
+EXIT_USAGE = 2  # bad command line or hosts.yaml
+EXIT_TRANSPORT = 3  # host unreachable, host key refused, channel lost
+EXIT_TIMEOUT = 4  # the run did not become ready within ready_timeout (it was left running)
+EXIT_REFUSED = 5  # preflight refused the launch (container stopped, GPUs busy, model dir, preflight command)
+
+RECONNECT_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)  # waits between reconnect attempts of `logs -f` (not polling)
+
+
+class OpsError(Exception):
+    """An operator-facing failure with the exit code it maps to."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ChannelLost(TransportError):
+    """The agent's stream ended without its `bye`: SSH dropped, or the remote python died."""
+
+
+def agent_source() -> bytes:
+    return Path(agent.__file__).read_bytes()
+
+
+def agent_argv(host: HostConfig, verb: str, args: dict[str, Any]) -> list[str]:
+    """`python3 -u -c BOOTSTRAP VERB JSON` as one argv; each transport layer quotes it once."""
+    python = sys.executable if (host.local and host.pct is None) else host.python
+    return [python, "-u", "-c", agent.BOOTSTRAP, verb, json.dumps(args, separators=(",", ":"))]
+
+
+def run_args(run: RunConfig, **options: Any) -> dict[str, Any]:
+    """The run settings as the agent reads them, plus verb options."""
+    data = run.model_dump(mode="json")
+    data["command"] = run.argv
+    data["options"] = options
+    return data
+
+
+def stream_agent(transport: Transport, host: HostConfig, verb: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Yield the agent's messages up to and including `bye`; raise ChannelLost if the stream ends first."""
+    src = agent_source()
+    stream = transport.stream(agent_argv(host, verb, args), str(len(src)).encode() + b"\n" + src)
+    got_bye = False
+    try:
+        for raw in stream.stdout:
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                msg = {"t": "garbage", "line": line.decode(errors="replace")}
+            if not isinstance(msg, dict):
+                continue
+            yield msg
+            if msg.get("t") == "bye":
+                got_bye = True
+                return
+    finally:
+        try:
+            stream.close()  # EOF on the agent's stdin: it exits at once
+        except (TransportError, OSError):
+            pass
+        if not got_bye:
+            try:
+                stream.kill()
+            except (TransportError, OSError):
+                pass
+    err = stream.stderr.decode(errors="replace").strip()
+    raise ChannelLost(f"the agent's channel closed before it finished{': ' + err[-800:] if err else ''}")
+
+
+@dataclass
+class Ctx:
+    """What every verb needs: the inventory, where to print, and transport options."""
+
+    hosts_file: str | None = None
+    accept_new_host_key: bool = False
+    out: Console = field(default_factory=lambda: Console(highlight=False))
+    err: Console = field(default_factory=lambda: Console(stderr=True, highlight=False))
+    raw: TextIO = field(default_factory=lambda: sys.stdout)  # log lines go here verbatim
+    _inv: Inventory | None = None
+    transport_factory: Callable[[HostConfig], Transport] | None = None  # tests may inject one (a real one)
+
+    def inventory(self) -> Inventory:
+        if self._inv is None:
+            try:
+                self._inv = load_inventory(self.hosts_file)
+            except InventoryError as exc:
+                raise OpsError(str(exc), EXIT_USAGE) from None
+        return self._inv
+
+    def resolve(self, host: str, run: str | None) -> tuple[HostConfig, RunConfig | None]:
+        try:
+            return resolve(self.inventory(), host, run)
+        except InventoryError as exc:
+            raise OpsError(str(exc), EXIT_USAGE) from None
+
+    def runs_of(self, host: str, run: str | None) -> tuple[HostConfig, list[RunConfig]]:
+        h, r = self.resolve(host, run)
+        if r is not None:
+            return h, [r]
+        return h, list(self.inventory().runs.get(host, {}).values())
+
+    def transport(self, host: HostConfig) -> Transport:
+        if self.transport_factory is not None:
+            return self.transport_factory(host)
+        try:
+            return transport_for(host, accept_new_host_key=self.accept_new_host_key, inventory=self.inventory())
+        except TransportError as exc:
+            raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
+
+    def line(self, text: str) -> None:
+        self.raw.write(text + "\n")
+        self.raw.flush()
+
+
+def check_container(ctx: Ctx, host: HostConfig, t: Transport) -> None:
+    """Refuse early and clearly when the Proxmox container is not running (the agent would run inside it)."""
+    if not isinstance(t, PctTransport):
+        return
+    try:
+        state = t.status()
+    except TransportError as exc:
+        raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
+    if state != "running":
+        raise OpsError(f"{host.name}: container {t.vmid} is {state} (pct status {t.vmid}); start it with "
+                       f"`pct start {t.vmid}` on the Proxmox host", EXIT_REFUSED)
+    ctx.err.print(f"[green]ok[/]  container {t.vmid} running")
+
+
+def _print_check(ctx: Ctx, m: dict[str, Any]) -> None:
+    mark = "[green]ok[/]  " if m.get("ok") else "[red]FAIL[/]"
+    ctx.err.print(f"{mark} {m.get('name')}: ", Text(str(m.get("detail", ""))), sep="")
+
+
+def _print_verdict_failure(ctx: Ctx, m: dict[str, Any]) -> None:
+    ctx.err.print(f"[bold red]{m.get('detail')}[/]")
+    tb = m.get("traceback")
+    if tb:
+        ctx.err.print(Panel(Text(tb), title="traceback", border_style="red"))
+    elif m.get("tail"):
+        ctx.err.print(Panel(Text("\n".join(m["tail"])), title="last log lines", border_style="red"))
+
+
+# -- launch -------------------------------------------------------------------------------------------------
+def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, follow: bool = False) -> int:
+    host, run = ctx.resolve(host_name, run_name)
+    assert run is not None
+    t = ctx.transport(host)
+    try:
+        t0 = time.monotonic()
+        check_container(ctx, host, t)
+        state = RunState(stall_after_s=run.stall_after)
+        rc: int | None = None
+        launched_at: float | None = None
+        offsets = {"log_offset": 0, "events_offset": 0}
+        try:
+            for m in stream_agent(t, host, "launch", run_args(run, force=force, follow=follow)):
+                kind = m.get("t")
+                state.apply(m)
+                if kind == "check":
+                    _print_check(ctx, m)
+                elif kind == "launched":
+                    launched_at = time.monotonic()
+                    ctx.err.print(f"[cyan]launched[/] {run.name} on {host.name}: pid {m['pid']} (pgid {m['pgid']}), "
+                                  f"tmux session {m['session']}, log {m['log']}  [{launched_at - t0:.2f} s]")
+                elif kind == "log":
+                    ctx.line(m["line"])
+                    offsets["log_offset"] = m["end"]
+                elif kind == "event":
+                    offsets["events_offset"] = m["end"]
+                    ev = m["event"]
+                    if ev.get("kind") == "phase":
+                        ctx.err.print(f"[dim]phase {_phase(ev)}[/]")
+                elif kind == "verdict":
+                    _launch_verdict(ctx, m, state, run, t0)
+                elif kind == "error":
+                    ctx.err.print(f"[red]agent: {m.get('message')}[/]")
+                elif kind == "bye":
+                    rc = int(m["rc"])
+        except ChannelLost as exc:
+            if launched_at is None:
+                raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
+            ctx.err.print(f"[yellow]{exc}; the run keeps going: reconnecting to follow it[/]")
+            if not follow:
+                return _resume_until_ready(ctx, host, run, t, offsets, state, t0)
+            return cmd_logs(ctx, host_name, run_name, follow=True, _offsets=offsets)
+        return EXIT_FAILED if rc is None else rc
+    finally:
+        t.close()
+
+
+def _phase(ev: dict[str, Any]) -> str:
+    text = str(ev.get("phase"))
+    if ev.get("i") is not None and ev.get("n") is not None:
+        text += f" {ev['i']}/{ev['n']}"
+    return text
+
+
+def _launch_verdict(ctx: Ctx, m: dict[str, Any], state: RunState, run: RunConfig, t0: float) -> None:
+    reason = m.get("reason")
+    v = state.view()
+    if reason == "ready":
+        extra = f", step {v.step}, loss {v.loss:.4g}" if v.loss is not None else ""
+        ctx.err.print(f"[bold green]READY[/] {run.name}: {m.get('detail')}{extra}  [{time.monotonic() - t0:.2f} s]")
+    elif reason == "timeout":
+        ctx.err.print(f"[bold yellow]TIMEOUT[/] {m.get('detail')}")
+        if m.get("tail"):
+            ctx.err.print(Panel(Text("\n".join(m["tail"])), title="last log lines", border_style="yellow"))
+    elif m.get("ok"):
+        ctx.err.print(f"[bold green]{run.name} finished[/]: {m.get('detail')}")
+    else:
+        _print_verdict_failure(ctx, m)
+
+
+def _resume_until_ready(ctx: Ctx, host: HostConfig, run: RunConfig, t: Transport, offsets: dict[str, int],
+                        state: RunState, t0: float) -> int:
+    """The channel dropped after the run started: follow it again from the same offsets until ready or dead."""
+    deadline = t0 + run.ready_timeout
+    for m in _follow_reconnecting(ctx, host, run, offsets, events=True):
+        state.apply(m)
+        if m.get("t") == "log":
+            ctx.line(m["line"])
+        v = state.view()
+        if v.step >= 1 or v.state == "training" and v.step:
+            ctx.err.print(f"[bold green]READY[/] {run.name}: first step event (after a reconnect)")
+            return EXIT_OK
+        if m.get("t") == "verdict":
+            _print_verdict_failure(ctx, m)
+            return EXIT_FAILED
+        if time.monotonic() > deadline:
+            ctx.err.print(f"[bold yellow]TIMEOUT[/] not ready after {run.ready_timeout:g} s: in phase {v.phase}")
+            return EXIT_TIMEOUT
+    return EXIT_FAILED
+
+
+# -- logs ---------------------------------------------------------------------------------------------------
+def _follow_reconnecting(ctx: Ctx, host: HostConfig, run: RunConfig, offsets: dict[str, int],
+                         events: bool) -> Iterator[dict[str, Any]]:
+    """Messages of `follow` across channel drops: reconnect with back-off and resume at the last offsets.
+
+    `offsets` is updated in place from every message's `end`, so a resume neither loses nor repeats a line."""
+    attempt = 0
+    while True:
+        t = ctx.transport(host)
+        try:
+            args = run_args(run, log_offset=offsets["log_offset"], events_offset=offsets["events_offset"],
+                            tail=offsets.get("tail", 0), no_events=not events, gpu_interval=1.0 if events else 0)
+            offsets.pop("tail", None)
+            for m in stream_agent(t, host, "follow", args):
+                attempt = 0
+                kind = m.get("t")
+                if kind == "log":
+                    offsets["log_offset"] = m["end"]
+                elif kind == "event":
+                    offsets["events_offset"] = m["end"]
+                elif kind == "log_reset":
+                    offsets["events_offset" if m.get("file") == "events" else "log_offset"] = 0
+                yield m
+                if kind == "bye":
+                    return
+        except (ChannelLost, TransportError) as exc:
+            wait = RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)]
+            attempt += 1
+            ctx.err.print(f"[yellow]{host.name}: link lost ({str(exc).splitlines()[0][:200]}); "
+                          f"reconnecting in {wait:g} s (attempt {attempt})[/]")
+            time.sleep(wait)  # back-off between reconnects, not a poll of the run
+        finally:
+            t.close()
+
+
+def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, lines: int = 50,
+             _offsets: dict[str, int] | None = None) -> int:
+    host, run = ctx.resolve(host_name, run_name)
+    assert run is not None
+    if not follow:
+        t = ctx.transport(host)
+        try:
+            check_container(ctx, host, t) if isinstance(t, PctTransport) else None
+            for m in stream_agent(t, host, "follow", run_args(run, log_offset=-1, tail=lines, once=True,
+                                                              no_events=True, gpu_interval=0)):
+                if m.get("t") == "log":
+                    ctx.line(m["line"])
+        except ChannelLost as exc:
+            raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
+        finally:
+            t.close()
+        return EXIT_OK
+    offsets = _offsets or {"log_offset": -1, "events_offset": 0, "tail": lines}
+    rc = EXIT_OK
+    for m in _follow_reconnecting(ctx, host, run, offsets, events=False):
+        kind = m.get("t")
+        if kind == "log":
+            ctx.line(m["line"])
+        elif kind == "log_reset":
+            ctx.err.print(f"[yellow]-- log {m.get('reason')}; reading it again from the start --[/]")
+        elif kind == "verdict":
+            code = m.get("exit_code")
+            ctx.err.print(f"[dim]-- run exited with status {code} --[/]")
+            rc = EXIT_OK if code == 0 else EXIT_FAILED
+    return rc
+
+
+# -- status -------------------------------------------------------------------------------------------------
+def run_status(ctx: Ctx, host: HostConfig, run: RunConfig, t: Transport) -> tuple[RunView, dict[str, Any]]:
+    """One snapshot of a run, reduced by the shared RunState so every view agrees."""
+    msgs = list(stream_agent(t, host, "status", run_args(run)))
+    st = next((m for m in msgs if m.get("t") == "status"), None)
+    if st is None:
+        err = next((m.get("message") for m in msgs if m.get("t") == "error"), "no status message")
+        raise OpsError(f"{host.name}/{run.name}: agent: {err}", EXIT_FAILED)
+    state = RunState(stall_after_s=run.stall_after, killed_by_us=bool(st.get("killed_by_opsctl")))
+    for m in msgs:
+        state.apply(m)
+    return state.view(), st
+
+
+def cmd_status(ctx: Ctx, host_name: str, run_name: str | None, as_json: bool = False) -> int:
+    host, runs = ctx.runs_of(host_name, run_name)
+    t = ctx.transport(host)
+    rows: list[dict[str, Any]] = []
+    try:
+        check_container(ctx, host, t) if isinstance(t, PctTransport) and not as_json else None
+        for run in runs:
+            try:
+                view, st = run_status(ctx, host, run, t)
+            except ChannelLost as exc:
+                raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
+            rows.append({"host": host.name, "run": run.name, **view.to_dict(), "session": st.get("session"),
+                         "session_exists": st.get("session_exists"), "log": st.get("log")})
+    finally:
+        t.close()
+    if as_json:
+        ctx.raw.write(json.dumps(rows if run_name is None else rows[0], default=str) + "\n")
+        ctx.raw.flush()
+        return EXIT_OK
+    table = Table(title=f"{host.name}", show_lines=False)
+    for col in ("run", "state", "phase", "step", "loss", "tok/s", "heartbeat", "pid", "exit", "GPUs"):
+        table.add_column(col)
+    colors = {"training": "green", "finished": "green", "crashed": "red", "killed": "yellow", "stalled": "red",
+              "loading": "cyan", "compiling": "cyan", "starting": "cyan", "absent": "dim"}
+    for r in rows:
+        phase = r["phase"] or "-"
+        if r.get("phase_i") is not None and r.get("phase_n") is not None:
+            phase += f" {r['phase_i']}/{r['phase_n']}"
+        step = f"{r['step']}" + (f"/{r['total_steps']}" if r.get("total_steps") else "")
+        gpus = ", ".join(f"{g['index']}: {g.get('util')}% {int(g.get('mem_used_mb') or 0)} MiB" for g in r["gpus"])
+        table.add_row(r["run"], f"[{colors.get(r['state'], 'white')}]{r['state']}[/]", phase, step,
+                      "-" if r["loss"] is None else f"{r['loss']:.4g}",
+                      "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
+                      "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
+                      str(r["pid"] or "-"), "-" if r["exit_code"] is None else str(r["exit_code"]),
+                      gpus or ("n/a" if r.get("nvml") != "ok" else "none"))
+    ctx.out.print(table)
+    nvml = next((r.get("nvml") for r in rows if r.get("nvml") and r.get("nvml") != "ok"), None)
+    if nvml:
+        ctx.out.print(f"[dim]GPUs: nvml {nvml}[/]")
+    for r in rows:
+        for e in r["errors"][-3:]:
+            ctx.out.print(f"[red]{r['run']}: {e.get('class')}: {e.get('message')}[/]")
+    return EXIT_OK
+
+
+# -- kill ---------------------------------------------------------------------------------------------------
+def cmd_kill(ctx: Ctx, host_name: str, run_name: str) -> int:
+    host, run = ctx.resolve(host_name, run_name)
+    assert run is not None
+    t = ctx.transport(host)
+    rc = EXIT_FAILED
+    try:
+        check_container(ctx, host, t)
+        for m in stream_agent(t, host, "kill", run_args(run)):
+            kind = m.get("t")
+            if kind == "killed":
+                alive = m.get("alive") or []
+                ctx.err.print(f"sent {m['signal']} to process group {m['pgid']}: "
+                              + (f"[yellow]{len(alive)} still alive {alive}[/]" if alive else "[green]all gone[/]"))
+            elif kind == "event":
+                ev = m["event"]
+                if ev.get("kind") == "checkpoint":
+                    ctx.err.print(f"checkpoint written: {ev.get('path')} (step {ev.get('step')})")
+                elif ev.get("kind") == "run_end":
+                    ctx.err.print(f"run_end: reason {ev.get('reason')}, exit code {ev.get('exit_code')}, "
+                                  f"step {ev.get('step')}")
+            elif kind == "check":
+                _print_check(ctx, m)
+            elif kind == "verdict":
+                if m.get("reason") == "not_running":
+                    ctx.err.print(f"{run.name} is not running: {m.get('detail')}")
+                elif m.get("ok"):
+                    ctx.err.print(f"[bold green]killed[/] {run.name}: {m.get('detail')}")
+                else:
+                    ctx.err.print(f"[bold red]kill incomplete[/]: {m.get('detail')}")
+            elif kind == "error":
+                ctx.err.print(f"[red]agent: {m.get('message')}[/]")
+            elif kind == "bye":
+                rc = int(m["rc"])
+    except ChannelLost as exc:
+        raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
+    finally:
+        t.close()
+    return rc
+
+
+# -- clean --------------------------------------------------------------------------------------------------
+def cmd_clean(ctx: Ctx, host_name: str, run_name: str | None, dry_run: bool = False) -> int:
+    host, runs = ctx.runs_of(host_name, run_name)
+    t = ctx.transport(host)
+    worst = EXIT_OK
+    try:
+        check_container(ctx, host, t)
+        for run in runs:
+            n = total = 0
+            for m in stream_agent(t, host, "clean", run_args(run, dry_run=dry_run)):
+                kind = m.get("t")
+                if kind == "removed":
+                    n += 1
+                    total += int(m.get("bytes") or 0)
+                    ctx.out.print(("would remove " if dry_run else "removed ") + m["path"], markup=False)
+                elif kind == "check":
+                    _print_check(ctx, m)
+                elif kind == "error":
+                    ctx.err.print(f"[red]agent: {m.get('message')}[/]")
+                elif kind == "bye":
+                    worst = max(worst, int(m["rc"]))
+            ctx.err.print(f"{run.name}: {'would remove' if dry_run else 'removed'} {n} entries, "
+                          f"{total / 2**20:.1f} MiB")
+    except ChannelLost as exc:
+        raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
+    finally:
+        t.close()
+    return worst
+
+
+# -- hosts --------------------------------------------------------------------------------------------------
+def cmd_hosts_check(ctx: Ctx) -> int:
+    problems = check_inventory(ctx.hosts_file)
+    if problems:
+        for p in problems:
+            ctx.err.print(Text(p, style="red"))
+        return EXIT_USAGE
+    inv = ctx.inventory()
+    for name, h in inv.hosts.items():
+        runs = ", ".join(inv.runs.get(name, {})) or "(no runs)"
+        ctx.out.print(f"[green]ok[/] {name} ({h.kind}{'' if h.pct is None else f' {h.pct}'}): {runs}")
+    ctx.err.print(f"{inv.path or '<embedded default>'}: valid, {len(inv.hosts)} host(s)")
+    return EXIT_OK
+
+
+# -- watch --------------------------------------------------------------------------------------------------
+class AgentSource:
+    """One run followed through the agent, as `opsctl watch` consumes it (opsctl.tui.WatchSource).
+
+    `messages()` is one connection: it ends, or raises TransportError, when the link is lost; the next call
+    resumes at the last offsets seen, so the dashboard neither loses nor repeats a line across reconnects."""
+
+    def __init__(self, ctx: Ctx, host_name: str, run_name: str, tail: int = 200) -> None:
+        self.ctx = ctx
+        self.host, run = ctx.resolve(host_name, run_name)
+        assert run is not None
+        self.run = run
+        self.label = f"{host_name}:{run_name}"
+        self.offsets: dict[str, int] = {"log_offset": -1, "events_offset": 0, "tail": tail}
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        t = self.ctx.transport(self.host)
+        try:
+            args = run_args(self.run, log_offset=self.offsets["log_offset"],
+                            events_offset=self.offsets["events_offset"], tail=self.offsets.get("tail", 0),
+                            gpu_interval=1.0, until_exit=False)
+            first = True
+            for m in stream_agent(t, self.host, "follow", args):
+                if first:
+                    self.offsets.pop("tail", None)
+                    first = False
+                kind = m.get("t")
+                if kind == "log":
+                    self.offsets["log_offset"] = m["end"]
+                elif kind == "event":
+                    self.offsets["events_offset"] = m["end"]
+                elif kind == "log_reset":
+                    self.offsets["events_offset" if m.get("file") == "events" else "log_offset"] = 0
+                yield m
+        finally:
+            t.close()
+
+    def kill(self) -> None:
+        cmd_kill(self.ctx, self.host.name, self.run.name)
+
+    def clean(self) -> None:
+        cmd_clean(self.ctx, self.host.name, self.run.name)
+
+    def reconnect(self) -> None:
+        pass  # every messages() call opens a fresh connection from the saved offsets
+
+
+def watch_sources(ctx: Ctx, targets: list[str]) -> list[AgentSource]:
+    """HOST[:RUN] arguments (none: every run in hosts.yaml) -> one source per run."""
+    inv = ctx.inventory()
+    pairs: list[tuple[str, str]] = []
+    if not targets:
+        pairs = [(h, r) for h, runs in inv.runs.items() for r in runs]
+    for tgt in targets:
+        host, _, run = tgt.partition(":")
+        if run:
+            pairs.append((host, run))
+        else:
+            ctx.resolve(host, None)
+            pairs += [(host, r) for r in inv.runs.get(host, {})]
+    return [AgentSource(ctx, h, r) for h, r in pairs]
