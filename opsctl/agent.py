@@ -902,7 +902,6 @@ def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
 
 def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     pw = ProcWatch(run)
-    snap = pw.poll(force=True)
     launch = read_json(run.sf("launch.json")) or {}
     killed = read_json(run.sf("killed"))
     since = float(launch.get("ts", 0)) - 1.0
@@ -942,6 +941,8 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     for start in sorted(picked):
         end, ev = picked[start]
         emit("event", off=start, end=end, event=ev)
+    # proc after the events: a reducer resets the exit code when it sees run_start
+    snap = pw.poll(force=True)
     if nvml.ok:
         emit("gpu", gpus=nvml.sample())
     sess = session_info(run)

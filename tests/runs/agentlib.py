@@ -74,3 +74,26 @@ def cleanup(args: dict[str, Any]) -> None:
     sock = agent.Run(args).tmux_socket()
     if os.path.exists(sock):
         subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True)
+
+
+REPO = RUNS.parent.parent
+
+
+def opsctl(hosts: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI (`python -m opsctl`) as a user would; output is captured as text."""
+    env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb")
+    return subprocess.run([sys.executable, "-m", "opsctl", "--hosts", str(hosts), *argv], cwd=str(REPO),
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def script_run(tmp: Path, script: str, *script_args: str, **over: Any) -> dict[str, Any]:
+    """A hosts.yaml run entry for a script in tests/runs (the host's python runs it; paths absolute)."""
+    run: dict[str, Any] = {
+        "workdir": str(tmp), "command": ["{python}", str(RUNS / script), *script_args],
+        "log": "run.log", "events": "events.jsonl", "inductor_cache_dir": str(tmp / "cache"),
+        "clean_roots": [str(tmp)], "ready_timeout": 30, "kill_grace": [2, 2],
+    }
+    if script != "chatty.py":
+        run["command"] += ["--events", str(tmp / "events.jsonl")]
+    run.update(over)
+    return run

@@ -1,0 +1,95 @@
+"""`opsctl launch` end to end through a real sshd and the `pct` stand-in (PID + mount namespaces), plus local.
+
+Ready verdict, crash reported within 1 s of the death with its traceback, hang -> timeout naming the phase.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
+
+from agentlib import opsctl, script_run  # noqa: E402
+
+from opsctl import commands  # noqa: E402
+
+
+@pytest.fixture
+def ct(container: Callable[..., int]) -> int:
+    return container(200)
+
+
+def test_launch_ready_over_ssh_pct_then_status(tmp_path: Path, sshd, ct: int) -> None:
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={
+        "ok": script_run(tmp_path, "ok_run.py", "--steps", "3", "--step-time", "0.3")})
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "stale.so").write_bytes(b"x" * 100)
+    r = opsctl(hosts, "launch", "box", "ok")
+    assert r.returncode == commands.EXIT_OK, r.stderr
+    assert "container 200 running" in r.stderr and "READY ok: first step event" in r.stderr
+    assert "loading model" in r.stdout  # the log was streamed live
+    assert not (tmp_path / "cache" / "stale.so").exists()  # the inductor cache was cleared first
+    r = opsctl(hosts, "status", "box", "ok", "--json")
+    st = json.loads(r.stdout)
+    assert r.returncode == 0 and st["state"] in ("training", "finished") and st["step"] >= 1, st
+    assert st["pid"] is not None and st["nvml"].startswith("unavailable (")
+
+
+def test_launch_follow_local_exits_with_run_status(tmp_path: Path, sshd) -> None:
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", local_runs={
+        "ok": script_run(tmp_path, "ok_run.py", "--steps", "3", "--step-time", "0.05", tmux_session="opsctl-t-follow")})
+    r = opsctl(hosts, "launch", "local", "ok", "--follow")
+    assert r.returncode == 0, r.stderr
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("step ")] == [
+        "step 1 loss 5.000", "step 2 loss 2.500", "step 3 loss 1.667"]
+    assert "run ended: completed" in r.stdout and "finished" in r.stderr
+
+
+def test_crash_during_loading_reported_within_1s(tmp_path: Path, sshd, ct: int) -> None:
+    marker = tmp_path / "died_at"
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={
+        "crash": script_run(tmp_path, "crash_loading.py", "--marker", str(marker), "--delay", "0.5")})
+    r = opsctl(hosts, "launch", "box", "crash")
+    done = time.time()
+    assert r.returncode == commands.EXIT_FAILED, r.stderr
+    died = float(marker.read_text())
+    assert done - died < 1.0, f"crash reported {done - died:.2f} s after the raise"
+    assert "before it was ready, in phase loading_target 2/4" in r.stderr
+    assert "Traceback (most recent call last)" in r.stderr
+    assert "FileNotFoundError: /dev/shm/model/shard-2.safetensors" in r.stderr
+    st = json.loads(opsctl(hosts, "status", "box", "crash", "--json").stdout)
+    assert st["state"] == "crashed" and st["exit_code"] == 1
+
+
+def test_hang_before_ready_times_out_naming_the_phase(tmp_path: Path, sshd, ct: int) -> None:
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={
+        "hang": script_run(tmp_path, "hang_loading.py", "--heartbeat", "0.3", ready_timeout=2, kill_grace=[1, 1])})
+    r = opsctl(hosts, "launch", "box", "hang")
+    assert r.returncode == commands.EXIT_TIMEOUT, r.stderr
+    assert "stuck in phase loading_target 3/8" in r.stderr and "left running" in r.stderr
+    st = json.loads(opsctl(hosts, "status", "box", "hang", "--json").stdout)
+    assert st["state"] == "loading" and st["proc_state"] == "running" and st["phase_i"] == 3  # left alone
+    assert opsctl(hosts, "kill", "box", "hang").returncode == 0
+
+
+def test_launch_refused_when_container_stopped(tmp_path: Path, sshd, container: Callable[..., int]) -> None:
+    vmid = container(201, start=False)
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=vmid, runs={"ok": script_run(tmp_path, "ok_run.py")})
+    r = opsctl(hosts, "launch", "box", "ok")
+    assert r.returncode == commands.EXIT_REFUSED
+    assert "container 201 is stopped" in r.stderr and not (tmp_path / "run.log").exists()
+
+
+def test_help_teaches_examples_and_exit_codes() -> None:
+    r = opsctl(Path("hosts.yaml"), "--help")
+    assert r.returncode == 0 and "opsctl launch local tiny --follow" in r.stdout
+    for code in range(6):
+        assert f"\n  {code}  " in r.stdout
+    r = opsctl(Path("/nonexistent/hosts.yaml"), "status", "local")
+    assert r.returncode == commands.EXIT_USAGE and "file not found" in r.stderr
