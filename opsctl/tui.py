@@ -316,7 +316,7 @@ class WatchApp(App[int]):
 
     def __init__(self, sources: Sequence[WatchSource], bell: bool = False, clock: Callable[[], float] | None = None,
                  tick_s: float = TICK_S, log_capacity: int = DEFAULT_LOG_CAPACITY,
-                 inbox_lines: int = DEFAULT_INBOX_LINES) -> None:
+                 inbox_lines: int = DEFAULT_INBOX_LINES, backoff: Sequence[float] = BACKOFF_S) -> None:
         super().__init__()
         if not sources:
             raise ValueError("opsctl watch needs at least one run to watch")
@@ -325,7 +325,7 @@ class WatchApp(App[int]):
             raise ValueError(f"two sources share a label: {labels}")
         self.sources = list(sources)
         self.models = [RunModel(s.label, clock=clock, log_capacity=log_capacity) for s in sources]
-        self.followers = [SourceWorker(s, inbox_lines=inbox_lines) for s in sources]
+        self.followers = [SourceWorker(s, inbox_lines=inbox_lines, backoff=backoff) for s in sources]
         self.bell_on = bell
         self.current = 0
         self._tick_s = tick_s
@@ -348,12 +348,20 @@ class WatchApp(App[int]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#charts").border_title = "loss · tokens/s · step time · queue depth"
-        self.query_one("#gpus").border_title = "GPUs"
-        self.query_one("#alerts").border_title = "alerts"
-        self.query_one("#log").border_title = "log"
-        self.query_one(LogPane).attach(self.models[0].log)
-        self.query_one(LogPane).focus()
+        # Kept as attributes: while a dialog is open, queries would look at the dialog's screen instead.
+        self.w_runs = self.query_one(RunsBar)
+        self.w_summary = self.query_one(RunSummary)
+        self.w_charts = self.query_one(Charts)
+        self.w_gpus = self.query_one(GpuPanel)
+        self.w_alerts = self.query_one(AlertsPanel)
+        self.w_log = self.query_one(LogPane)
+        self.w_logstatus = self.query_one("#logstatus", Static)
+        self.w_charts.border_title = "loss · tokens/s · step time · queue depth"
+        self.w_gpus.border_title = "GPUs"
+        self.w_alerts.border_title = "alerts"
+        self.w_log.border_title = "log"
+        self.w_log.attach(self.models[0].log)
+        self.w_log.focus()
         for worker in self.followers:
             worker.start()
         self.tick()
@@ -390,18 +398,17 @@ class WatchApp(App[int]):
             entries.append((model.label, view, len(alerts)))
             if i == self.current:
                 current_view, current_alerts = view, alerts
-        self.query_one(RunsBar).show(entries, self.current)
+        self.w_runs.show(entries, self.current)
         model = self.models[self.current]
-        pane = self.query_one(LogPane)
+        pane = self.w_log
         pane.sync()
         if changed or model.version != self._shown_version:
-            self.query_one(Charts).show(model.series)
-            self.query_one(GpuPanel).show(current_view.gpus, model.gpu_hist, current_view.nvml)
+            self.w_charts.show(model.series)
+            self.w_gpus.show(current_view.gpus, model.gpu_hist, current_view.nvml)
             self._shown_version = model.version
-        self.query_one(RunSummary).show(model.label, current_view, model.link, model.lines_total, model.dropped,
-                                        len(pane.lines))
-        self.query_one(AlertsPanel).show(current_alerts)
-        self.query_one("#logstatus", Static).update(pane.status())
+        self.w_summary.show(model.label, current_view, model.link, model.lines_total, model.dropped, len(pane.lines))
+        self.w_alerts.show(current_alerts)
+        self.w_logstatus.update(pane.status())
 
     def _maybe_bell(self, i: int, alerts: list[Alert]) -> None:
         keys = {a.key for a in alerts if a.severity in (CRITICAL, WARNING)}
@@ -415,7 +422,7 @@ class WatchApp(App[int]):
         if isinstance(self.focused, Input):
             return
         self.current = (self.current + 1) % len(self.models)
-        self.query_one(LogPane).attach(self.models[self.current].log)
+        self.w_log.attach(self.models[self.current].log)
         self._shown_version = -1
         self.tick()
 

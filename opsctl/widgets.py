@@ -249,7 +249,7 @@ class GpuPanel(Widget):
             t.append(f"{spark(h.get('mem_used_mb', []), w, 0, total if isinstance(total, (int, float)) else None):<{w}}",
                      style="cyan")
             t.append(f" {fmt_num(g.get('power_w'), 0):>4}W ")
-            t.append(f"{spark(h.get('power_w', []), w, 0):<{w}}", style="yellow")
+            t.append(f"{spark(h.get('power_w', []), w):<{w}}", style="yellow")
             t.append(f" {fmt_num(g.get('temp_c'), 0):>3}°C ")
             t.append(f"{spark(h.get('temp_c', []), w, 20, 95):<{w}}", style="red")
             procs = g.get("procs") or []
@@ -376,10 +376,11 @@ class LogPane(ScrollView, can_focus=True):
         super().watch_scroll_y(old_value, new_value)
         if self._programmatic:
             return
-        if new_value < old_value:
-            self.follow = False
-        elif new_value >= self.max_scroll_y:
+        # At the bottom (also when a resize clamps the offset) means follow; moving up anywhere else pauses.
+        if new_value >= self.max_scroll_y:
             self.follow = True
+        elif new_value < old_value:
+            self.follow = False
 
     def on_resize(self) -> None:
         self.sync()

@@ -1,0 +1,441 @@
+"""`opsctl watch`: the Textual dashboard driven by recorded agent streams (Pilot and snapshot tests), plus --plain/--once.
+
+The clock is injected (the agent's clock at the end of each recording) so ages, stall verdicts and snapshots are fixed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.pilot import Pilot
+
+from opsctl.plain import run_plain, snapshot_once
+from opsctl.tui import RecordedSource, SourceWorker, WatchApp, WatchSource
+from opsctl.widgets import (
+    SEV_ERROR,
+    SEV_WARNING,
+    AlertsPanel,
+    ConfirmScreen,
+    GpuPanel,
+    LogPane,
+    RunsBar,
+    RunSummary,
+    spark,
+)
+
+STREAMS = Path(__file__).parent / "fixtures" / "streams"
+SIZE = (120, 40)
+
+
+def last_ts(name: str) -> float:
+    return max(json.loads(line)["ts"] for line in (STREAMS / f"{name}.jsonl").read_text().splitlines())
+
+
+def recorded(name: str, **kw: Any) -> RecordedSource:
+    return RecordedSource(STREAMS / f"{name}.jsonl", label=f"h200:{name}", **kw)
+
+
+def app_for(*names: str, after_s: float = 2.0, **kw: Any) -> WatchApp:
+    clock_at = max(last_ts(n) for n in names) + after_s
+    return WatchApp([recorded(n) for n in names], clock=lambda: clock_at, **kw)
+
+
+async def settle(pilot: Pilot[Any], timeout_s: float = 10.0) -> None:
+    """Wait until every recording is replayed and folded in, then let one more frame render."""
+    app = pilot.app
+    assert isinstance(app, WatchApp)
+    deadline = time.monotonic() + timeout_s
+    while not app.replay_done():
+        assert time.monotonic() < deadline, "replay did not finish"
+        await pilot.pause(0.02)
+    app.tick()
+    await pilot.pause()
+
+
+def text_of(app: WatchApp, widget: type) -> str:
+    return str(app.query_one(widget).content)
+
+
+# -- Pilot tests -------------------------------------------------------------------------------------------
+@pytest.mark.anyio
+async def test_training_stream_shows_state_numbers_gpus_and_no_alerts() -> None:
+    app = app_for("training")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        summary = text_of(app, RunSummary)
+        assert "TRAINING" in summary
+        assert "step 40/1,000  epoch 0" in summary
+        assert "loss 3.6152" in summary
+        assert "tokens/s 33,393" in summary
+        assert "heartbeat 2s ago" in summary
+        assert "ETA 24m" in summary or "ETA 23m" in summary
+        assert text_of(app, AlertsPanel) == "no alerts"
+        gpus = app.query_one(GpuPanel).render().plain
+        assert "GPU0  97%" in gpus and "GPU1  91%" in gpus and "procs 31337:59.6G" in gpus
+        model = app.models[0]
+        assert len(model.series["loss"]) == 40 and model.series["loss"][0] > model.series["loss"][-1]
+        assert len(model.gpu_hist[0]["util"]) == 48
+        # Following: the last line of the log is on screen.
+        pane = app.query_one(LogPane)
+        assert pane.follow and int(pane.scroll_y) == pane.max_scroll_y
+        assert pane.lines[-1].text.startswith("step    40")
+
+
+@pytest.mark.anyio
+async def test_loading_stream_shows_progress_i_of_n() -> None:
+    app = app_for("loading")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert "LOADING 5/8" in text_of(app, RunsBar)
+        assert "phase loading_target 5/8" in text_of(app, RunSummary)
+
+
+@pytest.mark.anyio
+async def test_stalled_stream_raises_stalled_and_gpu_idle_alerts_with_evidence() -> None:
+    app = app_for("stalled", after_s=0.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        alerts = text_of(app, AlertsPanel)
+        assert "run stalled" in alerts
+        assert "no heartbeat or step for 120 s (stall_after 60 s); last seen in training, step 12" in alerts
+        assert "GPU idle while training" not in alerts  # stalled is not "training"; the stall alert covers it
+        assert "STALLED" in text_of(app, RunsBar) and "⚠1" in text_of(app, RunsBar)
+
+
+@pytest.mark.anyio
+async def test_crashed_stream_alert_quotes_the_oom_and_log_highlights_traceback() -> None:
+    app = app_for("crashed")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        alerts = text_of(app, AlertsPanel)
+        assert "run crashed" in alerts
+        assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.74 GiB" in alerts
+        assert "exit code 1" in alerts
+        pane = app.query_one(LogPane)
+        tb = [ln for ln in pane.lines if ln.text.startswith("Traceback")]
+        assert len(tb) == 1 and tb[0].sev == SEV_ERROR
+        # The traceback line is drawn with the Traceback highlight (white on red).
+        row = next(y for y in range(pane.size.height)
+                   if pane.lines[int(pane.scroll_y) + y].text.startswith("Traceback"))
+        strip = pane.render_line(row)
+        styles = {str(seg.style) for seg in strip if "Traceback" in seg.text}
+        assert any("on red" in s for s in styles), styles
+
+
+@pytest.mark.anyio
+async def test_kill_asks_first_and_calls_the_source_only_on_yes() -> None:
+    app = app_for("training")
+    source = app.sources[0]
+    assert isinstance(source, RecordedSource)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("k")
+        assert isinstance(app.screen, ConfirmScreen)
+        assert "kill h200:training?" in app.screen.question and "pid 31337" in app.screen.question
+        await pilot.press("n")
+        assert not isinstance(app.screen, ConfirmScreen)
+        await pilot.pause(0.1)
+        assert source.actions == [] and not app.models[0].state.killed_by_us
+        await pilot.press("k")
+        await pilot.click("#yes")
+        for _ in range(50):
+            if source.actions:
+                break
+            await pilot.pause(0.02)
+        assert source.actions == ["kill"]
+        assert app.models[0].state.killed_by_us  # a following run_end by signal reads as "killed"
+        await pilot.press("c")
+        await pilot.press("escape")
+        await pilot.pause(0.1)
+        assert source.actions == ["kill"]
+        await pilot.press("c", "y")
+        for _ in range(50):
+            if len(source.actions) == 2:
+                break
+            await pilot.pause(0.02)
+        assert source.actions == ["kill", "clean"]
+
+
+@pytest.mark.anyio
+async def test_tab_switches_runs_and_each_keeps_its_own_log() -> None:
+    app = app_for("training", "crashed")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        bar = text_of(app, RunsBar)
+        assert "▶ h200:training" in bar and "CRASHED" in bar
+        assert "h200:training" in text_of(app, RunSummary)
+        await pilot.press("tab")
+        await pilot.pause()
+        assert app.current == 1
+        assert "h200:crashed" in text_of(app, RunSummary)
+        assert app.query_one(LogPane).lines is app.models[1].log
+        assert "run crashed" in text_of(app, AlertsPanel)
+        await pilot.press("tab")
+        assert app.current == 0
+
+
+class HangingSource:
+    """A host whose SSH connect never returns (the real failure this guards against): messages() blocks forever."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.release = threading.Event()
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        self.release.wait()
+        return iter(())
+
+    def kill(self) -> None: ...
+
+    def clean(self) -> None: ...
+
+    def reconnect(self) -> None: ...
+
+
+class DroppingSource:
+    """A link that drops once, like a closed SSH channel: yields the first half, raises, then resumes after reconnect.
+
+    It resumes after the last message delivered, as the agent's `follow` does from the last offsets.
+    """
+
+    def __init__(self, path: Path, label: str) -> None:
+        self.label = label
+        self.msgs = [json.loads(x) for x in path.read_text().splitlines()]
+        self.pos = 0
+        self.reconnects = 0
+        self.dropped = False
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        while self.pos < len(self.msgs):
+            if not self.dropped and self.pos == len(self.msgs) // 2:
+                self.dropped = True
+                raise ConnectionResetError("Socket is closed")
+            msg = self.msgs[self.pos]
+            self.pos += 1
+            yield msg
+
+    def kill(self) -> None: ...
+
+    def clean(self) -> None: ...
+
+    def reconnect(self) -> None:
+        self.reconnects += 1
+
+
+@pytest.mark.anyio
+async def test_a_hanging_host_does_not_freeze_the_others_or_the_ui() -> None:
+    hanging = HangingSource("dead:run")
+    assert isinstance(hanging, WatchSource)
+    clock_at = last_ts("training") + 2
+    app = WatchApp([hanging, recorded("training")], clock=lambda: clock_at)
+    async with app.run_test(size=SIZE) as pilot:
+        deadline = time.monotonic() + 10
+        while not app.followers[1].ended.is_set() or app.followers[1].pending():
+            assert time.monotonic() < deadline
+            await pilot.pause(0.02)
+        ticks = app.ticks
+        await pilot.pause(0.35)
+        assert app.ticks >= ticks + 2  # the batch loop keeps running
+        bar = text_of(app, RunsBar)
+        assert "dead:run  ABSENT" in bar and "h200:training  TRAINING" in bar
+        assert "dead:run" in text_of(app, RunSummary) and "link connecting" in text_of(app, RunSummary)
+        await pilot.press("tab")
+        assert "step 40/1,000" in text_of(app, RunSummary)
+    hanging.release.set()
+
+
+@pytest.mark.anyio
+async def test_link_loss_is_alerted_then_recovers_without_losing_or_repeating_messages() -> None:
+    source = DroppingSource(STREAMS / "training.jsonl", "h200:flaky")
+    clock_at = last_ts("training") + 2
+    app = WatchApp([source], clock=lambda: clock_at, backoff=(0.3,))
+    async with app.run_test(size=SIZE) as pilot:
+        deadline = time.monotonic() + 10
+        while "SSH link lost" not in text_of(app, AlertsPanel):
+            assert time.monotonic() < deadline, text_of(app, AlertsPanel)
+            await pilot.pause(0.02)
+        assert "ConnectionResetError: Socket is closed" in text_of(app, AlertsPanel)
+        await settle(pilot)
+        assert source.reconnects == 1
+        assert text_of(app, AlertsPanel) == "no alerts"
+        model = app.models[0]
+        assert model.lines_total == sum(1 for m in source.msgs if m["t"] == "log")
+        assert [ln.seq for ln in model.log] == list(range(model.lines_total))
+        assert "step 40/1,000" in text_of(app, RunSummary)
+
+
+@pytest.mark.anyio
+async def test_reconnect_key_restarts_an_ended_stream() -> None:
+    app = app_for("loading")
+    source = app.sources[0]
+    assert isinstance(source, RecordedSource)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        lines = app.models[0].lines_total
+        await pilot.press("r")
+        deadline = time.monotonic() + 10
+        while app.models[0].lines_total < 2 * lines:
+            assert time.monotonic() < deadline
+            await pilot.pause(0.02)
+        assert source.actions == ["reconnect"]
+
+
+@pytest.mark.anyio
+async def test_chatty_log_overflow_is_dropped_and_counted_never_silently() -> None:
+    class Chatty:
+        label = "h:chatty"
+
+        def messages(self) -> Iterator[dict[str, Any]]:
+            for i in range(5000):
+                yield {"t": "log", "ts": 0.0, "off": i, "end": i + 1, "line": f"line {i}"}
+
+        def kill(self) -> None: ...
+
+        def clean(self) -> None: ...
+
+        def reconnect(self) -> None: ...
+
+    app = WatchApp([Chatty()], clock=lambda: 0.0, tick_s=3600, inbox_lines=1000)
+    async with app.run_test(size=SIZE) as pilot:
+        deadline = time.monotonic() + 10
+        while not app.followers[0].ended.is_set():
+            assert time.monotonic() < deadline
+            await pilot.pause(0.02)
+        app.tick()
+        model = app.models[0]
+        # The first tick (at mount) may have drained a few early lines; every line is either shown or counted.
+        assert model.dropped + model.lines_total == 5000
+        assert model.dropped >= 3000 and model.lines_total >= 1000
+        assert model.log[-1].text == "line 4999"  # the newest lines are kept
+        assert f"{model.lines_total:,} lines, {model.dropped:,} dropped" in text_of(app, RunSummary)
+
+
+@pytest.mark.anyio
+async def test_log_pane_pauses_on_scroll_searches_and_filters() -> None:
+    app = app_for("training")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        pane = app.query_one(LogPane)
+        model = app.models[0]
+        await pilot.press("pageup")
+        assert not pane.follow
+        top = pane.lines[int(pane.scroll_y)].seq
+        # More lines arrive while paused: the view stays where it was.
+        for i in range(5):
+            model.ingest({"t": "log", "ts": 0.0, "off": 0, "end": 0, "line": f"late line {i}"})
+        app.tick()
+        assert pane.lines[int(pane.scroll_y)].seq == top
+        await pilot.press("f")
+        assert pane.follow and pane.lines[int(pane.scroll_y) + pane.size.height - 1].text == "late line 4"
+        # Search jumps to the match and highlights it.
+        await pilot.press("slash", *"checkpoint", "enter")
+        assert not pane.follow and pane.search == "checkpoint"
+        shown = [pane.lines[int(pane.scroll_y) + y].text for y in range(pane.size.height)]
+        assert any("saved checkpoint" in t for t in shown)
+        assert "search 'checkpoint'" in str(app.query_one("#logstatus").content)
+        # Severity filter: warnings and errors only, then errors only, then everything again.
+        await pilot.press("s")
+        assert [ln.sev >= SEV_WARNING for ln in pane.lines] == [True] * len(pane.lines)
+        assert [ln.text[:8] for ln in pane.lines] == ["WARNING:"]
+        await pilot.press("s")
+        assert len(pane.lines) == 0
+        await pilot.press("s")
+        assert pane.lines is model.log
+        await pilot.press("slash", "escape")
+        assert pane.search == "" and pane.follow
+
+
+# -- snapshots (fixed size and clock) ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["loading", "training", "stalled", "crashed"])
+def test_snapshot_main_screen(name: str, snap_compare: Any) -> None:
+    app = app_for(name, after_s=0.0 if name == "stalled" else 2.0)
+
+    async def run_before(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+# -- sources, --once and --plain ---------------------------------------------------------------------------
+def test_recorded_source_paces_by_ts_or_replays_at_once() -> None:
+    delays: list[float] = []
+    src = recorded("loading", speed=10.0, sleep=delays.append)
+    msgs = list(src.messages())
+    span = msgs[-1]["ts"] - msgs[0]["ts"]
+    assert len(msgs) == 24 and span > 20
+    assert delays and abs(max(delays) - span / 10.0) < 0.5
+    fast: list[float] = []
+    assert len(list(recorded("loading", sleep=fast.append).messages())) == 24 and fast == []
+    with pytest.raises(ValueError, match="speed must be > 0"):
+        recorded("loading", speed=0)
+    with pytest.raises(FileNotFoundError, match="recorded stream not found"):
+        RecordedSource(STREAMS / "nope.jsonl")
+
+
+def test_worker_counts_drops_per_drain() -> None:
+    class Burst:
+        label = "b"
+
+        def messages(self) -> Iterator[dict[str, Any]]:
+            for i in range(30):
+                yield {"t": "log", "line": str(i)}
+            yield {"t": "gpu", "ts": 1.0, "gpus": []}
+
+        def kill(self) -> None: ...
+
+        def clean(self) -> None: ...
+
+        def reconnect(self) -> None: ...
+
+    w = SourceWorker(Burst(), inbox_lines=10).start()
+    assert w.ended.wait(5)
+    other, logs, dropped = w.drain()
+    assert [m["line"] for m in logs] == [str(i) for i in range(20, 30)] and dropped == 20
+    assert [m["t"] for m in other] == ["link", "gpu", "link"]
+    assert w.drain() == ([], [], 0)
+    w.stop()
+
+
+def test_once_json_snapshot_of_every_run() -> None:
+    snaps = snapshot_once([recorded("crashed"), recorded("training")], settle_s=0.3, timeout_s=10,
+                          clock=lambda: last_ts("training") + 2)
+    by = {s["label"]: s for s in snaps}
+    crashed, training = by["h200:crashed"], by["h200:training"]
+    assert crashed["view"]["state"] == "crashed" and crashed["view"]["exit_code"] == 1
+    assert [a["key"] for a in crashed["alerts"]] == ["crashed"]
+    assert "torch.OutOfMemoryError" in crashed["alerts"][0]["evidence"]
+    assert training["view"]["state"] == "training" and training["view"]["step"] == 40
+    assert training["alerts"] == [] and training["log_lines"] == 52 and training["dropped_lines"] == 0
+    json.dumps(snaps)  # what `--once --json` prints must serialise
+
+
+def test_once_json_gives_up_on_a_hanging_host_within_the_timeout() -> None:
+    hanging = HangingSource("dead:run")
+    start = time.monotonic()
+    snaps = snapshot_once([hanging, recorded("loading")], settle_s=0.2, timeout_s=1.0)
+    assert time.monotonic() - start < 3
+    assert snaps[0]["link"] == "connecting" and snaps[0]["view"]["state"] == "absent"
+    assert snaps[1]["view"]["state"] in ("loading", "stalled")
+    hanging.release.set()
+
+
+def test_plain_view_prints_state_alert_and_log_tail() -> None:
+    out = io.StringIO()
+    assert run_plain([recorded("crashed")], stream=out, hz=20) == 0
+    text = out.getvalue()
+    assert "CRASHED" in text and "run crashed" in text and "torch.OutOfMemoryError" in text
+    assert "GPU0" in text
+
+
+def test_spark_scales_and_skips_non_finite() -> None:
+    assert spark([0, 50, 100], 3, 0, 100) == "▁▅█"
+    assert spark([1.0, float("nan"), 1.0], 5) == "▁▁"
+    assert spark([1, 2, 3, 4], 2) == "▁█"
+    assert spark([], 4) == ""
