@@ -163,6 +163,7 @@ class _LocalStream(Stream):
                 pass
         self.close()
         self._proc.wait()
+        self._stderr_thread.join(2)
 
 
 class LocalTransport:
@@ -287,11 +288,13 @@ class _SSHStream(Stream):
         return rc
 
     def kill(self) -> None:
-        # SSH cannot signal a remote process portably; closing the channel closes its pipes (EOF/EPIPE/SIGHUP).
+        # SSH cannot signal a remote process portably: closing the channel closes its pipes, so the remote side
+        # sees EOF on stdin and EPIPE on its next write (the agent exits on either; see docs/agent-protocol.md).
         try:
             self._chan.close()  # type: ignore[attr-defined]
         except (OSError, EOFError):
             pass
+        self._stderr_thread.join(2)
 
 
 class SSHTransport:

@@ -1,0 +1,270 @@
+"""Transports over local, real SSH and SSH + pct: byte-exact argv, streams, host-key policy, errors a user can act on.
+
+Hostile values (quotes, $(), backticks, ;, newlines, globs) must arrive as data on every layer and run nothing.
+"""
+
+from __future__ import annotations
+
+import shlex
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from harness.sshd import PctHost, Sshd
+
+from opsctl.config import HostConfig, SSHSettings, parse_inventory
+from opsctl.transport import (
+    LocalTransport,
+    PctTransport,
+    SSHTransport,
+    Transport,
+    TransportError,
+    TransportTimeout,
+    shell_join,
+    transport_for,
+)
+
+VMID = 230
+
+
+def hostile(canary: Path) -> list[str]:
+    """Values that would run `touch CANARY` if any layer parsed them as shell code."""
+    c = shlex.quote(str(canary))
+    return [
+        "plain", "with space", "it's", 'say "hi"', f"$(touch {c})", f"`touch {c}`", f"; touch {c}", f"a && touch {c}",
+        f"x\ntouch {c}", "*", "/*", "~", "$HOME", "${PATH}", "\\", "\\n", "'", '"', "", " lead", "trail ", "-n",
+        "--", "a|b", "a>b", "#hash", "%s%n", "ünïcödé ✓", "\t tab", "!bang", "{a,b}", "$((1+1))",
+    ]
+
+
+@pytest.fixture(scope="module")
+def ssh(sshd: Sshd) -> Iterator[SSHTransport]:
+    t = SSHTransport(sshd.ssh_settings())
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def ct(pct_host: PctHost) -> Iterator[int]:
+    pct_host.create(VMID)
+    yield VMID
+    pct_host.pct("stop", str(VMID), check=False)
+
+
+@pytest.fixture(params=["local", "ssh", "ssh+pct", "local+pct"])
+def transport(request: pytest.FixtureRequest) -> Transport:
+    kind = request.param
+    if kind == "local":
+        return LocalTransport()
+    if kind == "local+pct":
+        request.getfixturevalue("ct")
+        return PctTransport(LocalTransport(env=request.getfixturevalue("pct_host").env()), VMID)
+    ssh = request.getfixturevalue("ssh")
+    if kind == "ssh":
+        return ssh
+    request.getfixturevalue("ct")
+    return PctTransport(ssh, VMID)
+
+
+def test_shell_join_quotes_once_and_refuses_what_exec_cannot_pass() -> None:
+    argv = ["echo", "a b", "$(x)", ""]
+    assert shlex.split(shell_join(argv)) == argv
+    for bad in ([], ["a\x00b"], "echo hi", [1]):
+        with pytest.raises(ValueError):
+            shell_join(bad)  # type: ignore[arg-type]
+
+
+def test_argv_for_shows_each_layer_quoted_once(ssh: SSHTransport) -> None:
+    argv = ["printf", "%s", "$(id)"]
+    assert LocalTransport().argv_for(argv) == argv
+    assert ssh.argv_for(argv) == "printf %s '$(id)'"
+    over_ssh = PctTransport(ssh, 200).argv_for(argv)
+    assert isinstance(over_ssh, str) and shlex.split(over_ssh) == ["pct", "exec", "200", "--", *argv]
+    assert PctTransport(LocalTransport(), 200).argv_for(["-x"]) == ["pct", "exec", "200", "--", "-x"]
+
+
+def test_hostile_values_arrive_byte_exact_and_run_nothing(transport: Transport, tmp_path: Path) -> None:
+    canary = tmp_path / "pwned"
+    vals = hostile(canary)
+    r = transport.run(["printf", "%s\\0", *vals])
+    assert r.rc == 0, r.stderr
+    assert r.stdout.split(b"\0")[:-1] == [v.encode() for v in vals]
+    # as paths (workdir, log path) and as environment values (env NAME=VALUE passes argv too)
+    d = tmp_path / "dir $(touch x) ; `y` 'q'\n*"
+    assert transport.run(["mkdir", "-p", str(d)]).rc == 0
+    assert d.is_dir()
+    r = transport.run(["env", f"WEIRD={vals[4]}\n{vals[5]}", "sh", "-c", 'printf %s "$WEIRD"'])
+    assert r.stdout == f"{vals[4]}\n{vals[5]}".encode()
+    assert not canary.exists()
+
+
+def test_hostile_tmux_session_name_over_ssh_and_pct(ssh: SSHTransport, ct: int, tmp_path: Path) -> None:
+    canary = tmp_path / "pwned"
+    name = f"dflash $(touch {canary}) `x` ;y 'q' \"d\""
+    t = PctTransport(ssh, ct)
+    sock = str(tmp_path / "tmux sock")
+    r = t.run(["tmux", "-S", sock, "new-session", "-d", "-s", name, "sleep 60"])
+    assert r.rc == 0, r.stderr
+    try:
+        r = t.run(["tmux", "-S", sock, "list-sessions", "-F", "#{session_name}"])
+        assert r.stdout.decode().splitlines() == [name]
+    finally:
+        t.run(["tmux", "-S", sock, "kill-server"])
+    assert not canary.exists()
+
+
+def test_run_returns_rc_and_separate_bytes(transport: Transport) -> None:
+    data = bytes(range(256)) * 64
+    r = transport.run(["sh", "-c", "cat; echo err >&2; exit 7"], input=data)
+    assert (r.rc, r.stdout, r.stderr) == (7, data, b"err\n")
+    rc, out, err = transport.run(["true"])
+    assert (rc, out, err) == (0, b"", b"")
+
+
+def test_missing_command_is_rc_127_everywhere(transport: Transport) -> None:
+    r = transport.run(["no-such-command-xyz"])
+    assert r.rc == 127
+    assert b"no-such-command-xyz" in r.stderr
+
+
+def test_run_timeout_raises_and_kills(transport: Transport) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeout, match="timed out after 0.5s"):
+        transport.run(["sleep", "30"], timeout=0.5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_stream_delivers_lines_live_and_close_means_eof(transport: Transport, tmp_path: Path) -> None:
+    marker = tmp_path / "saw-eof"
+    script = ("import sys\n"
+              "for line in sys.stdin:\n"
+              "    sys.stdout.write('echo:' + line); sys.stdout.flush()\n"
+              f"open({str(marker)!r}, 'w').write('eof')\n")
+    s = transport.stream(["python3", "-u", "-c", script], b"first\n")
+    assert next(s.stdout) == b"echo:first\n"  # arrives while the process is still running
+    s.write(b"second\n")
+    assert next(s.stdout) == b"echo:second\n"
+    s.close()
+    assert list(s.stdout) == []
+    assert s.wait(10) == 0
+    assert marker.read_text() == "eof"
+
+
+def test_stream_kill_and_stderr(transport: Transport) -> None:
+    s = transport.stream(["sh", "-c", "echo oops >&2; echo ready; exec sleep 60"])
+    assert next(s.stdout) == b"ready\n"
+    s.kill()
+    with pytest.raises(StopIteration):
+        next(s.stdout)
+    assert b"oops" in s.stderr
+
+
+def test_ssh_drop_ends_the_stream_and_the_next_call_reconnects(sshd: Sshd, drop_ssh: Callable[[], int]) -> None:
+    t = SSHTransport(sshd.ssh_settings())
+    try:
+        s = t.stream(["cat"], b"hello\n")
+        assert next(s.stdout) == b"hello\n"
+        assert drop_ssh() >= 1
+        assert list(s.stdout) == []
+        with pytest.raises(TransportError, match="connection lost"):
+            s.wait(10)
+        assert t.run(["echo", "back"]).stdout == b"back\n"
+        assert t.is_connected
+    finally:
+        t.close()
+
+
+def test_unknown_host_key_is_refused_without_the_flag(sshd: Sshd, tmp_path: Path) -> None:
+    kh = tmp_path / "kh" / "known_hosts"
+    with pytest.raises(TransportError, match="not in known_hosts.*--accept-new-host-key"):
+        SSHTransport(sshd.ssh_settings(known_hosts=str(kh))).run(["true"])
+    assert not kh.exists()
+    t = SSHTransport(sshd.ssh_settings(known_hosts=str(kh)), accept_new_host_key=True)
+    assert t.run(["echo", "ok"]).stdout == b"ok\n"
+    t.close()
+    saved = kh.read_text().split()
+    assert saved[0] == f"[127.0.0.1]:{sshd.port}" and saved[1:3] == sshd.host_pub_line.split()[:2]
+    t = SSHTransport(sshd.ssh_settings(known_hosts=str(kh)))  # now known: no flag needed
+    assert t.run(["true"]).rc == 0
+    t.close()
+
+
+def test_changed_host_key_is_refused_even_with_the_flag(sshd: Sshd, tmp_path: Path) -> None:
+    import paramiko
+
+    other = paramiko.Ed25519Key.from_private_key_file(sshd.identity_file)  # any key that is not the host's
+    kh = tmp_path / "known_hosts"
+    kh.write_text(f"[127.0.0.1]:{sshd.port} {other.get_name()} {other.get_base64()}\n")
+    with pytest.raises(TransportError, match="HOST KEY MISMATCH.*ssh-keygen -R"):
+        SSHTransport(sshd.ssh_settings(known_hosts=str(kh)), accept_new_host_key=True).run(["true"])
+
+
+def test_unreachable_and_silent_servers_fail_fast_with_a_reason() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TransportError, match="unreachable"):
+        SSHTransport(SSHSettings(host="127.0.0.1", port=port, use_ssh_config=False)).run(["true"])
+    # a server that accepts TCP and never speaks: the connect timeout must bound the wait
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    conns: list[socket.socket] = []
+    threading.Thread(target=lambda: conns.append(srv.accept()[0]), daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TransportError):
+            SSHTransport(SSHSettings(host="127.0.0.1", port=srv.getsockname()[1], connect_timeout=1,
+                                     use_ssh_config=False)).run(["true"])
+        assert time.monotonic() - t0 < 5
+    finally:
+        srv.close()
+        for c in conns:
+            c.close()
+
+
+def test_keepalive_is_set_on_the_connection(sshd: Sshd) -> None:
+    t = SSHTransport(sshd.ssh_settings(keepalive_s=7))
+    try:
+        t.connect()
+        packetizer = t._conn.transport.packetizer  # type: ignore[attr-defined]
+        # paramiko keeps the interval privately; this is what Transport.set_keepalive(7) stored
+        assert packetizer._Packetizer__keepalive_interval == 7
+    finally:
+        t.close()
+
+
+def test_jump_host_gateway(sshd: Sshd) -> None:
+    t = SSHTransport(sshd.ssh_settings(jump=f"{sshd.user}@127.0.0.1:{sshd.port}"))
+    try:
+        assert t.run(["echo", "via-jump"]).stdout == b"via-jump\n"
+        assert t._conn.gateway is not None  # type: ignore[attr-defined]
+    finally:
+        t.close()
+
+
+def test_transport_for_builds_the_layers(sshd: Sshd, tmp_path: Path) -> None:
+    p = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", name="box", pct=VMID, local_runs={})
+    inv = parse_inventory(p.read_text(), base_dir=tmp_path)
+    assert isinstance(transport_for(inv.hosts["local"]), LocalTransport)
+    t = transport_for(inv.hosts["box"], inventory=inv)
+    assert isinstance(t, PctTransport) and t.vmid == VMID and isinstance(t.inner, SSHTransport)
+    plain = HostConfig(name="x", ssh=SSHSettings(host="h"))
+    st = transport_for(plain, accept_new_host_key=True)
+    assert isinstance(st, SSHTransport) and st.accept_new_host_key
+
+
+def test_pct_status_reports_state_and_pct_errors(ssh: SSHTransport, pct_host: PctHost) -> None:
+    pct_host.create(231, start=False)
+    t = PctTransport(ssh, 231)
+    assert t.status() == "stopped"
+    with pytest.raises(TransportError, match="container '231' not running!"):
+        r = t.run(["true"])
+        raise TransportError(r.stderr.decode())
+    with pytest.raises(TransportError, match=r"pct status 232: Configuration file .*232.conf' does not exist"):
+        PctTransport(ssh, 232).status()
+    with pytest.raises(ValueError):
+        PctTransport(ssh, 99)
