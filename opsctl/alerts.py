@@ -220,6 +220,12 @@ class AlertTracker:
     def _rules(self, v: RunView) -> Iterable[Alert]:
         if v.state == "crashed":
             yield Alert("crashed", CRITICAL, "run crashed", self._crash_evidence(v))
+        if v.state == "killed":
+            parts = [f"run_end {v.end_reason}" if v.end_reason else "process gone"]
+            if v.exit_code is not None:
+                parts.append(f"exit code {v.exit_code}")
+            parts.append(f"at step {v.step}")
+            yield Alert("killed", WARNING, "run killed", "; ".join(parts))
         if v.state == "stalled":
             where = v.phase or "no phase yet"
             if v.phase_i is not None and v.phase_n is not None:

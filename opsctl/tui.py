@@ -59,12 +59,17 @@ class WatchSource(Protocol):
         """Re-establish the link; the next `messages()` resumes after the last offsets seen."""
         ...
 
+    # Optional attribute `finite = True`: the stream's normal end is final (a recording). Without it, an end is
+    # a lost link and is retried with back-off, like an exception from `messages()`.
+
 
 class RecordedSource:
     """Replays a recorded agent stream (JSON lines), as fast as possible or paced by its `ts` fields.
 
     It has no process behind it: kill/clean/reconnect are recorded in `actions` so tests can check what was asked.
     """
+
+    finite = True  # its end is the end of the recording, not a lost link
 
     def __init__(self, path: str | Path, label: str | None = None, speed: float | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> None:
@@ -177,6 +182,8 @@ class SourceWorker:
             self._put(msg)
 
     def _run(self) -> None:
+        # A recording ends for good; a live follow only ends when its channel closed, which is a lost link.
+        finite = bool(getattr(self.source, "finite", False))
         attempt = 0
         while not self._stop.is_set():
             try:
@@ -184,6 +191,8 @@ class SourceWorker:
                     self._put(link_msg("reconnecting", f"attempt {attempt}"))
                     self.source.reconnect()
                 self._follow()
+                if not finite and not self._stop.is_set():
+                    raise ConnectionError("stream closed")
             except Exception as exc:  # the transport's errors are many; every one means the link is gone
                 attempt += 1
                 delay = self._backoff[min(attempt - 1, len(self._backoff) - 1)]
@@ -426,7 +435,7 @@ class WatchApp(App[int]):
         self._shown_version = -1
         self.tick()
 
-    def _confirm_then(self, verb: str, action: Callable[[], None]) -> None:
+    def _confirm_then(self, verb: str, action: Callable[[], object]) -> None:
         model = self.models[self.current]
         view = model.view()
         question = f"{verb} {model.label}? (state {view.state}, pid {view.pid or '-'}, pgid {view.pgid or '-'})"
@@ -437,26 +446,29 @@ class WatchApp(App[int]):
 
         self.push_screen(ConfirmScreen(question), done)
 
-    def _in_thread(self, verb: str, action: Callable[[], None]) -> None:
+    def _in_thread(self, verb: str, action: Callable[[], object]) -> None:
         """Kill and clean go over SSH and may block: never on the UI thread."""
         label = self.models[self.current].label
 
         def run() -> None:
             try:
-                action()
-            except Exception as exc:  # report any transport or agent failure to the person, not a traceback
+                result: Any = action()
+            except BaseException as exc:  # report any transport or agent failure to the person, not a traceback
                 self.call_from_thread(self.notify, f"{verb} {label} failed: {exc}", severity="error")
+                return
+            if isinstance(result, int) and not isinstance(result, bool) and result != 0:
+                self.call_from_thread(self.notify, f"{verb} {label} failed: exit {result}", severity="error")
             else:
-                self.call_from_thread(self.notify, f"{verb} {label}: sent")
+                self.call_from_thread(self.notify, f"{verb} {label}: done")
 
         threading.Thread(target=run, name=f"{verb}:{label}", daemon=True).start()
 
     def action_kill(self) -> None:
         i = self.current
 
-        def kill() -> None:
+        def kill() -> object:
             self.models[i].mark_killed()
-            self.sources[i].kill()
+            return self.sources[i].kill()
 
         self._confirm_then("kill", kill)
 

@@ -220,3 +220,12 @@ def test_exception_line() -> None:
     assert exception_line("Traceback (most recent call last):\n  File 'a'\nValueError: bad\n\n") == "ValueError: bad"
     assert exception_line(None) is None
     assert exception_line("   \n") is None
+
+
+def test_killed_by_us_is_reported_with_how_it_ended() -> None:
+    r = training_run(3)
+    r.state.killed_by_us = True
+    r.feed(ev("run_end", T0 + 10, reason="signal", exit_code=0, step=3, signal="SIGINT"))
+    alerts = r.alerts(T0 + 11)
+    assert alerts["killed"].evidence == "run_end signal; exit code 0; at step 3"
+    assert "crashed" not in alerts

@@ -205,6 +205,8 @@ class DroppingSource:
     It resumes after the last message delivered, as the agent's `follow` does from the last offsets.
     """
 
+    finite = True  # the end of the recording is final; only the exception is a lost link
+
     def __init__(self, path: Path, label: str) -> None:
         self.label = label
         self.msgs = [json.loads(x) for x in path.read_text().splitlines()]
@@ -291,6 +293,7 @@ async def test_reconnect_key_restarts_an_ended_stream() -> None:
 async def test_chatty_log_overflow_is_dropped_and_counted_never_silently() -> None:
     class Chatty:
         label = "h:chatty"
+        finite = True
 
         def messages(self) -> Iterator[dict[str, Any]]:
             for i in range(5000):
@@ -382,6 +385,7 @@ def test_recorded_source_paces_by_ts_or_replays_at_once() -> None:
 def test_worker_counts_drops_per_drain() -> None:
     class Burst:
         label = "b"
+        finite = True
 
         def messages(self) -> Iterator[dict[str, Any]]:
             for i in range(30):
@@ -401,6 +405,47 @@ def test_worker_counts_drops_per_drain() -> None:
     assert [m["t"] for m in other] == ["link", "gpu", "link"]
     assert w.drain() == ([], [], 0)
     w.stop()
+
+
+def test_worker_treats_the_end_of_a_live_stream_as_a_lost_link_and_reconnects() -> None:
+    class Closing:
+        """Like the agent's follow when its SSH channel closes: the iterator just ends."""
+
+        label = "h:closing"
+
+        def __init__(self) -> None:
+            self.calls = 0
+            self.reconnects = 0
+            self.hold = threading.Event()
+
+        def messages(self) -> Iterator[dict[str, Any]]:
+            self.calls += 1
+            if self.calls > 2:
+                self.hold.wait()
+                return
+            yield {"t": "hello", "ts": 1.0, "agent_version": "1", "host": "h", "pid": 1, "python": "3",
+                   "nvml": "ok"}
+
+        def kill(self) -> None: ...
+
+        def clean(self) -> None: ...
+
+        def reconnect(self) -> None:
+            self.reconnects += 1
+
+    src = Closing()
+    w = SourceWorker(src, backoff=(0.05,)).start()
+    deadline = time.monotonic() + 5
+    while src.calls < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    other, _, _ = w.drain()
+    links = [(m["state"], m["detail"]) for m in other if m["t"] == "link"]
+    assert links[:3] == [("up", ""), ("lost", "ConnectionError: stream closed (retry in 0 s)"),
+                         ("reconnecting", "attempt 1")]
+    assert src.reconnects == 2 and not w.ended.is_set()
+    w.stop()
+    src.hold.set()
 
 
 def test_once_json_snapshot_of_every_run() -> None:
