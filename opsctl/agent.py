@@ -987,6 +987,9 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         except OSError:
             pass
         for p in targets:
+            st = proc_stat(p)
+            if st is None or st[2] == pgid:
+                continue  # killpg reached it: a second SIGINT would make the training core exit at once
             try:
                 os.kill(p, sig)  # descendants that left the group (setsid/setpgid) too
             except OSError:

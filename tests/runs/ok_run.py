@@ -11,11 +11,14 @@ import time
 
 from _common import parse, writer
 
-args = parse(steps=5, step_time=0.2, load_time=0.3, ckpt_dir="")
+args = parse(steps=5, step_time=0.2, load_time=0.3, ckpt_dir="", signal_log="")
 stop = {"sig": None}
 
 
 def on_signal(signum: int, frame: object) -> None:
+    if args.signal_log:
+        with open(args.signal_log, "a") as fh:
+            fh.write(signal.Signals(signum).name + "\n")
     if stop["sig"] is not None:
         os._exit(130)  # a second signal exits at once
     stop["sig"] = signal.Signals(signum).name

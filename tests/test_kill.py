@@ -1,0 +1,82 @@
+"""`opsctl kill` through SSH + pct: SIGINT, SIGTERM, SIGKILL over the whole process tree, checked in /proc.
+
+The forker run has a child that ignores SIGINT/SIGTERM and a grandchild that left the process group (setsid).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
+
+from agentlib import opsctl, script_run  # noqa: E402
+
+from opsctl import commands  # noqa: E402
+
+LIVE = """
+import sys
+alive = []
+for p in sys.argv[1:]:
+    try:
+        with open(f"/proc/{p}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        continue
+    if state not in ("Z", "X"):
+        alive.append(int(p))
+print(alive)
+"""
+
+
+def live_in_container(pct_host, vmid: int, pids: list[int]) -> list[int]:
+    """Which of these container PIDs are alive, asked inside the container's PID namespace."""
+    r = pct_host.pct("exec", str(vmid), "--", sys.executable, "-c", LIVE, *map(str, pids))
+    return json.loads(r.stdout.strip())
+
+
+def test_kill_forked_tree_escalates_and_leaves_nothing(tmp_path: Path, sshd, pct_host,
+                                                        container: Callable[..., int]) -> None:
+    vmid = container(200)
+    marker = tmp_path / "pids"
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=vmid, runs={
+        "fork": script_run(tmp_path, "forker.py", "--marker", str(marker), "--ckpt-dir", str(tmp_path / "ckpt"),
+                           kill_grace=[1, 1])})
+    r = opsctl(hosts, "launch", "box", "fork")
+    assert r.returncode == 0, r.stderr
+    pids = [int(p) for p in marker.read_text().split()]
+    assert len(pids) == 6  # main, 3 children, 2 grandchildren
+    assert live_in_container(pct_host, vmid, pids) == sorted(pids)
+    r = opsctl(hosts, "kill", "box", "fork")
+    assert r.returncode == commands.EXIT_OK, r.stderr
+    # the stubborn child survives SIGINT and SIGTERM; SIGKILL ends it
+    assert "sent SIGINT" in r.stderr and "sent SIGTERM" in r.stderr and "sent SIGKILL" in r.stderr
+    assert "checkpoint written" in r.stderr and "run_end: reason signal" in r.stderr
+    assert (tmp_path / "ckpt" / "step.pt").read_text() == "ckpt\n"
+    assert "could not check GPU memory: nvml unavailable" in r.stderr
+    assert live_in_container(pct_host, vmid, pids) == []
+    st = json.loads(opsctl(hosts, "status", "box", "fork", "--json").stdout)
+    assert st["state"] == "killed" and st["proc_state"] == "exited"
+    # killing again is harmless and says so
+    r = opsctl(hosts, "kill", "box", "fork")
+    assert r.returncode == 0 and "not running" in r.stderr
+
+
+def test_kill_polite_run_stops_at_sigint(tmp_path: Path, sshd, container: Callable[..., int]) -> None:
+    vmid = container(200)
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=vmid, runs={
+        "ok": script_run(tmp_path, "ok_run.py", "--steps", "1000", "--step-time", "0.05",
+                         "--ckpt-dir", str(tmp_path / "ckpt"), "--signal-log", str(tmp_path / "signals"),
+                         kill_grace=[5, 5])})
+    assert opsctl(hosts, "launch", "box", "ok").returncode == 0
+    r = opsctl(hosts, "kill", "box", "ok")
+    assert r.returncode == 0, r.stderr
+    assert "sent SIGINT" in r.stderr and "sent SIGTERM" not in r.stderr
+    # exactly one SIGINT: a second one means "exit at once, no checkpoint" to the training core
+    assert (tmp_path / "signals").read_text() == "SIGINT\n"
+    ckpts = list((tmp_path / "ckpt").iterdir())
+    assert len(ckpts) == 1 and ckpts[0].name.startswith("step")
+    st = json.loads(opsctl(hosts, "status", "box", "ok", "--json").stdout)
+    assert st["state"] == "killed" and st["end_reason"] == "signal" and st["exit_code"] == 0
