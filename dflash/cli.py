@@ -1,0 +1,123 @@
+"""The `dflash` command line: train, preflight and export, with help that shows how to use them.
+
+Bad input (config, data, a corrupt checkpoint) prints one line naming the file and field and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EPILOG = """\
+examples:
+  dflash train --config configs/tiny.yaml --out runs/tiny
+      train the embedded tiny default on CPU (a couple of minutes); watch runs/tiny/train.log
+      and runs/tiny/events.jsonl (the telemetry contract, docs/events.md)
+  dflash train --config configs/tiny.yaml --out runs/tiny --resume --max-steps 400
+      continue from the newest checkpoint in runs/tiny/checkpoints (refused if it is corrupt)
+  torchrun --nproc-per-node 8 -m dflash train --config my.yaml --out /runs/a
+      one process per GPU; `dist: {roles: split, target_ranks: 5}` puts the target on 5 ranks
+  dflash preflight --config my.yaml
+      which kernels the target would use; exit 1 if a GPU run would fall back to slow PyTorch code
+  dflash export --checkpoint runs/tiny/checkpoints/step-200 --out hf/tiny-drafter
+      a Hugging Face directory in the DFlashDraftModel format (z-lab/dflash, SpecForge)
+
+exit codes: 0 ok (also after SIGTERM/SIGINT: checkpoint written), 1 run error (see events.jsonl),
+            2 bad config/data/checkpoint (one line on stderr), 130/143 second signal
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash", description="Train DFlash speculative-decoding drafters.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    t = sub.add_parser("train", help="train (or resume) a drafter", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--config", required=True, help="run config YAML (see configs/tiny.yaml)")
+    t.add_argument("--out", default=None, help="run directory (default runs/<config name>)")
+    t.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (overrides the config)")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    t.add_argument("--allow-slow-kernels", action="store_true",
+                   help="run a GPU job even if the target falls back to slow PyTorch kernels")
+    f = sub.add_parser("preflight", help="show the kernels a config's target binds; exit 1 on problems")
+    f.add_argument("--config", required=True)
+    f.add_argument("--allow-slow-kernels", action="store_true")
+    e = sub.add_parser("export", help="checkpoint -> Hugging Face DFlashDraftModel directory")
+    e.add_argument("--checkpoint", required=True, help="a checkpoints/step-N directory")
+    e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"dflash: {msg}", file=sys.stderr)
+    return 2
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dflash.config import ConfigError, load_config
+    from dflash.data import DataError
+
+    if args.max_steps is not None and args.max_steps < 1:
+        return _fail(f"--max-steps must be at least 1, got {args.max_steps}")
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    from dflash.train import UsageError, prepare_documents, train
+
+    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    try:
+        docs = prepare_documents(cfg)  # validated before anything is written to --out
+        result = train(cfg, out, max_steps=args.max_steps, resume=args.resume,
+                       allow_slow_kernels=args.allow_slow_kernels, docs=docs)
+    except (DataError, UsageError) as exc:
+        return _fail(str(exc))
+    return result.exit_code
+
+
+def _preflight(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash.config import ConfigError, load_config
+    from dflash.kernels import check_kernels
+    from dflash.model import resolve_attention
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    from dflash.train import probe_kernels
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    vocab = int(cfg.target.arch.get("vocab_size", cfg.data.vocab_size))
+    kernels = {**probe_kernels(cfg, vocab), "attention": resolve_attention(cfg.drafter.attention, device)}
+    print(f"device: {device}")
+    for op, impl in kernels.items():
+        print(f"  {op:34s} {impl}")
+    problems = check_kernels(kernels, device, args.allow_slow_kernels or cfg.target.allow_slow_kernels)
+    for p in problems:
+        print(f"problem: {p}")
+    print("preflight: " + ("FAILED" if problems else "ok"))
+    return 1 if problems else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from dflash.checkpoint import CheckpointError
+    from dflash.export import ExportError, export_checkpoint
+
+    try:
+        path = export_checkpoint(args.checkpoint, args.out)
+    except (CheckpointError, ExportError) as exc:
+        return _fail(str(exc))
+    print(f"exported {args.checkpoint} -> {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return {"train": _train, "preflight": _preflight, "export": _export}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

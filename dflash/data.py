@@ -1,0 +1,455 @@
+"""Training data for the drafter: corpus -> tokenizer -> document pieces -> token-budget buffers -> epoch schedule.
+
+The schedule (which pieces form which buffer, in which order) is a pure function of the seed and is written to disk,
+so a resumed run continues at the exact buffer and every rank agrees on it without talking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sysconfig
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config import DataConfig
+
+# Special tokens of the tiny BPE. The mask token is what the drafter fills its blocks with.
+PAD, EOS, MASK = "<|pad|>", "<|endoftext|>", "<|mask|>"
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|tool|>"}
+END_OF_TURN = "<|end|>"
+SPECIAL_TOKENS = [PAD, EOS, MASK, *ROLE_TOKENS.values(), END_OF_TURN]
+
+Piece = tuple[int, int, int]  # (document index, start token, length)
+_MAX_OPEN = 256
+
+
+class DataError(ValueError):
+    """Unusable training data; the message names the file (and line) so the CLI can print just that."""
+
+
+# ---------------------------------------------------------------------------------------------- corpus
+@dataclass
+class Document:
+    """One training document: plain text (all tokens supervised) or a chat (assistant turns supervised)."""
+
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+    source: str = ""
+
+
+def embedded_corpus(max_chars: int) -> list[Document]:
+    """Python's own standard-library sources: real text that exists on every machine that can run us.
+
+    Files are taken in sorted order from the top level of the stdlib directory, so the corpus is the same on every
+    machine with the same Python version.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs: list[Document] = []
+    total = 0
+    for path in sorted(root.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not text.strip():
+            continue
+        text = text[: max_chars - total]
+        docs.append(Document(text=text, source=str(path)))
+        total += len(text)
+        if total >= max_chars:
+            break
+    if not docs:
+        raise DataError(f"{root}: no Python sources found for the embedded corpus")
+    return docs
+
+
+def _iter_files(paths: Sequence[str]) -> Iterator[Path]:
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            files = sorted(q for q in p.rglob("*") if q.suffix in (".txt", ".jsonl") and q.is_file())
+            if not files:
+                raise DataError(f"{p}: no .txt or .jsonl files in this directory")
+            yield from files
+        elif p.is_file():
+            yield p
+        else:
+            raise DataError(f"{p}: data file does not exist")
+
+
+def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: 'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+        if m["role"] not in ROLE_TOKENS:
+            raise DataError(f"{where}: messages[{i}].role {m['role']!r} is not one of {', '.join(ROLE_TOKENS)}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def read_documents(cfg: DataConfig) -> list[Document]:
+    """Read every configured file (or the embedded corpus); any malformed line is a DataError naming file:line."""
+    if not cfg.paths:
+        return embedded_corpus(cfg.max_chars)
+    docs: list[Document] = []
+    for path in _iter_files(cfg.paths):
+        if path.suffix == ".txt" and cfg.format in ("auto", "text"):
+            try:
+                docs.append(Document(text=path.read_text(encoding="utf-8"), source=str(path)))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise DataError(f"{path}: cannot read as UTF-8 text: {exc}") from None
+            continue
+        if path.suffix != ".jsonl":
+            raise DataError(f"{path}: expected a .txt or .jsonl file (data.format={cfg.format})")
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"{path}: cannot read: {exc}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object")
+            if "messages" in obj and cfg.format in ("auto", "chat"):
+                docs.append(Document(messages=_check_messages(obj["messages"], where), source=where))
+            elif "text" in obj and cfg.format in ("auto", "text"):
+                if not isinstance(obj["text"], str):
+                    raise DataError(f"{where}: 'text' must be a string")
+                docs.append(Document(text=obj["text"], source=where))
+            else:
+                want = {"auto": "'text' or 'messages'", "text": "'text'", "chat": "'messages'"}[cfg.format]
+                raise DataError(f"{where}: expected a {want} key")
+    if not docs:
+        raise DataError(f"{', '.join(cfg.paths)}: no documents")
+    return docs
+
+
+def corpus_fingerprint(docs: Sequence[Document]) -> str:
+    """sha256 over the corpus content, so a cached tokenizer or schedule is never reused for other data."""
+    h = hashlib.sha256()
+    for d in docs:
+        h.update(json.dumps([d.text, d.messages], ensure_ascii=False).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+class TokenizerAdapter:
+    """One interface over the tiny BPE (`tokenizers.Tokenizer`) and a Hugging Face tokenizer directory."""
+
+    def __init__(self, *, tiny: Any = None, hf: Any = None, source: str = "") -> None:
+        self._tiny = tiny
+        self._hf = hf
+        self.source = source
+        if tiny is not None:
+            self.vocab_size = int(tiny.get_vocab_size())
+            self.pad_id = int(tiny.token_to_id(PAD))
+            self.eos_id = int(tiny.token_to_id(EOS))
+            self.mask_token_id: int | None = int(tiny.token_to_id(MASK))
+        else:
+            self.vocab_size = len(hf)
+            self.eos_id = hf.eos_token_id if hf.eos_token_id is not None else 0
+            self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else self.eos_id
+            mask = hf.mask_token_id if getattr(hf, "mask_token_id", None) is not None else None
+            self.mask_token_id = mask
+
+    def encode(self, text: str) -> list[int]:
+        if self._tiny is not None:
+            return list(self._tiny.encode(text).ids)
+        return list(self._hf(text, add_special_tokens=False)["input_ids"])
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if self._tiny is not None:
+            return [list(e.ids) for e in self._tiny.encode_batch(texts)]
+        return [list(x) for x in self._hf(texts, add_special_tokens=False)["input_ids"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self._tiny is not None:
+            return str(self._tiny.decode(list(ids), skip_special_tokens=False))
+        return str(self._hf.decode(list(ids)))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
+        """Token ids and a loss mask that is True exactly on the assistant's tokens (content + end of turn)."""
+        if self._tiny is not None:
+            ids: list[int] = []
+            mask: list[bool] = []
+            end = int(self._tiny.token_to_id(END_OF_TURN))
+            for m in messages:
+                body = [int(self._tiny.token_to_id(ROLE_TOKENS[m["role"]])), *self.encode(m["content"])]
+                supervised = m["role"] == "assistant"
+                ids += [*body, end]
+                mask += [False] + [supervised] * (len(body) - 1) + [supervised]
+            return ids, mask
+        # HF: render growing prefixes with the model's own chat template; the tokens a message adds belong to it.
+        ids = []
+        mask = []
+        prev: list[int] = []
+        for i, m in enumerate(messages):
+            cur = list(self._hf.apply_chat_template(messages[: i + 1], tokenize=True, return_dict=False))
+            if cur[: len(prev)] != prev:
+                raise DataError(f"{self.source}: chat template is not prefix-stable; cannot mask assistant turns")
+            new = cur[len(prev):]
+            ids += new
+            mask += [m["role"] == "assistant"] * len(new)
+            prev = cur
+        return ids, mask
+
+
+def train_tiny_tokenizer(docs: Sequence[Document], vocab_size: int) -> Any:
+    """Train a byte-level BPE on the corpus (a few seconds): no download, and every byte is representable."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+
+    def texts() -> Iterator[str]:
+        for d in docs:
+            if d.text is not None:
+                yield d.text
+            else:
+                yield from (m["content"] for m in d.messages or [])
+
+    tok.train_from_iterator(texts(), trainer)
+    return tok
+
+
+def load_tokenizer(cfg: DataConfig, docs: Sequence[Document], cache_dir: str | Path) -> TokenizerAdapter:
+    """The configured HF tokenizer, or the tiny BPE from cache (keyed by corpus and vocab size) or trained now."""
+    if cfg.tokenizer is not None:
+        path = Path(cfg.tokenizer)
+        if not path.is_dir():
+            raise DataError(f"{path}: data.tokenizer must be a local tokenizer directory")
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{path}: cannot load tokenizer: {exc}") from None
+        return TokenizerAdapter(hf=hf, source=str(path))
+    from tokenizers import Tokenizer
+
+    key = hashlib.sha256(f"{corpus_fingerprint(docs)}:{cfg.vocab_size}:{SPECIAL_TOKENS}".encode()).hexdigest()[:16]
+    cache = Path(cache_dir) / f"tiny-bpe-{key}.json"
+    if cache.is_file():
+        try:
+            return TokenizerAdapter(tiny=Tokenizer.from_file(str(cache)), source=str(cache))
+        except Exception:  # noqa: BLE001 - a broken cache file is simply retrained
+            pass
+    tok = train_tiny_tokenizer(docs, cfg.vocab_size)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    tok.save(str(tmp))
+    os.replace(tmp, cache)
+    return TokenizerAdapter(tiny=tok, source=str(cache))
+
+
+# ---------------------------------------------------------------------------------------------- tokenized corpus
+@dataclass
+class TokenizedCorpus:
+    """Token ids and loss masks of every document, kept whole; pieces index into them."""
+
+    ids: list[torch.Tensor]  # int64 [len]
+    loss_mask: list[torch.Tensor]  # bool [len]
+    fingerprint: str
+
+    def lengths(self) -> list[int]:
+        return [int(t.numel()) for t in self.ids]
+
+
+def tokenize(docs: Sequence[Document], tok: TokenizerAdapter) -> TokenizedCorpus:
+    """Text documents end with EOS and are fully supervised; chats are supervised on assistant tokens only."""
+    ids: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+    text_idx = [i for i, d in enumerate(docs) if d.text is not None]
+    encoded = dict(zip(text_idx, tok.encode_batch([docs[i].text or "" for i in text_idx]), strict=True))
+    for i, d in enumerate(docs):
+        if d.text is not None:
+            seq = [*encoded[i], tok.eos_id]
+            m = [True] * len(seq)
+        else:
+            seq, m = tok.encode_chat(d.messages or [])
+        ids.append(torch.tensor(seq, dtype=torch.long))
+        masks.append(torch.tensor(m, dtype=torch.bool))
+    h = hashlib.sha256(corpus_fingerprint(docs).encode())
+    h.update(tok.source.encode())
+    h.update(str(tok.vocab_size).encode())
+    return TokenizedCorpus(ids=ids, loss_mask=masks, fingerprint=h.hexdigest())
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+def make_pieces(lengths: Sequence[int], max_len: int, min_len: int = 2) -> list[Piece]:
+    """Split every document into consecutive pieces of at most max_len tokens; drop pieces shorter than min_len."""
+    if max_len < 2:
+        raise ValueError(f"max_len must be at least 2, got {max_len}")
+    pieces: list[Piece] = []
+    for doc, n in enumerate(lengths):
+        for start in range(0, n, max_len):
+            length = min(max_len, n - start)
+            if length >= max(2, min_len):
+                pieces.append((doc, start, length))
+    return pieces
+
+
+def pack_epoch(pieces: Sequence[Piece], token_budget: int, max_len: int, num_buckets: int, seed: int,
+               epoch: int) -> list[list[Piece]]:
+    """One epoch's buffers: pieces grouped by length bucket, packed first-fit into token_budget, order shuffled.
+
+    Every piece appears in exactly one buffer; each buffer holds at most token_budget tokens (the rest is padding).
+    Deterministic from (seed, epoch): `random.Random` seeded with a string is stable across Python runs.
+    """
+    if token_budget < max_len:
+        raise ValueError(f"token_budget ({token_budget}) must be at least max_len ({max_len})")
+    rng = random.Random(f"dflash-schedule:{seed}:{epoch}")
+    buckets: list[list[Piece]] = [[] for _ in range(num_buckets)]
+    for p in pieces:
+        buckets[min(num_buckets - 1, (p[2] - 1) * num_buckets // max_len)].append(p)
+    buffers: list[list[Piece]] = []
+    # Open buffers persist across buckets, so short pieces fill what long ones left; the list is capped so packing
+    # stays linear on millions of pieces (the oldest open buffer is closed first).
+    open_bufs: list[list[Any]] = []  # [free tokens, pieces]
+    for bucket in reversed(buckets):  # longest first: first-fit decreasing by bucket
+        rng.shuffle(bucket)
+        for p in bucket:
+            for slot in open_bufs:
+                if p[2] <= slot[0]:
+                    slot[1].append(p)
+                    slot[0] -= p[2]
+                    break
+            else:
+                buf = [p]
+                buffers.append(buf)
+                open_bufs.append([token_budget - p[2], buf])
+                if len(open_bufs) > _MAX_OPEN:
+                    open_bufs.pop(0)
+            open_bufs = [slot for slot in open_bufs if slot[0] >= 2]
+    rng.shuffle(buffers)
+    return buffers
+
+
+@dataclass
+class Schedule:
+    """The buffers of every epoch, identical on every rank, persisted as JSON next to the run."""
+
+    epochs: list[list[list[Piece]]]
+    fingerprint: str
+    seed: int
+    token_budget: int
+
+    def buffers_per_epoch(self) -> list[int]:
+        return [len(e) for e in self.epochs]
+
+    def buffer(self, key: tuple[int, int]) -> list[Piece]:
+        return self.epochs[key[0]][key[1]]
+
+
+def schedule_meta(corpus: TokenizedCorpus, cfg: DataConfig, seed: int) -> dict[str, Any]:
+    """Everything the buffers depend on; the number of epochs is not part of it (epoch e is built alone)."""
+    return {"fingerprint": corpus.fingerprint, "seed": seed, "token_budget": cfg.token_budget,
+            "max_len": cfg.max_len, "min_len": cfg.min_len, "num_buckets": cfg.num_buckets}
+
+
+def build_schedule(corpus: TokenizedCorpus, cfg: DataConfig, seed: int, epochs: int,
+                   first: int = 0) -> Schedule:
+    """Epochs first..epochs-1 (each depends only on seed and its own index)."""
+    pieces = make_pieces(corpus.lengths(), cfg.max_len, cfg.min_len)
+    if not pieces:
+        raise DataError(f"data: no document piece has at least data.min_len={cfg.min_len} tokens")
+    eps = [pack_epoch(pieces, cfg.token_budget, cfg.max_len, cfg.num_buckets, seed, e) for e in range(first, epochs)]
+    return Schedule(epochs=eps, fingerprint=corpus.fingerprint, seed=seed, token_budget=cfg.token_budget)
+
+
+def save_schedule(schedule: Schedule, meta: dict[str, Any], path: str | Path) -> None:
+    """Atomic write (temp + fsync + rename): a crash never leaves a half schedule for the resume to trust."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
+    data = json.dumps({"meta": meta, "epochs": schedule.epochs}, separators=(",", ":")).encode()
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, p)
+
+
+def load_or_build_schedule(corpus: TokenizedCorpus, cfg: DataConfig, seed: int, epochs: int,
+                           path: str | Path, write: bool = True) -> Schedule:
+    """Reuse the schedule on disk when it was made for this data and settings (extending it if the run got longer).
+
+    A schedule on disk for different data is an error, not silently replaced: a resume would otherwise continue on
+    different buffers than the checkpoint was trained on.
+    """
+    meta = schedule_meta(corpus, cfg, seed)
+    p = Path(path)
+    if not p.is_file():
+        sched = build_schedule(corpus, cfg, seed, epochs)
+        if write:
+            save_schedule(sched, meta, p)
+        return sched
+    try:
+        obj = json.loads(p.read_text())
+        on_disk = obj["meta"]
+        eps: list[list[list[Piece]]] = [[[(int(a), int(b), int(c)) for a, b, c in buf] for buf in ep]
+                                        for ep in obj["epochs"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{p}: unreadable schedule ({exc}); delete it to rebuild") from None
+    if on_disk != meta:
+        diff = sorted(k for k in meta if on_disk.get(k) != meta[k])
+        raise DataError(f"{p}: schedule was made for other data/settings ({', '.join(diff)} differ); "
+                        f"use a fresh --out directory")
+    sched = Schedule(epochs=eps, fingerprint=corpus.fingerprint, seed=seed, token_budget=cfg.token_budget)
+    if len(eps) < epochs:
+        sched.epochs += build_schedule(corpus, cfg, seed, epochs, first=len(eps)).epochs
+        if write:
+            save_schedule(sched, meta, p)
+    return sched
+
+
+def buffer_arrays(corpus: TokenizedCorpus, pieces: Sequence[Piece], token_budget: int) -> dict[str, torch.Tensor]:
+    """The packed token view of one buffer (fixed length token_budget): ids, loss mask, positions, doc ids (-1 = pad)."""
+    ids = torch.zeros(token_budget, dtype=torch.long)
+    mask = torch.zeros(token_budget, dtype=torch.bool)
+    pos = torch.zeros(token_budget, dtype=torch.long)
+    doc = torch.full((token_budget,), -1, dtype=torch.long)
+    o = 0
+    for j, (d, s, n) in enumerate(pieces):
+        ids[o:o + n] = corpus.ids[d][s:s + n]
+        mask[o:o + n] = corpus.loss_mask[d][s:s + n]
+        pos[o:o + n] = torch.arange(n)
+        doc[o:o + n] = j
+        o += n
+    if o > token_budget:
+        raise ValueError(f"buffer holds {o} tokens, more than token_budget={token_budget}")
+    return {"input_ids": ids, "loss_mask": mask, "position_ids": pos, "doc_ids": doc}
+
+
+def buffer_rows(corpus: TokenizedCorpus, pieces: Sequence[Piece], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The padded view of one buffer for a target without varlen: [R, T] right-padded ids and attention mask."""
+    t = max(n for _, _, n in pieces)
+    ids = torch.full((len(pieces), t), pad_id, dtype=torch.long)
+    att = torch.zeros((len(pieces), t), dtype=torch.long)
+    for r, (d, s, n) in enumerate(pieces):
+        ids[r, :n] = corpus.ids[d][s:s + n]
+        att[r, :n] = 1
+    return ids, att
