@@ -235,8 +235,9 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(m, self.num_heads, hd)).transpose(0, 1)
         k = self.k_norm(self.k_proj(kv_in).view(-1, self.num_kv_heads, hd)).transpose(0, 1)
         v = self.v_proj(kv_in).view(-1, self.num_kv_heads, hd).transpose(0, 1)
-        q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_kv)
+        # One dtype for q, k, v (under autocast v is bf16 while the normed q/k are fp32); flex requires it.
+        q = apply_rope(q, *rope_q).to(v.dtype)
+        k = apply_rope(k, *rope_kv).to(v.dtype)
         out = attend(q, k, v)  # [heads, M, hd]
         return self.o_proj(out.transpose(0, 1).reshape(m, self.num_heads * hd))
 

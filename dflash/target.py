@@ -277,7 +277,7 @@ class Target:
         return self._tapped(input_ids=input_ids.to(self.device), attention_mask=mask, position_ids=position_ids)
 
     def hidden_states_packed(self, input_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
-        """[1, N] packed documents with boundaries `cu_seqlens` ([D+1], int32, starting 0, ending N) -> [1, N, K*H].
+        """[1, N] packed documents with boundaries `cu_seqlens` ([D+1], starting 0, ending N) -> [1, N, K*H].
 
         Only on the fla varlen path: every linear-attention kernel receives the boundaries (cu_seqlens for the delta
         rule, seq_idx for the conv) and full attention gets a block-diagonal mask from the per-document positions.
@@ -290,7 +290,7 @@ class Target:
         if input_ids.ndim != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"packed input_ids must be [1, N], got {tuple(input_ids.shape)}")
         n = input_ids.shape[1]
-        cu = cu_seqlens.to(self.device, torch.int32)
+        cu = cu_seqlens.to(self.device, torch.long)  # fla documents cu_seqlens as LongTensor
         if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] <= cu[:-1]).any()):
             raise ValueError(f"cu_seqlens must be strictly increasing from 0 to N={n}, got {cu.tolist()}")
         lengths = cu[1:] - cu[:-1]

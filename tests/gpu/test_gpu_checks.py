@@ -1,0 +1,216 @@
+"""GPU-only checks (H200): kernels really bound, fla varlen == padded target, flex == dense drafter, no recompiles.
+
+Skipped without CUDA. Run by bench/gpu_checks.sh, once without and once with the fla / causal-conv1d wheels.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import time
+
+import pytest
+import torch
+
+from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
+from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig, sample_anchors
+from dflash.target import TINY_ARCH, Target, TargetConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+HAVE_FAST = importlib.util.find_spec("fla") is not None and importlib.util.find_spec("causal_conv1d") is not None
+DEV = torch.device("cuda")
+FAST = {
+    "chunk_gated_delta_rule": "fla",
+    "fused_recurrent_gated_delta_rule": "fla",
+    "causal_conv1d_fn": "causal_conv1d",
+    "causal_conv1d_update": "causal_conv1d",
+}
+# Bigger than the CPU tiny model so the kernels see realistic head sizes (64) and several chunks per sequence.
+GPU_ARCH = {
+    **TINY_ARCH,
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "initializer_range": 0.05,  # larger than the default 0.02 so the recurrent layers visibly move the residual stream
+}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64; NaN anywhere fails every comparison."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    return ((a64 - b64).norm() / b64.norm().clamp_min(1e-30)).item()
+
+
+def test_kernels_bound_match_the_installed_packages() -> None:
+    target = Target(TargetConfig(arch=GPU_ARCH), num_draft_layers=2, device=DEV)
+    print("versions", versions())
+    print("kernels", target.kernels, "packing", target.packing, "dtype", target.dtype)
+    assert target.dtype == torch.bfloat16
+    if HAVE_FAST:
+        assert target.kernels == FAST
+        assert check_kernels(target.kernels, DEV, allow_slow=False) == []
+        assert target.packing == "varlen"
+    else:
+        assert set(target.kernels.values()) == {"torch-fallback"}
+        problems = check_kernels(target.kernels, DEV, allow_slow=False)
+        print("preflight refuses:", problems)
+        assert len(problems) == 4
+        assert check_kernels(target.kernels, DEV, allow_slow=True) == []
+        assert target.packing == "pad"
+        with pytest.raises(ValueError, match="varlen"):
+            Target(TargetConfig(arch=GPU_ARCH, packing="varlen"), num_draft_layers=2, device=DEV)
+
+
+@pytest.mark.skipif(not HAVE_FAST, reason="needs flash-linear-attention and causal-conv1d")
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 2e-2), ("float32", 2e-3)])
+def test_fla_varlen_target_equals_padded(dtype: str, tol: float) -> None:
+    target = Target(TargetConfig(arch=GPU_ARCH, dtype=dtype), num_draft_layers=2, device=DEV)
+    assert target.packing == "varlen"
+    lengths = [300, 1000, 77, 2000, 1, 619]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    docs = [torch.randint(0, GPU_ARCH["vocab_size"], (n,), generator=g) for n in lengths]
+    t = max(lengths)
+    ids = torch.zeros(len(docs), t, dtype=torch.long)
+    mask = torch.zeros(len(docs), t, dtype=torch.long)
+    for i, d in enumerate(docs):
+        ids[i, : len(d)], mask[i, : len(d)] = d, 1
+    padded = target.hidden_states(ids.to(DEV), mask.to(DEV))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    packed_ids = torch.cat(docs)[None].to(DEV)
+    packed = target.hidden_states_packed(packed_ids, cu)
+    assert packed.shape == (1, sum(lengths), 2 * GPU_ARCH["hidden_size"])
+    errors = [rel(packed[0, int(cu[i]) : int(cu[i + 1])], padded[i, : lengths[i]]) for i in range(len(lengths))]
+    # negative control: the same packed row with position_ids only (no cu_seqlens / seq_idx) leaks across documents
+    pos = torch.cat([torch.arange(n) for n in lengths])[None].to(DEV)
+    naive = target._tapped(input_ids=packed_ids, position_ids=pos)
+    # (first 64 tokens of each later document, where the carried-over state matters most)
+    heads = [(i, min(64, lengths[i])) for i in range(1, len(lengths)) if lengths[i] > 1]
+    naive_err = [rel(naive[0, int(cu[i]) : int(cu[i]) + k], padded[i, :k]) for i, k in heads]
+    print(
+        f"{dtype}: varlen vs padded rel err per doc {[f'{e:.2e}' for e in errors]}; "
+        f"naive packing (first 64 tokens of docs 1..) {[f'{e:.2e}' for e in naive_err]}"
+    )
+    assert max(errors) < tol
+    assert min(naive_err) > max(tol, 5 * max(errors))
+
+
+def _buffer(n: int, doc_lengths: list[int], hidden_dim: int, vocab: int, seed: int) -> DraftBatch:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    doc = torch.full((n,), -1, dtype=torch.long)
+    pos = torch.zeros(n, dtype=torch.long)
+    lm = torch.zeros(n, dtype=torch.bool)
+    start = 0
+    for d, length in enumerate(doc_lengths):
+        doc[start : start + length] = d
+        pos[start : start + length] = torch.arange(length)
+        lm[start + 8 : start + length] = True  # a short unsupervised prompt per document
+        start += length
+    return DraftBatch(
+        hidden=torch.randn(n, hidden_dim, generator=g).to(torch.bfloat16),
+        input_ids=torch.randint(0, vocab - 1, (n,), generator=g),
+        loss_mask=lm,
+        position_ids=pos,
+        doc_ids=doc,
+    ).to(DEV)
+
+
+H, VOCAB, N = 256, 4096, 4096
+
+
+def _drafter(backend: str, num_anchors: int) -> tuple[DFlashDrafter, torch.nn.Embedding, torch.nn.Linear]:
+    torch.manual_seed(0)
+    cfg = DrafterConfig(
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        num_anchors=num_anchors,
+        mask_token_id=VOCAB - 1,
+        attention=backend,
+        layer_sliding_windows=[512, None],
+        ce_chunk=1024,
+    )
+    d = DFlashDrafter(cfg, target_hidden_size=H, num_taps=2).to(DEV)
+    emb = torch.nn.Embedding(VOCAB, H).to(DEV).requires_grad_(False)
+    head = torch.nn.Linear(H, VOCAB, bias=False).to(DEV).requires_grad_(False)
+    return d, emb, head
+
+
+def _step(
+    d: DFlashDrafter,
+    batch: DraftBatch,
+    emb: torch.nn.Module,
+    head: torch.nn.Module,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    bf16: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+    d.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        out = d(batch, emb, head, anchors=anchors, keep=keep)
+    out.loss.backward()
+    torch.cuda.synchronize()
+    return out.loss.detach(), {k: p.grad.detach().clone() for k, p in d.named_parameters()}, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("num_anchors", [64, 256])
+@pytest.mark.parametrize("precision,tol", [("bf16", 2e-2), ("fp32", 2e-3)])
+def test_flex_equals_dense_forward_and_grads(precision: str, tol: float, num_anchors: int) -> None:
+    bf16 = precision == "bf16"
+    dense, emb, head = _drafter("dense", num_anchors)
+    flex = copy.deepcopy(dense)
+    flex.attention_backend = "flex-compiled"
+    if bf16:
+        emb, head = emb.to(torch.bfloat16), head.to(torch.bfloat16)
+    batch = _buffer(N, [700, 1500, 33, 1200, 400], 2 * H, VOCAB, seed=1)
+    if not bf16:
+        batch.hidden = batch.hidden.float()
+    anchors, keep = sample_anchors(batch, num_anchors, 16, torch.Generator(device=DEV).manual_seed(0))
+    with FlexWarningWatch() as watch:
+        loss_f, grads_f, _ = _step(flex, batch, emb, head, anchors, keep, bf16)  # compiles
+        loss_f, grads_f, t_flex = _step(flex, batch, emb, head, anchors, keep, bf16)
+    loss_d, grads_d, _ = _step(dense, batch, emb, head, anchors, keep, bf16)
+    loss_d, grads_d, t_dense = _step(dense, batch, emb, head, anchors, keep, bf16)
+    assert watch.triggered == []
+    grad_err = {k: rel(grads_f[k], grads_d[k]) for k in grads_d}
+    worst = max(grad_err, key=grad_err.get)
+    print(
+        f"{precision} A={num_anchors}: loss flex {loss_f.item():.6f} dense {loss_d.item():.6f} rel {rel(loss_f, loss_d):.2e}; "
+        f"worst grad {worst} {grad_err[worst]:.2e}; step flex {t_flex * 1e3:.1f} ms dense {t_dense * 1e3:.1f} ms"
+    )
+    assert torch.isfinite(loss_f) and rel(loss_f, loss_d) < tol
+    assert grad_err[worst] < tol
+
+
+def test_compiled_flex_does_not_recompile_across_buffers() -> None:
+    d, emb, head = _drafter("flex", 256)
+    assert d.attention_backend == "flex-compiled"
+    emb, head = emb.to(torch.bfloat16), head.to(torch.bfloat16)
+    layouts = [[4096], [1000, 2000, 500, 596], [64] * 60, [3000, 900]]
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    times = []
+    with FlexWarningWatch() as watch:
+        for i, layout in enumerate(layouts):
+            batch = _buffer(N, layout, 2 * H, VOCAB, seed=10 + i)
+            anchors, keep = sample_anchors(batch, 256, 16, gen)
+            _, _, dt = _step(d, batch, emb, head, anchors, keep, bf16=True)
+            times.append(dt)
+            if i == 0:
+                warm = dynamo_counts()
+    after = dynamo_counts()
+    print(
+        f"dynamo after warm-up {warm}, after 3 more buffers {after}; step times ms {[round(t * 1e3, 1) for t in times]}"
+    )
+    assert watch.triggered == []
+    assert after == warm
