@@ -114,7 +114,7 @@ class AlertTracker:
         """Feed every agent message, in stream order (plus the watcher's own `link` messages)."""
         t = msg.get("t")
         if t == "log":
-            self._observe_log(msg.get("line", ""))
+            self.observe_log(str(msg.get("line", "")))
         elif t == "event" and isinstance(msg.get("event"), dict):
             self._observe_event(msg["event"])
         elif t == "gpu":
@@ -130,7 +130,7 @@ class AlertTracker:
         self.link_state = state
         self.link_detail = detail
 
-    def _observe_log(self, line: str) -> None:
+    def observe_log(self, line: str) -> None:
         # Cheap checks first: this runs for every log line of a very chatty run.
         if self._in_traceback:
             if line and not line.startswith((" ", "\t")) and _EXC_LINE.match(line):

@@ -236,7 +236,9 @@ class RunModel:
         self.gpu_hist: dict[int, dict[str, deque[float]]] = {}
         self._history = history
         self.link = "connecting"
-        self.version = 0
+        self.version = 0  # any change
+        self.chart_version = 0  # a step arrived
+        self.gpu_version = 0  # a GPU sample arrived
 
     def ingest(self, msg: dict[str, Any]) -> None:
         t = msg.get("t")
@@ -245,7 +247,7 @@ class RunModel:
             line = str(msg.get("line", ""))
             self.log.append(LogLine(self.lines_total, line, self._classify(line)))
             self.lines_total += 1
-            self.tracker.observe(msg)
+            self.tracker.observe_log(line)
             return
         if t in STATE_TYPES:
             self.state.apply(msg)
@@ -253,11 +255,13 @@ class RunModel:
         if t == "event":
             ev = msg.get("event") or {}
             if ev.get("kind") == "step":
+                self.chart_version += 1
                 for key, series in self.series.items():
                     value = ev.get(key)
                     if isinstance(value, (int, float)) and not isinstance(value, bool):
                         series.append(float(value))
         elif t == "gpu":
+            self.gpu_version += 1
             for g in msg.get("gpus") or []:
                 idx = g.get("index")
                 if not isinstance(idx, int):
@@ -339,8 +343,9 @@ class WatchApp(App[int]):
         self.current = 0
         self._tick_s = tick_s
         self._alerted: list[set[str]] = [set() for _ in sources]
-        self._shown_version = -1
+        self._shown: tuple[int, int, int] = (-1, -1, -1)
         self.ticks = 0
+        self._logstatus = ""
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
@@ -398,7 +403,7 @@ class WatchApp(App[int]):
 
     def tick(self) -> None:
         self.ticks += 1
-        changed = self.drain()
+        self.drain()
         entries = []
         for i, model in enumerate(self.models):
             view = model.view()
@@ -411,13 +416,17 @@ class WatchApp(App[int]):
         model = self.models[self.current]
         pane = self.w_log
         pane.sync()
-        if changed or model.version != self._shown_version:
+        if self._shown[0] != self.current or self._shown[1] != model.chart_version:
             self.w_charts.show(model.series)
+        if self._shown[0] != self.current or self._shown[2] != model.gpu_version:
             self.w_gpus.show(current_view.gpus, model.gpu_hist, current_view.nvml)
-            self._shown_version = model.version
+        self._shown = (self.current, model.chart_version, model.gpu_version)
         self.w_summary.show(model.label, current_view, model.link, model.lines_total, model.dropped, len(pane.lines))
         self.w_alerts.show(current_alerts)
-        self.w_logstatus.update(pane.status())
+        status = pane.status()
+        if status != self._logstatus:
+            self._logstatus = status
+            self.w_logstatus.update(status)
 
     def _maybe_bell(self, i: int, alerts: list[Alert]) -> None:
         keys = {a.key for a in alerts if a.severity in (CRITICAL, WARNING)}
@@ -432,7 +441,6 @@ class WatchApp(App[int]):
             return
         self.current = (self.current + 1) % len(self.models)
         self.w_log.attach(self.models[self.current].log)
-        self._shown_version = -1
         self.tick()
 
     def _confirm_then(self, verb: str, action: Callable[[], object]) -> None:

@@ -134,7 +134,18 @@ def state_badge(view: RunView) -> Text:
 
 
 # -- widgets ------------------------------------------------------------------------------
-class RunsBar(Static):
+class _Quiet(Static):
+    """A Static that redraws only when its text really changed: the batch loop calls `show` ten times a second."""
+
+    _shown: Text | None = None
+
+    def put(self, text: Text) -> None:
+        if text != self._shown:
+            self._shown = text
+            self.update(text)
+
+
+class RunsBar(_Quiet):
     """Every watched run on one line, so a crash on another host is seen while looking at this one."""
 
     def show(self, entries: Sequence[tuple[str, RunView, int]], current: int) -> None:
@@ -147,10 +158,10 @@ class RunsBar(Static):
             text.append_text(state_badge(view))
             if n_alerts:
                 text.append(f" ⚠{n_alerts}", style="bold red")
-        self.update(text)
+        self.put(text)
 
 
-class RunSummary(Static):
+class RunSummary(_Quiet):
     """The numbers of one run: phase, step and epoch, ETA, loss, throughput, heartbeat age, link and drops."""
 
     def show(self, label: str, view: RunView, link: str, lines: int, dropped: int, shown: int) -> None:
@@ -179,7 +190,7 @@ class RunSummary(Static):
             t.append(f"\n{key:>10} ", style="dim")
             style = "bold red" if key == "log" and dropped else ""
             t.append(value, style=style)
-        self.update(t)
+        self.put(t)
 
 
 class Charts(Widget):
@@ -223,8 +234,9 @@ class GpuPanel(Widget):
         self._nvml: str | None = None
 
     def show(self, gpus: list[dict[str, Any]], hist: dict[int, dict[str, Sequence[float]]], nvml: str | None) -> None:
+        relayout = len(gpus) != len(self._gpus)
         self._gpus, self._hist, self._nvml = list(gpus), hist, nvml
-        self.refresh(layout=True)
+        self.refresh(layout=relayout)
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         return max(1, len(self._gpus))
@@ -260,12 +272,12 @@ class GpuPanel(Widget):
         return t
 
 
-class AlertsPanel(Static):
+class AlertsPanel(_Quiet):
     """Every active alert with its evidence, critical ones first."""
 
     def show(self, alerts: Sequence[Alert]) -> None:
         if not alerts:
-            self.update(Text("no alerts", style="dim green"))
+            self.put(Text("no alerts", style="dim green"))
             return
         t = Text()
         ordered = sorted(alerts, key=lambda a: (a.severity != CRITICAL, a.key))
@@ -275,7 +287,7 @@ class AlertsPanel(Static):
             style = "bold white on red" if a.severity == CRITICAL else "bold black on yellow"
             t.append(f" {a.title} ", style=style)
             t.append(f"\n  {a.evidence}")
-        self.update(t)
+        self.put(t)
 
 
 class LogPane(ScrollView, can_focus=True):
