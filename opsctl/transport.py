@@ -312,13 +312,15 @@ class SSHTransport:
         self.accept_new_host_key = accept_new_host_key
         self._jump_settings = jump
         self._conn: object | None = None
+        self._resolved: tuple[str | None, str, int] | None = None
         self._lock = threading.Lock()
 
     # -- connection ----------------------------------------------------------------------------------------
     @property
     def label(self) -> str:
-        s = self.settings
-        return f"{s.user + '@' if s.user else ''}{s.host}:{s.port}"
+        # After connecting, what Fabric resolved (~/.ssh/config HostName/User/Port), else what hosts.yaml says.
+        user, host, port = self._resolved or (self.settings.user, self.settings.host, self.settings.port)
+        return f"{user + '@' if user else ''}{host}:{port}"
 
     def _known_hosts(self) -> Path:
         return Path(self.settings.known_hosts or "~/.ssh/known_hosts").expanduser()
@@ -349,14 +351,26 @@ class SSHTransport:
         if s.identity_file:
             # An explicit key means exactly that key: no agent, no ~/.ssh/id_* guessing (like IdentitiesOnly).
             kwargs.update(key_filename=s.identity_file, look_for_keys=False, allow_agent=False)
-        conn = Connection(s.host, user=s.user, port=s.port, config=config, gateway=gateway,
+        # A port left at its default lets ~/.ssh/config's Port apply (Fabric falls back to 22 itself).
+        port = s.port if ("port" in s.model_fields_set or not s.use_ssh_config) else None
+        conn = Connection(s.host, user=s.user, port=port, config=config, gateway=gateway,
                           connect_timeout=s.connect_timeout, connect_kwargs=kwargs)
-        # Fabric's default client auto-adds unknown host keys; every hop (incl. ProxyJump gateways) gets ours.
-        c: object | None = conn
-        while c is not None and not isinstance(c, str):
-            c.client = self._client()  # type: ignore[attr-defined]
-            c = getattr(c, "gateway", None)
+        # Fabric's default client auto-adds unknown host keys; every hop (incl. ProxyJump gateways from
+        # ~/.ssh/config) gets our host-key policy and a connect timeout.
+        for hop in self._hops(conn):
+            hop.client = self._client()  # type: ignore[attr-defined]
+            if not hop.connect_timeout:  # type: ignore[attr-defined]
+                hop.connect_timeout = s.connect_timeout  # type: ignore[attr-defined]
         return conn
+
+    @staticmethod
+    def _hops(conn: object) -> list[object]:
+        hops: list[object] = []
+        c: object | None = conn
+        while c is not None and not isinstance(c, str):  # a str gateway is a ProxyCommand
+            hops.append(c)
+            c = getattr(c, "gateway", None)
+        return hops
 
     def _open(self) -> object:
         import paramiko
@@ -371,7 +385,9 @@ class SSHTransport:
                              identity_file=self.settings.identity_file, use_ssh_config=self.settings.use_ssh_config)
             gateway = self._connection(js, None)
         conn = self._connection(self.settings, gateway)
+        self._resolved = (conn.user, conn.host, int(conn.port))  # type: ignore[attr-defined]
         kh = self._known_hosts()
+        kh_name = conn.host if int(conn.port) == 22 else f"[{conn.host}]:{conn.port}"  # type: ignore[attr-defined]
         try:
             conn.open()  # type: ignore[attr-defined]
         except paramiko.BadHostKeyException as e:
@@ -379,7 +395,7 @@ class SSHTransport:
                 f"{self.label}: HOST KEY MISMATCH: the server presented {e.key.get_name()} "
                 f"{e.key.fingerprint} but {kh} has a different key for it. This may be an attack or a "
                 f"reinstalled host; if you know it was reinstalled, remove the old entry with "
-                f"`ssh-keygen -R '[{self.settings.host}]:{self.settings.port}' -f {kh}` and connect again.") from None
+                f"`ssh-keygen -R '{kh_name}' -f {kh}` and connect again.") from None
         except paramiko.AuthenticationException as e:
             key = self.settings.identity_file or "your ssh agent / default keys"
             raise TransportError(f"{self.label}: authentication failed ({e}); tried {key}. Check `user:` and "
@@ -397,7 +413,9 @@ class SSHTransport:
             raise TransportError(f"{self.label}: cannot resolve host name {self.settings.host!r} ({e.strerror})") from None
         except (paramiko.ssh_exception.NoValidConnectionsError, OSError) as e:
             raise TransportError(f"{self.label}: unreachable ({e}); is sshd running and the port right?") from None
-        conn.transport.set_keepalive(self.settings.keepalive_s)  # type: ignore[attr-defined]
+        for hop in self._hops(conn):
+            if getattr(hop, "transport", None) is not None:
+                hop.transport.set_keepalive(self.settings.keepalive_s)  # type: ignore[attr-defined]
         return conn
 
     def connect(self) -> None:

@@ -269,3 +269,22 @@ def test_pct_status_reports_state_and_pct_errors(ssh: SSHTransport, pct_host: Pc
         PctTransport(ssh, 232).status()
     with pytest.raises(ValueError):
         PctTransport(ssh, 99)
+
+
+def test_ssh_config_supplies_hostname_port_user_and_key(sshd: Sshd, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host gpubox\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n  IdentityFile {sshd.identity_file}\n"
+        "Host cfgonly\n  User mluser\n")
+    (home / ".ssh" / "known_hosts").write_text(Path(sshd.known_hosts).read_text())
+    monkeypatch.setenv("HOME", str(home))
+    t = SSHTransport(SSHSettings(host="gpubox"))  # everything else from ~/.ssh/config
+    try:
+        assert t.run(["echo", "from-config"]).stdout == b"from-config\n"
+        assert t.label == f"{sshd.user}@127.0.0.1:{sshd.port}"
+    finally:
+        t.close()
+    inv = parse_inventory("hosts:\n  g:\n    ssh: {host: cfgonly}\n    runs:\n      r: {workdir: /w, command: [x], log: l}\n")
+    assert inv.runs["g"]["r"].inductor_cache_dir == "/tmp/torchinductor_mluser"  # User from ~/.ssh/config
