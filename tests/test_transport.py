@@ -288,3 +288,24 @@ def test_ssh_config_supplies_hostname_port_user_and_key(sshd: Sshd, tmp_path: Pa
         t.close()
     inv = parse_inventory("hosts:\n  g:\n    ssh: {host: cfgonly}\n    runs:\n      r: {workdir: /w, command: [x], log: l}\n")
     assert inv.runs["g"]["r"].inductor_cache_dir == "/tmp/torchinductor_mluser"  # User from ~/.ssh/config
+
+
+def test_jump_naming_another_inventory_host(sshd: Sshd, tmp_path: Path) -> None:
+    p = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", name="bastion")
+    text = p.read_text()
+    p.write_text(text + "".join(f"  {line}\n" for line in yaml_box(sshd).splitlines()))
+    inv = parse_inventory(p.read_text(), base_dir=tmp_path)
+    t = transport_for(inv.hosts["box"], inventory=inv)
+    assert isinstance(t, SSHTransport)
+    try:
+        assert t.run(["echo", "hop"]).stdout == b"hop\n"
+        gw = t._conn.gateway  # type: ignore[attr-defined]
+        assert gw is not None and gw.port == sshd.port and gw.transport.is_active()
+    finally:
+        t.close()
+
+
+def yaml_box(sshd: Sshd) -> str:
+    return (f"box:\n  ssh:\n    host: 127.0.0.1\n    port: {sshd.port}\n    user: {sshd.user}\n"
+            f"    identity_file: {sshd.identity_file}\n    known_hosts: {sshd.known_hosts}\n"
+            "    use_ssh_config: false\n    jump: bastion\n")
