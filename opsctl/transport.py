@@ -235,6 +235,26 @@ def _parse_jump(spec: str) -> tuple[str | None, str, int | None]:
     return (user or None), host, port
 
 
+def _tcp_dead_peer_detection(sock: object, keepalive_s: int) -> None:
+    """Make a silently dead peer (cable pulled, VM gone) an error within ~4 x keepalive_s, not TCP's ~15 minutes.
+
+    paramiko's keepalive only sends packets; with TCP_USER_TIMEOUT unacknowledged data (those packets included)
+    fails the socket, which closes every channel, so a blocked stream read ends instead of hanging forever.
+    """
+    if not isinstance(sock, socket.socket):
+        return  # a gateway channel or ProxyCommand: the first hop's socket carries the detection
+    opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", keepalive_s), ("TCP_KEEPINTVL", keepalive_s), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", 4 * keepalive_s * 1000)):
+        if hasattr(socket, name):
+            opts.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, opt, value in opts:
+        try:
+            sock.setsockopt(level, opt, value)
+        except OSError:
+            pass
+
+
 class _SSHStream(Stream):
     def __init__(self, chan: object, what: str, transport: object) -> None:
         super().__init__()
@@ -416,6 +436,7 @@ class SSHTransport:
         for hop in self._hops(conn):
             if getattr(hop, "transport", None) is not None:
                 hop.transport.set_keepalive(self.settings.keepalive_s)  # type: ignore[attr-defined]
+                _tcp_dead_peer_detection(hop.transport.sock, self.settings.keepalive_s)  # type: ignore[attr-defined]
         return conn
 
     def connect(self) -> None:

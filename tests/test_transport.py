@@ -234,6 +234,10 @@ def test_keepalive_is_set_on_the_connection(sshd: Sshd) -> None:
         packetizer = t._conn.transport.packetizer  # type: ignore[attr-defined]
         # paramiko keeps the interval privately; this is what Transport.set_keepalive(7) stored
         assert packetizer._Packetizer__keepalive_interval == 7
+        sock = t._conn.transport.sock  # type: ignore[attr-defined]
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 7
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 28000
     finally:
         t.close()
 

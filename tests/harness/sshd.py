@@ -202,6 +202,14 @@ def _wait_pid_gone(pid: int, timeout: float = 10) -> None:
         os.close(fd)
 
 
+def _die_with_parent() -> None:
+    # If pytest is killed outright, the listener gets SIGTERM from the kernel instead of living on.
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def keygen(path: Path, comment: str) -> str:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)], check=True,
                    stdin=subprocess.DEVNULL, capture_output=True)
@@ -265,7 +273,8 @@ def start_sshd(base: Path, pct_host: PctHost | None = None, tries: int = 3) -> S
         ]))
         log_path = base / "sshd.log"
         proc = subprocess.Popen([SSHD_BIN, "-D", "-e", "-f", str(cfg)], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=_die_with_parent)
         assert proc.stderr is not None
         ready = threading.Event()
         lines: list[str] = []
