@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
-from agentlib import opsctl, script_run  # noqa: E402
+from agentlib import kill_tmux, opsctl, script_run  # noqa: E402
 
 from opsctl import commands  # noqa: E402
 
@@ -44,7 +44,10 @@ def test_launch_ready_over_ssh_pct_then_status(tmp_path: Path, sshd, ct: int) ->
 def test_launch_follow_local_exits_with_run_status(tmp_path: Path, sshd) -> None:
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", local_runs={
         "ok": script_run(tmp_path, "ok_run.py", "--steps", "3", "--step-time", "0.05", tmux_session="opsctl-t-follow")})
-    r = opsctl(hosts, "launch", "local", "ok", "--follow")
+    try:
+        r = opsctl(hosts, "launch", "local", "ok", "--follow")
+    finally:
+        kill_tmux(tmp_path, "ok")
     assert r.returncode == 0, r.stderr
     assert [ln for ln in r.stdout.splitlines() if ln.startswith("step ")] == [
         "step 1 loss 5.000", "step 2 loss 2.500", "step 3 loss 1.667"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
-from agentlib import REPO, opsctl, script_run  # noqa: E402
+from agentlib import REPO, kill_tmux, opsctl, script_run  # noqa: E402
 
 N_LINES = 2000
 
@@ -62,6 +62,14 @@ def test_logs_follow_reports_truncation(tmp_path: Path, sshd) -> None:
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={
         "t": script_run(tmp_path, "chatty.py", "--lines", "5", "--linger", "3", ready_pattern="^line 000004 ",
                         events=None, tmux_session="logs-trunc")})
+    request_cleanup = kill_tmux  # the run lives in a tmux server on this machine (no container to stop)
+    try:
+        _follow_truncated(hosts, tmp_path)
+    finally:
+        request_cleanup(tmp_path, "t")
+
+
+def _follow_truncated(hosts: Path, tmp_path: Path) -> None:
     assert opsctl(hosts, "launch", "box", "t").returncode == 0
     env = dict(os.environ, COLUMNS="200", NO_COLOR="1")
     proc = subprocess.Popen([sys.executable, "-m", "opsctl", "--hosts", str(hosts), "logs", "box", "t", "-f"],

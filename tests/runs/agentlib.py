@@ -97,3 +97,10 @@ def script_run(tmp: Path, script: str, *script_args: str, **over: Any) -> dict[s
         run["command"] += ["--events", str(tmp / "events.jsonl")]
     run.update(over)
     return run
+
+
+def kill_tmux(workdir: Path, run: str) -> None:
+    """Stop the tmux server a hosts.yaml run started outside a container (state_dir = WORKDIR/.opsctl/RUN)."""
+    sock = agent.Run({"workdir": str(workdir), "state_dir": str(workdir / ".opsctl" / run)}).tmux_socket()
+    if os.path.exists(sock):
+        subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True)

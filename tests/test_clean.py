@@ -1,0 +1,111 @@
+"""`opsctl clean` and the agent's path validation: only the cache dir's contents go, dangerous paths are refused.
+
+Validation runs on the remote after resolving symlinks there; a link out of the allowed roots is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
+
+from agentlib import cleanup, drive, of, opsctl, run_args, script_run  # noqa: E402
+
+from opsctl import agent  # noqa: E402
+
+
+@pytest.mark.parametrize("path, why", [
+    ("", "empty"), ("   ", "empty"), ("/", "root"), ("~", "~"), ("~/cache", "~"), ("relative/dir", "absolute"),
+    ("/tmp", "system"), ("/usr", "system"), ("/home", "system"), ("/etc", "system"), ("/dev/shm", "system"),
+    ("/opt", "system"),
+])
+def test_validate_refuses_dangerous_paths(path: str, why: str) -> None:
+    with pytest.raises(agent.AgentError) as exc:
+        agent.validate_clean_dir(path, ["/"], default_ok=False)
+    assert why in str(exc.value)
+
+
+def test_validate_roots_home_and_symlink_escapes(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "cache").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    assert agent.validate_clean_dir(str(root / "cache"), [str(root)], False) == str(root / "cache")
+    assert agent.validate_clean_dir(str(root), [str(root)], False) == str(root)  # the root itself may be emptied
+    with pytest.raises(agent.AgentError, match="not inside an allowed root"):
+        agent.validate_clean_dir(str(outside), [str(root)], False)
+    with pytest.raises(agent.AgentError, match="none configured"):
+        agent.validate_clean_dir(str(root / "cache"), [], False)
+    (root / "escape").symlink_to(outside)  # looks inside the root, resolves outside it
+    with pytest.raises(agent.AgentError, match="resolves to"):
+        agent.validate_clean_dir(str(root / "escape"), [str(root)], False)
+    with pytest.raises(agent.AgentError, match=r"\.\."):
+        agent.validate_clean_dir(str(root / ".." / "outside"), [str(root)], False)
+    home = os.path.realpath(os.path.expanduser("~"))
+    with pytest.raises(agent.AgentError, match="home"):
+        agent.validate_clean_dir(home, [home, "/"], False)
+    # torch's default location is allowed without a root
+    assert agent.validate_clean_dir(agent.default_inductor_dir(), [], True) == os.path.realpath(
+        agent.default_inductor_dir())
+
+
+def _tree(tmp: Path) -> tuple[Path, Path]:
+    cache = tmp / "cache"
+    (cache / "sub" / "deep").mkdir(parents=True)
+    (cache / "a.so").write_bytes(b"x" * 1000)
+    (cache / "sub" / "deep" / "b.py").write_text("y")
+    keep = tmp / "precious"
+    keep.mkdir()
+    (keep / "data.txt").write_text("keep me")
+    (cache / "link-out").symlink_to(keep)  # a symlink inside the cache pointing out: the link goes, not the target
+    (cache / "sub" / "link-file").symlink_to(keep / "data.txt")
+    return cache, keep
+
+
+def test_clean_over_ssh_pct_dry_run_then_real(tmp_path: Path, sshd, container: Callable[..., int]) -> None:
+    vmid = container(200)
+    cache, keep = _tree(tmp_path)
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=vmid, runs={
+        "ok": script_run(tmp_path, "ok_run.py", "--steps", "1", "--step-time", "0.01", "--load-time", "0",
+                         tmux_session="clean-ok")})
+    assert opsctl(hosts, "launch", "box", "ok", "--follow").returncode == 0
+    (cache / "new.so").write_bytes(b"z" * 10)  # written after launch cleared it
+    (cache / "link-out").symlink_to(keep)
+    r = opsctl(hosts, "clean", "box", "ok", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert f"would remove {cache / 'new.so'}" in r.stdout and f"would remove {cache / 'link-out'}" in r.stdout
+    assert "would remove tmux:clean-ok" in r.stdout  # the dead pane kept by remain-on-exit
+    assert (cache / "new.so").exists() and (cache / "link-out").is_symlink()  # dry run removed nothing
+    r = opsctl(hosts, "clean", "box", "ok")
+    assert r.returncode == 0, r.stderr
+    assert list(cache.iterdir()) == [] and cache.is_dir()  # contents gone, the dir itself stays
+    assert (keep / "data.txt").read_text() == "keep me"  # nothing outside it, not through symlinks either
+    assert (tmp_path / "run.log").exists() and (tmp_path / "events.jsonl").exists()
+    assert "removed tmux:clean-ok" in r.stdout
+    r = opsctl(hosts, "clean", "box", "ok", "--dry-run")
+    assert "tmux:" not in r.stdout  # the dead session is gone
+
+
+def test_clean_refuses_escape_and_running_run(tmp_path: Path) -> None:
+    cache, keep = _tree(tmp_path)
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    (roots / "cache").symlink_to(keep)
+    rc, msgs = drive("clean", run_args(tmp_path, "ok_run.py", inductor_cache_dir=str(roots / "cache"),
+                                       clean_roots=[str(roots)]))
+    assert rc == agent.EXIT_CODES["refused"] and not of(msgs, "removed")
+    assert "resolves to" in of(msgs, "check")[0]["detail"] and (keep / "data.txt").exists()
+    args = run_args(tmp_path, "hang_loading.py", ready_timeout=0.3, kill_grace=[0.5, 0.5])
+    try:
+        assert drive("launch", args)[0] == agent.EXIT_CODES["timeout"]
+        (cache / "x").write_text("in use")
+        rc, msgs = drive("clean", args)
+        assert rc == agent.EXIT_CODES["refused"] and "is running" in of(msgs, "check")[0]["detail"]
+        assert (cache / "x").exists()
+    finally:
+        cleanup(args)
