@@ -256,7 +256,7 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
         t.join(0.5)
 
     gate = SignalGate(emergency_end).install()
-    runner = _Run(cfg, out, roles, device, writer, log, live, gate, step_holder, docs, on_step)
+    runner = _Run(cfg, out, roles, device, writer, log, live, gate, step_holder, docs, on_step, hb)
     try:
         result = runner.run(max_steps=max_steps, resume=resume, allow_slow_kernels=allow_slow_kernels)
     finally:
@@ -276,12 +276,13 @@ class _Run:
 
     def __init__(self, cfg: RunConfig, out: Path, roles: Roles, device: torch.device, writer: EventWriter,
                  log: logging.Logger, live: Live, gate: SignalGate, step_holder: dict[str, int],
-                 docs: list[Document], on_step: Callable[[int, float], None] | None) -> None:
+                 docs: list[Document], on_step: Callable[[int, float], None] | None, hb: Heartbeat) -> None:
         self.cfg, self.out, self.roles, self.device = cfg, out, roles, device
         self.writer, self.log, self.live, self.gate = writer, log, live, gate
         self.step_holder = step_holder
         self.docs = docs
         self.on_step = on_step
+        self.hb = hb
         self.rank0 = roles.rank == 0
         self.step = 0
         self.losses: list[float] = []
@@ -300,6 +301,7 @@ class _Run:
         self.emit("phase", phase=name, **extra)
 
     def end(self, reason: str, code: int, **extra: Any) -> TrainResult:
+        self.hb.stop()  # run_end is the last line of a run: no heartbeat after it
         self.emit("run_end", reason=reason, exit_code=code, step=self.step, **extra)
         self.log.info("run_end: %s (exit %d) at step %d", reason, code, self.step)
         return TrainResult(exit_code=code, reason=reason, step=self.step, losses=self.losses)
@@ -310,6 +312,7 @@ class _Run:
         except (UsageError, DataError, ckpt.CheckpointError) as exc:
             self.emit("error", **{"class": "config"}, message=str(exc), traceback=None, fatal=True)
             self.log.error("%s", exc)
+            print(f"dflash: {exc}", file=sys.stderr)
             return self.end("error", EXIT_USAGE)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the event stream, classified
             cls = classify_error(exc)

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dflash.config import DataConfig
+from dflash.config import DataConfig, RunConfig, config_from_dict
 from dflash.data import Document, TokenizedCorpus, TokenizerAdapter, load_tokenizer, read_documents, tokenize
 
 # Small enough that tokenizer training and a few target forwards take seconds on 2 shared cores.
@@ -42,19 +42,23 @@ def tiny_corpus(max_len: int = 64) -> tuple[list[Document], TokenizerAdapter, To
 
 
 def tiny_run_yaml(**sections: dict[str, Any]) -> dict[str, Any]:
-    """A run config small enough for a test: a 4-layer tiny target, 1 drafter layer, 128-token buffers."""
+    """A run config small enough for a test: a 4-layer tiny target, 1 drafter layer, 256-token buffers."""
     cfg: dict[str, Any] = {
         "target": {"arch": {"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64,
                             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-                            "linear_num_key_heads": 1, "linear_num_value_heads": 2},
+                            "linear_num_key_heads": 1, "linear_num_value_heads": 2, "initializer_range": 0.25},
                    "seed": 0},
-        "drafter": {"num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "block_size": 4, "num_anchors": 8},
+        "drafter": {"num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "block_size": 4, "num_anchors": 32},
         "data": {"max_chars": TEST_CHARS, "vocab_size": TEST_VOCAB, "max_len": 48, "min_len": 8,
-                 "token_budget": 128, "num_buckets": 4, "reservoir": 3,
+                 "token_budget": 256, "num_buckets": 4, "reservoir": 3,
                  "tokenizer_cache": str(tokenizer_cache())},
-        "train": {"lr": 3e-3, "warmup_frac": 0.1, "max_steps": 6, "checkpoint_every": 3, "keep_last": 2,
+        "train": {"lr": 1e-2, "warmup_frac": 0.1, "max_steps": 6, "checkpoint_every": 3, "keep_last": 2,
                   "heartbeat_s": 0.5, "seed": 0, "compile": "false"},
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
     return cfg
+
+
+def run_config(**sections: dict[str, Any]) -> RunConfig:
+    return config_from_dict(tiny_run_yaml(**sections), "<test>")

@@ -1,0 +1,127 @@
+"""End-to-end tests of `dflash.train` on CPU: the loss falls, events follow the contract, SIGTERM + resume is exact.
+
+Runs are in-process (one torch import for the module) with the real tiny qwen3_5 target and the real drafter.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from dflash_fixtures import run_config
+
+from dflash.checkpoint import list_checkpoints, load_file
+from dflash.telemetry import ReadStats, read_events, validate_event
+from dflash.train import TrainResult, UsageError, lr_lambda, train
+
+
+def _events(out: Path) -> list[dict]:
+    stats = ReadStats()
+    evs = list(read_events(out / "events.jsonl", stats))
+    assert stats.invalid == 0, stats.errors
+    assert stats.lines == len(evs)
+    return evs
+
+
+def test_loss_falls_and_event_stream_follows_the_contract(tmp_path: Path) -> None:
+    cfg = run_config(train={"max_steps": 40, "checkpoint_every": 15, "keep_last": 5})
+    res = train(cfg, tmp_path)
+    assert (res.exit_code, res.reason, res.step) == (0, "completed", 40)
+    first, last = sum(res.losses[:5]) / 5, sum(res.losses[-5:]) / 5
+    assert last < first - 0.25, f"loss did not fall: {first:.3f} -> {last:.3f}"
+
+    evs = _events(tmp_path)
+    for raw in (tmp_path / "events.jsonl").read_text().splitlines():
+        assert raw.endswith("}")  # whole lines only
+    for e in evs:
+        validate_event(e)
+    kinds = [e["kind"] for e in evs if e["kind"] != "heartbeat"]
+    assert kinds[0] == "run_start" and kinds[-1] == "run_end"
+    # heartbeats may come first (they show life while the data is prepared); run_start is the first run event
+    start, end = next(e for e in evs if e["kind"] != "heartbeat"), evs[-1]
+    assert start["kind"] == "run_start" and start["total_steps"] == 40 and start["resumed_from"] is None
+    assert start["kernels"]["chunk_gated_delta_rule"] == "torch-fallback" and start["kernels"]["attention"] == "dense"
+    assert start["roles"] == {"colocated": [0]} and start["config"]["train"]["max_steps"] == 40
+    assert end == {**end, "reason": "completed", "exit_code": 0, "step": 40}
+    phases = [e["phase"] for e in evs if e["kind"] == "phase"]
+    assert phases.index("loading_target") < phases.index("building_drafter") < phases.index("training")
+    assert phases.count("training") == 1
+    first_step = kinds.index("step")
+    assert kinds.index("phase") < first_step and "training" in phases[: kinds[:first_step].count("phase")]
+    steps = [e for e in evs if e["kind"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, 41))
+    assert all(len(e["acc"]) == 3 and e["tokens"] > 0 and e["queue_depth"] <= 3 for e in steps)
+    assert steps[0]["lr"] < steps[4]["lr"]  # warm-up
+    ckpts = [e for e in evs if e["kind"] == "checkpoint"]
+    assert [c["step"] for c in ckpts] == [15, 30, 40]
+    assert all(Path(c["path"]).is_dir() for c in ckpts)
+    assert any(e["kind"] == "heartbeat" for e in evs)
+    log = (tmp_path / "train.log").read_text()
+    assert "step 40/40" in log and "run_end: completed" in log
+
+
+def _params(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(ckpt_dir, "drafter.pt")
+
+
+def test_sigterm_then_resume_is_bit_identical(tmp_path: Path) -> None:
+    n = 4
+    cfg = run_config(train={"max_steps": 2 * n, "checkpoint_every": 0})
+    straight = train(cfg, tmp_path / "a")
+
+    def sigterm_at_n(step: int, _loss: float) -> None:
+        if step == n:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled by the run's own handler
+
+    b = tmp_path / "b"
+    stopped = train(cfg, b, on_step=sigterm_at_n)
+    assert (stopped.exit_code, stopped.reason, stopped.step) == (0, "signal", n)
+    assert [s for s, _ in list_checkpoints(b)] == [n]
+    resumed: TrainResult = train(cfg, b, resume=True)
+    assert (resumed.exit_code, resumed.reason, resumed.step) == (0, "completed", 2 * n)
+    assert resumed.losses == straight.losses[n:]  # exactly, not approximately
+    pa, pb = _params(tmp_path / "a" / "checkpoints" / f"step-{2 * n}"), _params(b / "checkpoints" / f"step-{2 * n}")
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+
+    evs = _events(b)
+    ends = [e for e in evs if e["kind"] == "run_end"]
+    assert [(e["reason"], e.get("signal"), e["step"]) for e in ends] == [("signal", "SIGTERM", n),
+                                                                        ("completed", None, 2 * n)]
+    starts = [e for e in evs if e["kind"] == "run_start"]
+    assert [s["resumed_from"] for s in starts] == [None, n]
+    assert len({e["run_id"] for e in evs}) == 1
+
+
+def test_existing_checkpoints_need_resume_and_resume_needs_a_checkpoint(tmp_path: Path) -> None:
+    cfg = run_config(train={"max_steps": 2, "checkpoint_every": 0})
+    res = train(cfg, tmp_path / "empty", resume=True)
+    assert (res.exit_code, res.reason) == (2, "error")
+    err = [e for e in _events(tmp_path / "empty") if e["kind"] == "error"]
+    assert err[0]["class"] == "config" and "no checkpoint" in err[0]["message"]
+    train(cfg, tmp_path / "r")
+    with pytest.raises(UsageError, match="pass --resume"):
+        train(cfg, tmp_path / "r")
+
+
+def test_nan_loss_is_a_fatal_error_event(tmp_path: Path) -> None:
+    cfg = run_config(train={"lr": 1e30, "max_steps": 6, "checkpoint_every": 0, "grad_clip": 1e30})
+    res = train(cfg, tmp_path)
+    evs = _events(tmp_path)
+    errors = [e for e in evs if e["kind"] == "error"]
+    assert res.exit_code == 1 and res.reason == "error"
+    assert errors and errors[0]["class"] == "nan" and errors[0]["fatal"] is True
+    ends = [e for e in evs if e["kind"] == "run_end"]
+    assert len(ends) == 1 and ends[0]["reason"] == "error" and ends[0]["exit_code"] == 1
+
+
+def test_lr_schedule_warms_up_then_decays_to_floor() -> None:
+    f = lr_lambda(100, 0.1, 0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(55) == pytest.approx(0.55)
+    assert f(100) == pytest.approx(0.1)
+    assert all(f(i) >= f(i + 1) for i in range(10, 100))
