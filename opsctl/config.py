@@ -257,6 +257,20 @@ class RunConfig(_Strict):
             raise ValueError(f"tmux session name {v!r} must be non-empty, not start with '-', and contain no ':', '.', newline")
         return v
 
+    @model_validator(mode="after")
+    def _no_nul(self) -> RunConfig:
+        # No exec or file system can carry a NUL byte; refuse it here rather than fail on the remote host.
+        for key in ("workdir", "log", "events", "inductor_cache_dir", "tmux_session", "state_dir", "model_dir",
+                    "model_manifest", "ready_pattern"):
+            v = getattr(self, key)
+            if isinstance(v, str) and "\x00" in v:
+                raise ValueError(f"{key} contains a NUL byte")
+        for key in ("command", "preflight"):
+            v = getattr(self, key)
+            if isinstance(v, list) and any("\x00" in a for a in v) or isinstance(v, str) and "\x00" in v:
+                raise ValueError(f"{key} contains a NUL byte")
+        return self
+
     @property
     def argv(self) -> list[str]:
         """The command as an argv list: a script string becomes ["bash", "-c", script]."""

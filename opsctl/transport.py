@@ -5,6 +5,7 @@ Every command is an argv list; each shell layer quotes it exactly once (shell_jo
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import signal
@@ -18,6 +19,10 @@ from typing import NamedTuple, Protocol, runtime_checkable
 from opsctl.config import HostConfig, Inventory, SSHSettings
 
 STDERR_KEEP = 1 << 20  # bytes of a stream's stderr kept for error messages
+
+# paramiko logs a dropped connection as "Socket exception: ..." through logging's last-resort stderr handler,
+# in the middle of a user's terminal; we report drops as TransportError instead. `-v` logging still sees them.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class TransportError(Exception):
@@ -461,13 +466,25 @@ class SSHTransport:
             return self._conn.transport  # type: ignore[attr-defined]
 
     def _session(self, cmd: str) -> object:
-        t = self._transport()
-        try:
-            chan = t.open_session(timeout=self.settings.connect_timeout)  # type: ignore[attr-defined]
-            chan.exec_command(cmd)
-        except Exception as e:
-            raise TransportError(f"{self.label}: cannot start a command on the SSH connection ({e or type(e).__name__})") from None
-        return chan
+        last: Exception | None = None
+        for _attempt in range(2):
+            t = self._transport()
+            try:
+                chan = t.open_session(timeout=self.settings.connect_timeout)  # type: ignore[attr-defined]
+                chan.exec_command(cmd)
+                return chan
+            except Exception as e:
+                # A connection that died a moment ago can still look active; the exec never ran, so one fresh
+                # connection and one retry is safe.
+                last = e
+                with self._lock:
+                    if self._conn is not None:
+                        try:
+                            self._conn.close()  # type: ignore[attr-defined]
+                        except Exception:
+                            pass
+                        self._conn = None
+        raise TransportError(f"{self.label}: cannot start a command on the SSH connection ({last or type(last).__name__})")
 
     # -- Transport API -------------------------------------------------------------------------------------
     def argv_for(self, argv: list[str]) -> str:

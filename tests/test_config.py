@@ -210,6 +210,8 @@ def test_hostile_names_and_env_keys_are_refused() -> None:
     assert "tmux session name" in err
     (err,) = errors_of(GOOD_SSH.replace("host: gpu1.example.org", "host: -oProxyCommand=x"))
     assert "must not start with '-'" in err
+    (err,) = errors_of(GOOD_SSH.replace("[python3, -m,", '[python3, "a\\0b", -m,'))
+    assert err.endswith("hosts.gpu1.runs.train: command contains a NUL byte")
 
 
 def test_values_are_kept_verbatim_and_env_numbers_become_text() -> None:
