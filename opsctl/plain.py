@@ -31,8 +31,7 @@ def _fold(workers: Sequence[SourceWorker], models: Sequence[RunModel]) -> bool:
         other, logs, dropped = worker.drain()
         for msg in other:
             model.ingest(msg)
-        for msg in logs:
-            model.ingest(msg)
+        model.ingest_logs(logs)
         model.add_dropped(dropped)
         got = got or bool(other or logs or dropped)
     return got

