@@ -1,0 +1,158 @@
+"""Tests of the `dflash` CLI as a user runs it: bad input exits 2 with one line, signals end a run cleanly.
+
+Subprocess tests run the real `python -m dflash` entry point (what `opsctl launch local tiny` starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from dflash_fixtures import tiny_run_yaml
+
+from dflash.cli import main
+from dflash.telemetry import read_events
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp: Path, cfg: dict, name: str = "run.yaml") -> Path:
+    p = tmp / name
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    return err
+
+
+@pytest.mark.parametrize(("patch", "expected"), [
+    ({"train": {"lr": "fast"}}, "train.lr: expected a number, got 'fast'"),
+    ({"train": {"learning_rate": 1e-3}}, "train.learning_rate: unknown field"),
+    ({"drafter": {"block_size": 2.5}}, "drafter.block_size: expected an integer, got 2.5"),
+    ({"data": {"format": "csv"}}, "data.format: expected one of auto, text, chat, got 'csv'"),
+    ({"target": {"tap_layers": ["x"]}}, "target.tap_layers[0]: expected an integer, got 'x'"),
+    ({"data": {"token_budget": 4}}, "data.token_budget: must be at least data.max_len (48), got 4"),
+    ({"bogus": {}}, "bogus: unknown field"),
+])
+def test_bad_config_exits_2_naming_file_and_field_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], patch: dict, expected: str) -> None:
+    cfg = tiny_run_yaml()
+    for section, values in patch.items():
+        cfg.setdefault(section, {}).update(values)
+    path = _write(tmp_path, cfg)
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(path), "--out", str(out)]) == 2
+    assert _one_line_error(capsys).startswith(f"dflash: {path}: {expected}")
+    assert not out.exists()
+
+
+def test_bad_yaml_and_missing_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "broken.yaml"
+    p.write_text("train:\n  lr: [1,\n")
+    assert main(["train", "--config", str(p), "--out", str(tmp_path / "o")]) == 2
+    assert f"{p}: line" in _one_line_error(capsys)
+    assert main(["train", "--config", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "o")]) == 2
+    assert "cannot read config" in _one_line_error(capsys)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_data_exits_2_naming_the_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": "oops"}\n')
+    path = _write(tmp_path, tiny_run_yaml(data={"paths": [str(data)]}))
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(path), "--out", str(out)]) == 2
+    assert _one_line_error(capsys) == f"dflash: {data}:2: 'messages' must be a non-empty list"
+    assert not out.exists()
+
+
+def test_resume_on_corrupt_checkpoint_is_refused_naming_the_file(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, tiny_run_yaml(train={"max_steps": 2, "checkpoint_every": 1, "keep_last": 3}))
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(path), "--out", str(out)]) == 0
+    bad = out / "checkpoints" / "step-2" / "optimizer.pt"
+    bad.write_bytes(bad.read_bytes()[:-10])  # truncated
+    capsys.readouterr()
+    assert main(["train", "--config", str(path), "--out", str(out), "--resume", "--max-steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: size" in err and "refusing to resume" in err and "step-1" in err
+    evs = list(read_events(out / "events.jsonl"))
+    assert evs[-1]["kind"] == "run_end" and evs[-1]["exit_code"] == 2
+    assert [e["class"] for e in evs if e["kind"] == "error"] == ["config"]
+
+
+def test_help_teaches_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "dflash train --config configs/tiny.yaml --out runs/tiny" in text and "--resume" in text
+    assert "exit codes" in text
+
+
+def test_preflight_on_cpu_lists_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["preflight", "--config", str(REPO / "configs" / "tiny.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "chunk_gated_delta_rule" in out and "torch-fallback" in out and "preflight: ok" in out
+
+
+def _start(tmp_path: Path, **train: object) -> tuple[subprocess.Popen[bytes], Path]:
+    path = _write(tmp_path, tiny_run_yaml(train={"checkpoint_every": 0, "heartbeat_s": 0.2, **train}))
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(path), "--out", str(out)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return proc, out
+
+
+def _wait_for(out: Path, kind: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (out / "events.jsonl").exists() and any(e["kind"] == kind for e in read_events(out / "events.jsonl")):
+            return
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        time.sleep(0.05)
+    raise AssertionError(f"no {kind} event within {timeout}s")
+
+
+def test_sigterm_finishes_step_checkpoints_and_exits_0(tmp_path: Path) -> None:
+    proc, out = _start(tmp_path, max_steps=100000)
+    try:
+        _wait_for(out, "step", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    evs = list(read_events(out / "events.jsonl"))
+    end = evs[-1]
+    assert (end["kind"], end["reason"], end["exit_code"], end["signal"]) == ("run_end", "signal", 0, "SIGTERM")
+    ckpt = [e for e in evs if e["kind"] == "checkpoint"]
+    assert ckpt and ckpt[-1]["step"] == end["step"] and Path(ckpt[-1]["path"]).is_dir()
+    assert json.loads((out / "run.json").read_text())["run_id"] == end["run_id"]
+
+
+def test_second_signal_exits_at_once(tmp_path: Path) -> None:
+    proc, out = _start(tmp_path, max_steps=100000)
+    try:
+        _wait_for(out, "heartbeat", proc)
+        time.sleep(0.3)  # the handlers are installed right after the first heartbeat
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 128 + signal.SIGINT
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step-*"))
