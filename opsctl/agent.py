@@ -36,7 +36,7 @@ BOOTSTRAP = (
 # records pid and pgid, tees output to the log and writes the exit status when the run ends. It is written
 # to STATE_DIR/wrapper.py by `launch` so tmux starts it with a plain argv (no shell quoting involved).
 WRAPPER_SOURCE = r'''
-import json, os, signal, subprocess, sys, threading, time
+import json, os, select, signal, subprocess, sys, threading, time
 
 def _atomic(path, text):
     tmp = path + ".tmp"
@@ -63,7 +63,7 @@ def main():
     logf = open(spec["log"], "ab", buffering=0)
     try:
         proc = subprocess.Popen(argv, cwd=spec["workdir"], env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     except OSError as exc:
         msg = "opsctl: cannot start %r: %s\n" % (argv, exc)
         logf.write(msg.encode())
@@ -71,28 +71,60 @@ def main():
         return
     _atomic(os.path.join(state, "pid"), json.dumps({"pid": proc.pid, "pgid": proc.pid,
             "wrapper_pid": os.getpid(), "started": time.time()}) + "\n")
-    out = proc.stdout.fileno()
+    lock = threading.Lock()
+    base = os.fstat(logf.fileno()).st_size
+    own = [0]
+    # A run that writes the log file itself (a logging FileHandler next to a stdout StreamHandler) would see
+    # every line twice. Such a handler writes the file before stdout, so the file is longer than what we
+    # wrote when its stdout copy arrives: from then on stdout goes to the pane only; stderr (tracebacks,
+    # warnings) still goes to the log.
+    self_writes = [False]
 
-    def pump():
-        while True:
+    def put(data, is_stdout):
+        with lock:
+            if is_stdout and not self_writes[0] and os.fstat(logf.fileno()).st_size > base + own[0]:
+                self_writes[0] = True
+            if not (is_stdout and self_writes[0]):
+                logf.write(data)
+                own[0] += len(data)
             try:
-                chunk = os.read(out, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            logf.write(chunk)
-            try:
-                sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.write(data)
                 sys.stdout.buffer.flush()
             except OSError:
                 pass
 
-    t = threading.Thread(target=pump, daemon=True)
-    t.start()
+    def pump(fd, is_stdout):
+        buf = b""
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.3)
+            if not ready:
+                if buf:  # a partial line (a progress bar, a prompt): hand it over rather than sit on it
+                    put(buf, is_stdout)
+                    buf = b""
+                continue
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                if buf:
+                    put(buf, is_stdout)
+                return
+            buf += chunk
+            cut = buf.rfind(b"\n") + 1
+            if cut:  # whole lines only, so stdout and stderr never interleave inside a line
+                put(buf[:cut], is_stdout)
+                buf = buf[cut:]
+
+    threads = [threading.Thread(target=pump, args=(proc.stdout.fileno(), True), daemon=True),
+               threading.Thread(target=pump, args=(proc.stderr.fileno(), False), daemon=True)]
+    for t in threads:
+        t.start()
     rc = proc.wait()
     code = rc if rc >= 0 else 128 - rc
-    t.join(0.3)  # children that keep the pipe open must not delay the exit status
+    end = time.time() + 0.3  # children that keep the pipes open must not delay the exit status
+    for t in threads:
+        t.join(max(0.0, end - time.time()))
     _atomic(os.path.join(state, "exit_code"), "%d\n" % code)
     try:
         sys.stdout.write("\n[opsctl] run exited with status %d\n" % code)

@@ -180,3 +180,20 @@ def test_wrapper_records_exit_code_and_tmux_keeps_dead_pane(tmp_path: Path, scri
         assert st["proc"]["state"] == "exited" and st["session_exists"] and st["pane_dead"] is True
     finally:
         cleanup(args)
+
+
+def test_run_that_writes_its_own_log_is_not_duplicated(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    args = run_args(tmp_path, "", command=[sys.executable, str(Path(__file__).parent / "runs" / "selflog.py"),
+                                           str(log)], events=None)
+    try:
+        rc, msgs = drive("launch", args)
+    finally:
+        cleanup(args)
+    assert rc == agent.EXIT_CODES["failed"]
+    lines = log.read_text().splitlines()
+    assert lines[0] == "banner before logging is set up"
+    assert [ln for ln in lines if ln.startswith("INFO")] == [f"INFO record {i}" for i in range(5)]  # once each
+    assert lines[-1] == "RuntimeError: selflog died" and "Traceback (most recent call last):" in lines
+    verdict = of(msgs, "verdict")[0]
+    assert verdict["traceback"].endswith("RuntimeError: selflog died")
