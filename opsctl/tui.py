@@ -358,7 +358,7 @@ class WatchApp(App[int]):
         self.current = 0
         self._tick_s = tick_s
         self._alerted: list[set[str]] = [set() for _ in sources]
-        self._shown: tuple[int, int, int] = (-1, -1, -1)
+        self._shown: tuple[int, int, int, str | None] = (-1, -1, -1, None)
         self.ticks = 0
         self._logstatus = ""
 
@@ -436,9 +436,9 @@ class WatchApp(App[int]):
         pane.sync()
         if self._shown[0] != self.current or self._shown[1] != model.chart_version:
             self.w_charts.show(model.series)
-        if self._shown[0] != self.current or self._shown[2] != model.gpu_version:
+        if self._shown[0] != self.current or self._shown[2:] != (model.gpu_version, current_view.nvml):
             self.w_gpus.show(current_view.gpus, model.gpu_hist, current_view.nvml)
-        self._shown = (self.current, model.chart_version, model.gpu_version)
+        self._shown = (self.current, model.chart_version, model.gpu_version, current_view.nvml)
         self.w_summary.show(model.label, current_view, model.link, model.lines_total, model.dropped, len(pane.lines))
         self.w_alerts.show(current_alerts)
         status = pane.status()

@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +35,10 @@ from opsctl.widgets import (
     RunSummary,
     spark,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
+
+from agentlib import REPO, opsctl, script_run  # noqa: E402
 
 STREAMS = Path(__file__).parent / "fixtures" / "streams"
 SIZE = (120, 40)
@@ -484,3 +494,52 @@ def test_spark_scales_and_skips_non_finite() -> None:
     assert spark([1.0, float("nan"), 1.0], 5) == "▁▁"
     assert spark([1, 2, 3, 4], 2) == "▁█"
     assert spark([], 4) == ""
+
+
+# -- end to end: the real `opsctl watch` in tmux, over SSH + pct, against a live run ---------------------
+def _screen(sock: Path) -> str:
+    r = subprocess.run(["tmux", "-S", str(sock), "capture-pane", "-p", "-t", "watch"], capture_output=True, text=True)
+    return r.stdout
+
+
+def _wait_screen(sock: Path, *needles: str, timeout_s: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    screen = ""
+    while time.monotonic() < deadline:
+        screen = _screen(sock)
+        if all(n in screen for n in needles):
+            return screen
+        time.sleep(0.2)
+    raise AssertionError(f"{needles} not on screen after {timeout_s} s:\n{screen}")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_watch_in_tmux_over_ssh_pct_live_run_then_kill_from_the_dashboard(tmp_path: Path, sshd: Any,
+                                                                            container: Any) -> None:
+    ct = container(200)
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={
+        "tiny": script_run(tmp_path, "ok_run.py", "--steps", "3000", "--step-time", "0.2",
+                           "--ckpt-dir", str(tmp_path / "ckpt"))})
+    (tmp_path / "cache").mkdir()
+    r = opsctl(hosts, "launch", "box", "tiny")
+    assert r.returncode == 0, r.stderr
+    sock = tmp_path / "tmux.sock"
+    cmd = f"{shlex.quote(sys.executable)} -m opsctl --hosts {shlex.quote(str(hosts))} watch box:tiny"
+    try:
+        subprocess.run(["tmux", "-S", str(sock), "new-session", "-d", "-s", "watch", "-x", "160", "-y", "50",
+                        "-c", str(REPO), cmd], check=True, env=dict(os.environ, TERM="xterm-256color"))
+        screen = _wait_screen(sock, "box:tiny", "TRAINING", "loss", "opsctl watch")
+        assert re.search(r"step [\d,]+/3,000", screen), screen
+        assert re.search(r"loss \d\.\d{4}", screen), screen
+        assert "step " in screen and "no alerts" in screen
+        assert "GPUs: none reported (nvml: unavailable (" in screen  # the container has no NVML: said, not hidden
+        subprocess.run(["tmux", "-S", str(sock), "send-keys", "-t", "watch", "k"], check=True)
+        _wait_screen(sock, "kill box:tiny?")
+        subprocess.run(["tmux", "-S", str(sock), "send-keys", "-t", "watch", "y"], check=True)
+        screen = _wait_screen(sock, "KILLED", "run killed", "run_end signal")
+        assert "exit code 0" in screen
+        assert list((tmp_path / "ckpt").glob("step*.pt"))  # the run checkpointed on the way out
+        subprocess.run(["tmux", "-S", str(sock), "send-keys", "-t", "watch", "q"], check=True)
+    finally:
+        subprocess.run(["tmux", "-S", str(sock), "kill-server"], capture_output=True)
+        opsctl(hosts, "kill", "box", "tiny")
