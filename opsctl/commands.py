@@ -363,8 +363,11 @@ def cmd_status(ctx: Ctx, host_name: str, run_name: str | None, as_json: bool = F
         ctx.raw.flush()
         return EXIT_OK
     table = Table(title=f"{host.name}", show_lines=False)
-    for col in ("run", "state", "phase", "step", "loss", "tok/s", "heartbeat", "pid", "exit", "GPUs"):
-        table.add_column(col)
+    show_gpus = any(r["gpus"] for r in rows)
+    for col in ("run", "state", "phase", "step", "loss", "tok/s", "heartbeat", "pid", "exit"):
+        table.add_column(col, no_wrap=col in ("run", "state", "phase", "step"))
+    if show_gpus:
+        table.add_column("GPUs")
     colors = {"training": "green", "finished": "green", "crashed": "red", "killed": "yellow", "stalled": "red",
               "loading": "cyan", "compiling": "cyan", "starting": "cyan", "absent": "dim"}
     for r in rows:
@@ -373,12 +376,14 @@ def cmd_status(ctx: Ctx, host_name: str, run_name: str | None, as_json: bool = F
             phase += f" {r['phase_i']}/{r['phase_n']}"
         step = f"{r['step']}" + (f"/{r['total_steps']}" if r.get("total_steps") else "")
         gpus = ", ".join(f"{g['index']}: {g.get('util')}% {int(g.get('mem_used_mb') or 0)} MiB" for g in r["gpus"])
-        table.add_row(r["run"], f"[{colors.get(r['state'], 'white')}]{r['state']}[/]", phase, step,
-                      "-" if r["loss"] is None else f"{r['loss']:.4g}",
-                      "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
-                      "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
-                      str(r["pid"] or "-"), "-" if r["exit_code"] is None else str(r["exit_code"]),
-                      gpus or ("n/a" if r.get("nvml") != "ok" else "none"))
+        cells = [r["run"], f"[{colors.get(r['state'], 'white')}]{r['state']}[/]", phase, step,
+                 "-" if r["loss"] is None else f"{r['loss']:.4g}",
+                 "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
+                 "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
+                 str(r["pid"] or "-"), "-" if r["exit_code"] is None else str(r["exit_code"])]
+        if show_gpus:
+            cells.append(gpus or "none")
+        table.add_row(*cells)
     ctx.out.print(table)
     nvml = next((r.get("nvml") for r in rows if r.get("nvml") and r.get("nvml") != "ok"), None)
     if nvml:

@@ -96,3 +96,28 @@ def test_help_teaches_examples_and_exit_codes() -> None:
         assert f"\n  {code}  " in r.stdout
     r = opsctl(Path("/nonexistent/hosts.yaml"), "status", "local")
     assert r.returncode == commands.EXIT_USAGE and "file not found" in r.stderr
+
+
+@pytest.mark.slow
+def test_real_tiny_run_ready_then_kill_writes_checkpoint(tmp_path: Path, sshd, ct: int) -> None:
+    """The training core's embedded default through SSH + pct: ready at its first step; kill -> checkpoint."""
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "tiny"
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={"tiny": {
+        "workdir": str(repo), "command": ["{python}", "-m", "dflash", "train", "--config", "configs/tiny.yaml",
+                                          "--out", str(out)],
+        "log": str(out / "train.log"), "events": str(out / "events.jsonl"), "state_dir": str(tmp_path / "state"),
+        "inductor_cache_dir": str(tmp_path / "inductor"), "clean_roots": [str(tmp_path)], "tmux_session": "tiny",
+        "ready_timeout": 240, "kill_grace": [60, 10]}})
+    r = opsctl(hosts, "launch", "box", "tiny", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "READY tiny: first step event" in r.stderr and "phase building_drafter" in r.stderr
+    lines = (out / "train.log").read_text().splitlines()
+    assert len(lines) == len(set(lines))  # the log is written by dflash and by our tee: no line twice
+    r = opsctl(hosts, "kill", "box", "tiny", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "sent SIGINT" in r.stderr and "sent SIGTERM" not in r.stderr and "checkpoint written" in r.stderr
+    st = json.loads(opsctl(hosts, "status", "box", "tiny", "--json").stdout)
+    assert st["state"] == "killed" and st["end_reason"] == "signal" and st["exit_code"] == 0
+    ckpt = Path(st["last_checkpoint"])
+    assert ckpt.is_dir() and (ckpt / "manifest.json").is_file()
