@@ -5,6 +5,7 @@ Read top to bottom: config and batch types, anchor sampling, the attention mask 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -162,6 +163,28 @@ def compiled_flex_attention() -> Callable[..., Any]:
 
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
     return _COMPILED_FLEX
+
+
+_COMPILED_BLOCK_MASK: Callable[..., Any] | None = None
+
+
+def build_block_mask(mask_mod: Callable[..., Tensor], q_len: int, kv_len: int, device: torch.device) -> Any:
+    """The flex BlockMask for this buffer; on CUDA its construction is compiled too.
+
+    Eager construction evaluates mask_mod over the whole [Q, KV] grid (GBs at training sizes). torch 2.11-2.13
+    compile it through `_compile=True` (verified on the H200, see docs/gpu-checks.md); where that flag is gone we
+    compile create_block_mask ourselves, once per process.
+    """
+    global _COMPILED_BLOCK_MASK
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if device.type != "cuda":
+        return create_block_mask(mask_mod, None, None, q_len, kv_len, device=device)
+    if "_compile" in inspect.signature(create_block_mask).parameters:
+        return create_block_mask(mask_mod, None, None, q_len, kv_len, device=device, _compile=True)
+    if _COMPILED_BLOCK_MASK is None:
+        _COMPILED_BLOCK_MASK = torch.compile(create_block_mask, dynamic=False)
+    return _COMPILED_BLOCK_MASK(mask_mod, None, None, q_len, kv_len, device=device)
 
 
 def resolve_attention(choice: str, device: torch.device) -> str:
@@ -343,9 +366,11 @@ class DFlashDrafter(nn.Module):
         """One attend function per layer; layers sharing a window share one mask."""
         b = self.cfg.block_size
         n = doc_ids.shape[0]
+        if self.cfg.attention == "auto":
+            # auto follows the data: flex (compiled) for CUDA buffers, the exact dense rule elsewhere (flex has no
+            # CPU backward). attention_backend always names what the last forward really used.
+            self.attention_backend = resolve_attention("auto", doc_ids.device)
         backend = self.attention_backend
-        if backend == "flex-compiled" and doc_ids.device.type != "cuda":
-            backend = "dense"  # the compiled flex kernel (and flex's backward) need a GPU; the dense rule is exact
         cache: dict[int | None, Callable[[Tensor, Tensor, Tensor], Tensor]] = {}
         for w in self.windows:
             if w in cache:
@@ -353,17 +378,7 @@ class DFlashDrafter(nn.Module):
             if backend == "dense":
                 cache[w] = self._dense_attend(dense_mask(anchors, doc_ids, b, w))
             else:
-                from torch.nn.attention.flex_attention import create_block_mask
-
-                block_mask = create_block_mask(
-                    flex_mask_mod(anchors, doc_ids, b, w),
-                    None,
-                    None,
-                    m,
-                    n + m,
-                    device=doc_ids.device,
-                    _compile=doc_ids.device.type == "cuda",
-                )
+                block_mask = build_block_mask(flex_mask_mod(anchors, doc_ids, b, w), m, n + m, doc_ids.device)
                 cache[w] = self._flex_attend(block_mask, compiled=backend == "flex-compiled")
         return [cache[w] for w in self.windows]
 

@@ -358,12 +358,27 @@ def test_grad_checkpoint_gives_same_gradients() -> None:
 def test_flex_eager_on_cpu_matches_dense_forward() -> None:
     emb, head = frozen_target_parts()
     d = make_drafter(sliding_window=6)
+    f = make_drafter(sliding_window=6, attention="flex-eager")
+    f.load_state_dict(d.state_dict())
     batch = make_batch(40, [18, 20], seed=11)
     with torch.no_grad():
         dense = d(batch, emb, head, generator=torch.Generator().manual_seed(0))
-        d.attention_backend = "flex-eager"
-        flex = d(batch, emb, head, generator=torch.Generator().manual_seed(0))
+        flex = f(batch, emb, head, generator=torch.Generator().manual_seed(0))
+    assert (d.attention_backend, f.attention_backend) == ("dense", "flex-eager")
     torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flex.acc, dense.acc)
+
+
+def test_auto_attention_reports_the_backend_the_data_gets() -> None:
+    from dflash.model import resolve_attention
+
+    emb, head = frozen_target_parts()
+    d = make_drafter(attention="auto")
+    d(make_batch(30, [30]), emb, head, generator=torch.Generator().manual_seed(0))
+    assert d.attention_backend == "dense"  # CPU buffers: the exact dense rule, whatever GPU the machine has
+    assert resolve_attention("auto", torch.device("cuda")) == "flex-compiled"
+    assert resolve_attention("flex", torch.device("cpu")) == "flex-compiled"
+    assert resolve_attention("dense", torch.device("cuda")) == "dense"
 
 
 def test_bad_config_is_refused_clearly() -> None:
