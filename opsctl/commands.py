@@ -5,6 +5,7 @@ Each verb streams the agent's JSON lines and renders them; nothing here sleeps t
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 import time
@@ -494,6 +495,8 @@ class AgentSource:
         self.run = run
         self.label = f"{host_name}:{run_name}"
         self.offsets: dict[str, int] = {"log_offset": -1, "events_offset": 0, "tail": tail}
+        self.last_output = ""
+        self.last_rc: int | None = None
 
     def messages(self) -> Iterator[dict[str, Any]]:
         t = self.ctx.transport(self.host)
@@ -517,11 +520,31 @@ class AgentSource:
         finally:
             t.close()
 
+    def _quiet(self) -> tuple[Ctx, io.StringIO]:
+        """A Ctx that prints into a buffer: a full-screen UI must not get stray terminal output."""
+        buf = io.StringIO()
+        con = Console(file=buf, highlight=False, width=120)
+        return Ctx(hosts_file=self.ctx.hosts_file, accept_new_host_key=self.ctx.accept_new_host_key, out=con,
+                   err=con, raw=buf, _inv=self.ctx._inv, transport_factory=self.ctx.transport_factory), buf
+
     def kill(self) -> None:
-        cmd_kill(self.ctx, self.host.name, self.run.name)
+        """The same path as `opsctl kill`; its output lands in `last_output`, its exit code in `last_rc`."""
+        ctx, buf = self._quiet()
+        try:
+            self.last_rc = cmd_kill(ctx, self.host.name, self.run.name)
+        except OpsError as exc:
+            buf.write(str(exc) + "\n")
+            self.last_rc = exc.code
+        self.last_output = buf.getvalue()
 
     def clean(self) -> None:
-        cmd_clean(self.ctx, self.host.name, self.run.name)
+        ctx, buf = self._quiet()
+        try:
+            self.last_rc = cmd_clean(ctx, self.host.name, self.run.name)
+        except OpsError as exc:
+            buf.write(str(exc) + "\n")
+            self.last_rc = exc.code
+        self.last_output = buf.getvalue()
 
     def reconnect(self) -> None:
         pass  # every messages() call opens a fresh connection from the saved offsets

@@ -197,3 +197,33 @@ def test_run_that_writes_its_own_log_is_not_duplicated(tmp_path: Path) -> None:
     assert lines[-1] == "RuntimeError: selflog died" and "Traceback (most recent call last):" in lines
     verdict = of(msgs, "verdict")[0]
     assert verdict["traceback"].endswith("RuntimeError: selflog died")
+
+
+def test_agent_in_container_exits_when_ssh_drops(tmp_path: Path, sshd, pct_host, drop_ssh,
+                                                 container) -> None:
+    from opsctl import commands
+    from opsctl.config import load_inventory, resolve
+    from opsctl.transport import transport_for
+
+    vmid = container(200)
+    (tmp_path / "run.log").write_text("one\n")
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=vmid, runs={"r": {
+        "workdir": str(tmp_path), "command": ["true"], "log": "run.log", "inductor_cache_dir": str(tmp_path / "c"),
+        "clean_roots": [str(tmp_path)]}})
+    host, run = resolve(load_inventory(hosts), "box", "r")
+    assert run is not None
+    t = transport_for(host)
+    gen = commands.stream_agent(t, host, "follow", commands.run_args(run, log_offset=0, until_exit=False))
+    hello = next(gen)
+    assert next(gen)["t"] in ("log", "proc")
+    alive = [sys.executable, "-c", "import os,sys; print(os.path.exists(f'/proc/{sys.argv[1]}'))", str(hello["pid"])]
+    assert pct_host.pct("exec", str(vmid), "--", *alive).stdout.strip() == "True"  # its pid, in the container
+    assert drop_ssh() >= 1
+    with pytest.raises(commands.ChannelLost):
+        for _ in gen:
+            pass
+    deadline = time.monotonic() + 3
+    while pct_host.pct("exec", str(vmid), "--", *alive).stdout.strip() == "True":
+        assert time.monotonic() < deadline, "agent still alive in the container after the SSH drop"
+        time.sleep(0.1)
+    t.close()

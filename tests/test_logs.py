@@ -84,3 +84,37 @@ def _follow_truncated(hosts: Path, tmp_path: Path) -> None:
     rc = proc.wait(timeout=15)
     assert rc == 0 and time.monotonic() - t0 < 10
     assert "log truncated" in (proc.stderr.read() if proc.stderr else "")
+
+
+def test_watch_source_resumes_at_offsets(tmp_path: Path, sshd) -> None:
+    """The source `opsctl watch` follows runs with: each messages() call is one connection, resumed exactly."""
+    from opsctl import commands
+
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={
+        "c": script_run(tmp_path, "chatty.py", "--lines", "40", "--interval", "0.01", ready_pattern="^line 000000 ",
+                        events=None, tmux_session="watch-src")})
+    try:
+        assert opsctl(hosts, "launch", "box", "c").returncode == 0
+        ctx = commands.Ctx(hosts_file=str(hosts))
+        (src,) = commands.watch_sources(ctx, ["box:c"])
+        assert src.label == "box:c"
+        got: list[str] = []
+        for _ in range(3):  # three connections, each cut after a few lines (as a dropped link would)
+            n = 0
+            for m in src.messages():
+                if m["t"] == "log" and m["line"].startswith("line "):
+                    got.append(m["line"].split()[1])
+                    n += 1
+                if n == 5 or len(got) == 40:
+                    break
+        deadline = time.monotonic() + 20
+        for m in src.messages():
+            if m["t"] == "log" and m["line"].startswith("line "):
+                got.append(m["line"].split()[1])
+            if len(got) >= 40 or time.monotonic() > deadline:
+                break
+        assert got == [f"{i:06d}" for i in range(40)]
+        src.kill()
+        assert src.last_rc == 0 and ("killed" in src.last_output or "not running" in src.last_output)
+    finally:
+        kill_tmux(tmp_path, "c")
