@@ -207,7 +207,7 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
                     ctx.err.print(f"[red]agent: {m.get('message')}[/]")
                 elif kind == "bye":
                     rc = int(m["rc"])
-        except ChannelLost as exc:
+        except TransportError as exc:
             if launched_at is None:
                 raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
             ctx.err.print(f"[yellow]{exc}; the run keeps going: reconnecting to follow it[/]")

@@ -121,3 +121,36 @@ def test_real_tiny_run_ready_then_kill_writes_checkpoint(tmp_path: Path, sshd, c
     assert st["state"] == "killed" and st["end_reason"] == "signal" and st["exit_code"] == 0
     ckpt = Path(st["last_checkpoint"])
     assert ckpt.is_dir() and (ckpt / "manifest.json").is_file()
+
+
+def test_launch_follow_survives_ssh_drop(tmp_path: Path, sshd, ct: int, drop_ssh) -> None:
+    import os
+    import subprocess
+    import threading
+
+    n = 1500
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={
+        "chat": script_run(tmp_path, "chatty.py", "--lines", str(n), "--interval", "0.002",
+                           ready_pattern="^line 000000 ", events=None)})
+    proc = subprocess.Popen([sys.executable, "-m", "opsctl", "--hosts", str(hosts), "launch", "box", "chat",
+                             "--follow"], cwd=str(Path(__file__).resolve().parent.parent), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, NO_COLOR="1"))
+    got: list[str] = []
+    drops: list[int] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            got.append(line.rstrip("\n"))
+            if len(got) == 200:
+                drops.append(drop_ssh())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join(timeout=120)
+    rc = proc.wait(timeout=10)
+    err = proc.stderr.read() if proc.stderr else ""
+    assert drops and drops[0] >= 1, drops
+    assert rc == 0, err
+    assert "reconnecting" in err
+    assert [ln.split()[1] for ln in got if ln.startswith("line ")] == [f"{i:06d}" for i in range(n)]
