@@ -214,3 +214,66 @@ def test_compiled_flex_does_not_recompile_across_buffers() -> None:
     )
     assert watch.triggered == []
     assert after == warm
+
+
+def test_whole_drafter_under_torch_compile_matches_and_does_not_recompile() -> None:
+    """The train loop compiles the whole drafter step (flex inside it): same loss as uncompiled flex, no recompiles."""
+    d, emb, head = _drafter("flex", 256)
+    emb, head = emb.to(torch.bfloat16), head.to(torch.bfloat16)
+    ref = copy.deepcopy(d)
+    compiled = torch.compile(d)
+    layouts = [[4096], [1000, 2000, 500, 596], [64] * 60, [3000, 900]]
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    frames, times = [], []
+    with FlexWarningWatch() as watch:
+        for i, layout in enumerate(layouts):
+            batch = _buffer(N, layout, 2 * H, VOCAB, seed=20 + i)
+            anchors, keep = sample_anchors(batch, 256, 16, gen)
+            loss_c, grads_c, dt = _step(compiled, batch, emb, head, anchors, keep, bf16=True)  # type: ignore[arg-type]
+            loss_r, grads_r, _ = _step(ref, batch, emb, head, anchors, keep, bf16=True)
+            frames.append(dynamo_counts()["frames"])
+            times.append(dt)
+            worst = max(rel(grads_c[k], grads_r[k]) for k in grads_r)
+            print(
+                f"buffer {i}: loss compiled {loss_c.item():.6f} eager-module {loss_r.item():.6f} worst grad rel {worst:.2e}"
+            )
+            assert rel(loss_c, loss_r) < 2e-2 and worst < 5e-2
+    print(f"dynamo frames after each buffer {frames}; step ms {[round(t * 1e3, 1) for t in times]}")
+    assert watch.triggered == []
+    assert frames[1:] == [frames[0]] * 3
+
+
+def test_training_size_flex_equals_dense_and_step_cost() -> None:
+    """At a training-like buffer (N=16384, A=512, B=16, H=1024): same loss both ways; step time and memory recorded."""
+    h, n = 1024, 16384
+    batch = _buffer(n, [3000, 5000, 2000, 6000], 3 * h, VOCAB, seed=30)
+    anchors, keep = sample_anchors(batch, 512, 16, torch.Generator(device=DEV).manual_seed(0))
+    losses = {}
+    for backend in ("flex", "dense"):
+        torch.manual_seed(0)
+        cfg = DrafterConfig(
+            num_layers=1,
+            num_heads=16,
+            num_kv_heads=4,
+            head_dim=64,
+            block_size=16,
+            num_anchors=512,
+            mask_token_id=VOCAB - 1,
+            attention=backend,
+            ce_chunk=2048,
+        )
+        d = DFlashDrafter(cfg, target_hidden_size=h, num_taps=3).to(DEV)
+        torch.manual_seed(1)
+        emb = torch.nn.Embedding(VOCAB, h).to(DEV, torch.bfloat16).requires_grad_(False)
+        head = torch.nn.Linear(h, VOCAB, bias=False).to(DEV, torch.bfloat16).requires_grad_(False)
+        _step(d, batch, emb, head, anchors, keep, bf16=True)  # warm-up / compile
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        runs = [_step(d, batch, emb, head, anchors, keep, bf16=True) for _ in range(5)]
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        ts = sorted(r[2] for r in runs)
+        losses[backend] = runs[0][0]
+        print(f"{backend}: N={n} A=512 B=16 H={h}: step median {ts[2] * 1e3:.1f} ms, peak extra memory {peak:.0f} MiB")
+        del d, emb, head, runs
+    assert rel(losses["flex"], losses["dense"]) < 2e-2
