@@ -161,7 +161,11 @@ def _step(
         out = d(batch, emb, head, anchors=anchors, keep=keep)
     out.loss.backward()
     torch.cuda.synchronize()
-    return out.loss.detach(), {k: p.grad.detach().clone() for k, p in d.named_parameters()}, time.perf_counter() - t0
+    return (
+        out.loss.detach(),
+        {k.removeprefix("_orig_mod."): p.grad.detach().clone() for k, p in d.named_parameters()},
+        time.perf_counter() - t0,
+    )
 
 
 @pytest.mark.parametrize("num_anchors", [64, 256])
