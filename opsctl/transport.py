@@ -414,7 +414,11 @@ class SSHTransport:
         kh = self._known_hosts()
         kh_name = conn.host if int(conn.port) == 22 else f"[{conn.host}]:{conn.port}"  # type: ignore[attr-defined]
         try:
-            conn.open()  # type: ignore[attr-defined]
+            try:
+                conn.open()  # type: ignore[attr-defined]
+            except BaseException:
+                conn.close()  # type: ignore[attr-defined]  # a failed handshake must not leave a socket behind
+                raise
         except paramiko.BadHostKeyException as e:
             raise TransportError(
                 f"{self.label}: HOST KEY MISMATCH: the server presented {e.key.get_name()} "

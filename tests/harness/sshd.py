@@ -165,15 +165,20 @@ class Sshd:
 
         The commands those sessions ran see EOF on stdin and a closed stdout, exactly as after a real drop.
         """
-        pids = self.connection_pids()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid in pids:
-            _wait_pid_gone(pid)
-        return len(pids)
+        targeted: set[int] = set()
+        for _ in range(10):  # a connection accepted while we scan shows up in the next round
+            pids = self.connection_pids()
+            if not pids:
+                break
+            targeted.update(pids)
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for pid in pids:
+                _wait_pid_gone(pid)
+        return len(targeted)
 
     def stop(self) -> None:
         if self.proc is None:
