@@ -16,6 +16,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.events import MouseScrollUp
 from textual.geometry import Size
 from textual.screen import ModalScreen
 from textual.scroll_view import ScrollView
@@ -399,6 +400,24 @@ class LogPane(ScrollView, can_focus=True):
 
     def on_resize(self) -> None:
         self.sync()
+
+    # Scrolling up is a request to stop following: decide it when the key or wheel arrives, not when a
+    # (possibly animated) scroll lands, or the next batch would pull the view back to the end first.
+    def action_scroll_up(self) -> None:
+        self.follow = False
+        super().action_scroll_up()
+
+    def action_page_up(self) -> None:
+        self.follow = False
+        super().action_page_up()
+
+    def action_scroll_home(self) -> None:
+        self.follow = False
+        super().action_scroll_home()
+
+    def _on_mouse_scroll_up(self, event: MouseScrollUp) -> None:
+        self.follow = False
+        super()._on_mouse_scroll_up(event)
 
     # -- actions --------------------------------------------------------------------------
     def action_severity(self) -> None:

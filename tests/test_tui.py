@@ -155,7 +155,7 @@ async def test_kill_asks_first_and_calls_the_source_only_on_yes() -> None:
         assert source.actions == [] and not app.models[0].state.killed_by_us
         await pilot.press("k")
         await pilot.click("#yes")
-        for _ in range(50):
+        for _ in range(250):
             if source.actions:
                 break
             await pilot.pause(0.02)
@@ -166,7 +166,7 @@ async def test_kill_asks_first_and_calls_the_source_only_on_yes() -> None:
         await pilot.pause(0.1)
         assert source.actions == ["kill"]
         await pilot.press("c", "y")
-        for _ in range(50):
+        for _ in range(250):
             if len(source.actions) == 2:
                 break
             await pilot.pause(0.02)
@@ -339,6 +339,8 @@ async def test_log_pane_pauses_on_scroll_searches_and_filters() -> None:
         model = app.models[0]
         await pilot.press("pageup")
         assert not pane.follow
+        await pilot.pause(0.3)  # let the scroll land (it may be animated) and a few batches pass
+        assert not pane.follow and int(pane.scroll_y) < pane.max_scroll_y
         top = pane.lines[int(pane.scroll_y)].seq
         # More lines arrive while paused: the view stays where it was.
         for i in range(5):
