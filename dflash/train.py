@@ -192,6 +192,18 @@ class SignalGate:
 
 # ---------------------------------------------------------------------------------------------- the run
 @dataclass
+class StepStats:
+    """One step's numbers, already combined over all drafter ranks."""
+
+    loss: float
+    tokens: int
+    real_tokens: int
+    nonfinite: bool
+    stop: bool
+    acc: list[float]
+
+
+@dataclass
 class TrainResult:
     exit_code: int
     reason: str
@@ -503,9 +515,10 @@ class _Run:
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
             lr = float(sched.get_last_lr()[0])
-            loss_v = float(loss.detach())
-            if not math.isfinite(loss_v):
-                self.step_event(key, loss_v, out, lr, grad_norm, batch, t0, wait_s, feeder, total, 0)
+            stats = self._reduce_stats(out, batch)
+            loss_v = stats.loss
+            if stats.nonfinite:
+                self.step_event(key, stats, lr, grad_norm, t0, wait_s, feeder, total, 0)
                 self.emit("error", **{"class": "nan"}, message=f"non-finite loss {loss_v} at step {self.step + 1}",
                           traceback=None, fatal=True)
                 self.log.error("non-finite loss %s at step %d: stopping", loss_v, self.step + 1)
@@ -533,11 +546,10 @@ class _Run:
                 self.emit("error", **{"class": "uncompiled_flex"}, message=watch.triggered[0][:500],
                           traceback=None, fatal=False)
             self.losses.append(loss_v)
-            self.step_event(key, loss_v, out, lr, grad_norm, batch, t0, wait_s, feeder, total, recompiles)
+            self.step_event(key, stats, lr, grad_norm, t0, wait_s, feeder, total, recompiles)
             if self.on_step is not None:
                 self.on_step(self.step, loss_v)
-            stop = self._agree_stop()
-            if stop:
+            if stats.stop or (len(roles.drafters) == 1 and self.gate.received is not None):
                 reason = "signal"
                 break
             if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < total:
@@ -551,36 +563,41 @@ class _Run:
             return self.end("signal", EXIT_OK, signal=self.gate.name or "SIGTERM")
         return self.end("completed", EXIT_OK)
 
-    def _agree_stop(self) -> bool:
-        """A signal on any drafter rank stops all of them after the same step (DDP needs equal step counts)."""
-        flag = self.gate.received is not None
+    def _reduce_stats(self, out: Any, batch: Any) -> StepStats:
+        """One small all-reduce per step over the drafter ranks: mean loss and accuracy, token counts, and the
+        decisions every rank must take together (stop on a signal, stop on a non-finite loss), so none is left
+        waiting in a collective the others skipped."""
+        acc = out.acc.detach().float().cpu()
+        vals = torch.cat([torch.tensor([float(out.loss.detach()), float(int(out.num_tokens)),
+                                        float(batch_real_tokens(batch)), 0.0, 1.0 if self.gate.received else 0.0]),
+                          acc])
+        vals[3] = 0.0 if math.isfinite(float(vals[0])) else 1.0
         n_d = len(self.roles.drafters)
         if n_d > 1:
-            t = torch.tensor([1 if flag else 0], device=self.device if dist.get_backend() == "nccl" else "cpu")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._dgroup())
-            flag = bool(t.item())
-        return flag
+            dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+            red = vals.to(dev, torch.float64)
+            dist.all_reduce(red, group=self._dgroup())
+            vals = red.cpu()
+        return StepStats(loss=float(vals[0]) / n_d, tokens=int(vals[1]), real_tokens=int(vals[2]),
+                         nonfinite=bool(vals[3] > 0), stop=bool(vals[4] > 0),
+                         acc=[round(float(a) / n_d, 4) for a in vals[5:]])
 
     def _dgroup(self) -> Any:
         """The drafter ranks' process group (None = the world, in colocated mode)."""
         return self.drafter_group
 
-    def step_event(self, key: Any, loss_v: float, out: Any, lr: float, grad_norm: float, batch: Any, t0: float,
-                   wait_s: float, feeder: Feeder, total: int, recompiles: int) -> None:
+    def step_event(self, key: Any, st: StepStats, lr: float, grad_norm: float, t0: float, wait_s: float,
+                   feeder: Feeder, total: int, recompiles: int) -> None:
         step_time = time.perf_counter() - t0
-        n_d = len(self.roles.drafters)
-        tokens = int(out.num_tokens) * n_d
-        real = batch_real_tokens(batch) * n_d
-        step = self.step if math.isfinite(loss_v) else self.step + 1
-        if step % self.cfg.train.log_every and step != total:
+        step = self.step if not st.nonfinite else self.step + 1
+        if step % self.cfg.train.log_every and step != total and not st.nonfinite:
             return
-        acc = [round(float(a), 4) for a in out.acc.tolist()]
-        self.emit("step", step=step, epoch=int(key[0]), loss=loss_v, acc=acc, lr=lr, grad_norm=grad_norm,
-                  tokens=tokens, tokens_per_s=real / max(step_time, 1e-9), step_time_s=step_time,
-                  queue_depth=len(feeder.reservoir), queue_wait_s=wait_s, recompiles=recompiles, total_steps=total)
+        tps = st.real_tokens / max(step_time, 1e-9)
+        self.emit("step", step=step, epoch=int(key[0]), loss=st.loss, acc=st.acc, lr=lr, grad_norm=grad_norm,
+                  tokens=st.tokens, tokens_per_s=tps, step_time_s=step_time, queue_depth=len(feeder.reservoir),
+                  queue_wait_s=wait_s, recompiles=recompiles, total_steps=total)
         self.log.info("step %d/%d  loss %.4f  acc[1] %.3f  lr %.2e  gnorm %.2f  %.0f tok/s  %.2fs", step, total,
-                      loss_v, acc[0] if acc else float("nan"), lr, grad_norm, real / max(step_time, 1e-9),
-                      step_time)
+                      st.loss, st.acc[0] if st.acc else float("nan"), lr, grad_norm, tps, step_time)
 
     def save(self, drafter: DFlashDrafter, opt: Any, sched: Any, gen: torch.Generator, feeder: Feeder, total: int,
              info: TargetInfo, dcfg: Any) -> None:

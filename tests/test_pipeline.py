@@ -182,3 +182,24 @@ def test_split_sigterm_stops_both_roles_and_resumes_exactly(tmp_path: Path) -> N
     finally:
         torch.set_num_threads(threads)
     assert a0["losses"] + b0["losses"] == straight.losses
+
+
+def test_two_drafter_ranks_ddp_split_equals_colocated_ddp(tmp_path: Path) -> None:
+    """2 drafter ranks (DDP) fed by 1 target rank give the losses of 2 colocated DDP ranks: the same feeds, the same
+    reservoirs, gradients averaged the same way."""
+    sections = {"train": {"max_steps": 5, "checkpoint_every": 0}}
+    split = {**sections, "dist": {"roles": "split", "target_ranks": 1}}
+    mp.start_processes(_split_worker, args=(3, _free_port(), str(tmp_path / "split"), str(tmp_path / "s"), split),
+                       nprocs=3, join=True, start_method="spawn")
+    mp.start_processes(_split_worker, args=(2, _free_port(), str(tmp_path / "col"), str(tmp_path / "c"), sections),
+                       nprocs=2, join=True, start_method="spawn")
+    s = [json.loads((tmp_path / f"s.{r}").read_text()) for r in range(3)]
+    c = [json.loads((tmp_path / f"c.{r}").read_text()) for r in range(2)]
+    assert [x["code"] for x in s + c] == [0] * 5
+    assert len(s[0]["losses"]) == 5
+    assert s[0]["losses"] == c[0]["losses"] == s[1]["losses"] == c[1]["losses"]
+    events = [json.loads(x) for x in (tmp_path / "split" / "events.jsonl").read_text().splitlines()]
+    start = next(e for e in events if e["kind"] == "run_start")
+    assert start["roles"] == {"drafter": [0, 1], "target": [2]}
+    steps = [e for e in events if e["kind"] == "step"]
+    assert len(steps) == 5 and all(e["rank"] == 0 for e in steps)
