@@ -248,7 +248,8 @@ def _tcp_dead_peer_detection(sock: object, keepalive_s: int) -> None:
     """
     if not isinstance(sock, socket.socket):
         return  # a gateway channel or ProxyCommand: the first hop's socket carries the detection
-    opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    # Small request/response packets (channel open, exit status, one log line) must not wait for Nagle.
+    opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1), (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
     for name, value in (("TCP_KEEPIDLE", keepalive_s), ("TCP_KEEPINTVL", keepalive_s), ("TCP_KEEPCNT", 3),
                         ("TCP_USER_TIMEOUT", 4 * keepalive_s * 1000)):
         if hasattr(socket, name):
