@@ -794,12 +794,15 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
 
     ok = True
     if nvml.ok:
-        busy = [(g["index"], p["pid"], p.get("used_mb")) for g in nvml.sample() for p in g.get("procs", [])]
+        gpus = opts.get("gpus")
+        busy = [(g["index"], p["pid"], p.get("used_mb")) for g in nvml.sample() for p in g.get("procs", [])
+                if not gpus or g["index"] in gpus]
         if busy and not force:
             ok = False
         emit("check", name="gpus_free", ok=not busy or force,
              detail=("busy: " + ", ".join(f"gpu{i} pid {p} {int(m or 0)} MiB" for i, p, m in busy)
-                     + (" (ignored: --force)" if force else "")) if busy else "no compute processes on any GPU")
+                     + (" (ignored: --force)" if force else "")) if busy
+             else "no compute processes on " + (", ".join(f"gpu{i}" for i in gpus) if gpus else "any GPU"))
     else:
         emit("check", name="gpus_free", ok=True, detail="not checked: nvml " + nvml.status)
 
@@ -988,6 +991,48 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     return EXIT_CODES["ok"]
 
 
+def nvml_holders(nvml: Nvml, ours: set[int], gpus: list[int] | None) -> list[tuple[int, int, float | None, str]]:
+    """Compute processes on the GPUs (all, or the host's configured ones): (gpu, pid, MiB, whose).
+
+    whose: `run` (a pid of the run), `hidden` (not visible here: NVML reports host pids, so inside a container a
+    process of the run shows up under a pid this namespace does not have), or `other` (a visible process)."""
+    if not nvml.ok:
+        return []
+    out = []
+    for g in nvml.sample():
+        if gpus and g["index"] not in gpus:
+            continue
+        for p in g.get("procs", []):
+            pid = p["pid"]
+            whose = "run" if pid in ours else ("other" if proc_stat(pid) is not None else "hidden")
+            out.append((g["index"], pid, p.get("used_mb"), whose))
+    return out
+
+
+def gpu_released(nvml: Nvml, ours: set[int], before: list[tuple[int, int, float | None, str]],
+                 gpus: list[int] | None, wait: float) -> tuple[bool, str]:
+    """After the kill: no compute process of the run (or hidden from us, on a GPU the run used) holds memory.
+
+    The driver frees a context a moment after the process dies, so this waits up to `wait` seconds."""
+    if not nvml.ok:
+        return True, "could not check GPU memory: nvml " + nvml.status
+    used = {g for g, _p, _m, whose in before if whose in ("run", "hidden")}
+    deadline = time.monotonic() + wait
+    while True:
+        left = [h for h in nvml_holders(nvml, ours, gpus)
+                if h[3] == "run" or (h[3] == "hidden" and h[0] in used and h[1] in {b[1] for b in before})]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if left:
+        return False, "GPU memory still held: " + ", ".join(
+            f"gpu{g} pid {p} {int(m or 0)} MiB ({whose})" for g, p, m, whose in left)
+    others = [h for h in nvml_holders(nvml, ours, gpus) if h[3] != "run"]
+    note = ("; other processes on the GPUs: " + ", ".join(f"gpu{g} pid {p} ({w})" for g, p, _m, w in others)
+            if others else "")
+    return True, f"no process of the run holds GPU memory (checked {len(before)} before the kill){note}"
+
+
 def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     info = read_json(run.sf("pid"))
     pw = ProcWatch(run)
@@ -1009,6 +1054,7 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         g = opts["grace"]
         grace = [float(g[0]), float(g[1]), 5.0]
     seen_pids = dict(known)
+    gpus_before = nvml_holders(nvml, set(seen_pids), opts.get("gpus"))
     for sig, wait in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), grace):  # noqa: B905 - the remote python may predate 3.10
         targets = run_procs(pid, pgid, seen_pids)
         if not targets:
@@ -1054,16 +1100,11 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
             if isinstance(ev, dict) and ev.get("kind") in ("run_end", "checkpoint"):
                 emit("event", off=_off, end=_end, event=ev)
     pw.poll()
-    gpu_detail = "could not check GPU memory: nvml " + nvml.status
-    gpu_ok = True
-    if nvml.ok:
-        holders = [(g["index"], p["pid"]) for g in nvml.sample() for p in g.get("procs", []) if p["pid"] in seen_pids]
-        gpu_ok = not holders
-        gpu_detail = ("GPU memory still held by " + ", ".join(f"pid {p} on gpu{i}" for i, p in holders)
-                      if holders else "no process of the run holds GPU memory")
+    gpu_ok, gpu_detail = gpu_released(nvml, set(seen_pids), gpus_before, opts.get("gpus"),
+                                      float(opts.get("gpu_release_wait", 10.0)))
     emit("check", name="gpu_released", ok=gpu_ok, detail=gpu_detail)
     ok = not left and gpu_ok
-    emit("verdict", ok=ok, reason="killed" if ok else "survivors", alive=sorted(left),
+    emit("verdict", ok=ok, reason="killed" if ok else ("survivors" if left else "gpu_held"), alive=sorted(left),
          exit_code=read_exit_code(run.sf("exit_code")), run_end=run_end,
          detail=f"all {len(seen_pids)} processes gone" if not left else f"still alive: {sorted(left)}")
     return EXIT_CODES["ok"] if ok else EXIT_CODES["failed"]

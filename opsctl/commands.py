@@ -184,7 +184,7 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
         launched_at: float | None = None
         offsets = {"log_offset": 0, "events_offset": 0}
         try:
-            for m in stream_agent(t, host, "launch", run_args(run, force=force, follow=follow)):
+            for m in stream_agent(t, host, "launch", run_args(run, force=force, follow=follow, gpus=host.gpus)):
                 kind = m.get("t")
                 state.apply(m)
                 if kind == "check":
@@ -403,7 +403,7 @@ def cmd_kill(ctx: Ctx, host_name: str, run_name: str) -> int:
     rc = EXIT_FAILED
     try:
         check_container(ctx, host, t)
-        for m in stream_agent(t, host, "kill", run_args(run)):
+        for m in stream_agent(t, host, "kill", run_args(run, gpus=host.gpus)):
             kind = m.get("t")
             if kind == "killed":
                 alive = m.get("alive") or []

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
-from agentlib import cleanup, drive, of, run_args, start  # noqa: E402
+from agentlib import cleanup, drive, nvml_env, of, run_args, start  # noqa: E402
 
 from opsctl import agent  # noqa: E402
 
@@ -227,3 +227,40 @@ def test_agent_in_container_exits_when_ssh_drops(tmp_path: Path, sshd, pct_host,
         assert time.monotonic() < deadline, "agent still alive in the container after the SSH drop"
         time.sleep(0.1)
     t.close()
+
+
+def _nvml_state(tmp: Path, **gpu0: object) -> Path:
+    state = tmp / "nvml.json"
+    state.write_text(json.dumps({"gpus": [{"name": "NVIDIA H200", **gpu0}, {"name": "NVIDIA H200"}]}))
+    return state
+
+
+def test_gpus_busy_refuses_launch_unless_forced_and_follow_samples(tmp_path: Path) -> None:
+    import subprocess
+
+    other = subprocess.Popen(["sleep", "60"])  # someone else's job on gpu0
+    try:
+        env = nvml_env(_nvml_state(tmp_path, procs=[{"pid": other.pid, "used_mb": 40960}], util=97))
+        args = run_args(tmp_path, "hang_loading.py", ready_timeout=0.5)
+        rc, msgs = drive("launch", args, env=env)
+        assert msgs[0]["nvml"] == "ok"
+        check = [c for c in of(msgs, "check") if c["name"] == "gpus_free"][0]
+        assert rc == agent.EXIT_CODES["refused"] and not check["ok"]
+        assert f"gpu0 pid {other.pid} 40960 MiB" in check["detail"] and not of(msgs, "launched")
+        # only the host's GPUs count: a job on gpu0 does not block a run on gpu1
+        rc, msgs = drive("launch", {**args, "options": {"gpus": [1]}}, env=env)
+        assert rc == agent.EXIT_CODES["timeout"] and of(msgs, "launched")
+        assert [c for c in of(msgs, "check") if c["name"] == "gpus_free"][0]["detail"] == "no compute processes on gpu1"
+        cleanup(args)
+        rc, msgs = drive("launch", {**args, "options": {"force": True, "gpu_interval": 0.2}}, env=env)
+        assert rc == agent.EXIT_CODES["timeout"] and "ignored: --force" in of(msgs, "check")[1]["detail"]
+        samples = of(msgs, "gpu")
+        assert len(samples) >= 2  # 0.5 s at 0.2 s intervals
+        g0 = samples[-1]["gpus"][0]
+        assert set(g0) >= {"index", "name", "util", "mem_used_mb", "mem_total_mb", "power_w", "temp_c",
+                           "sm_clock_mhz", "mem_clock_mhz", "procs"}
+        assert g0["util"] == 97 and g0["mem_used_mb"] == 40960 and g0["procs"] == [{"pid": other.pid, "used_mb": 40960}]
+    finally:
+        other.kill()
+        other.wait()
+        cleanup(run_args(tmp_path, "hang_loading.py"))

@@ -19,19 +19,28 @@ RUNS = Path(__file__).resolve().parent
 SOURCE = Path(agent.__file__).read_bytes()
 
 
-def start(verb: str, args: dict[str, Any]) -> subprocess.Popen[bytes]:
+FAKE_NVML_DIR = RUNS / "fake_nvml"
+
+
+def nvml_env(state: Path) -> dict[str, str]:
+    """Environment that makes `import pynvml` find the GPU stand-in (tests/runs/fake_nvml) with this state."""
+    return {"PYTHONPATH": str(FAKE_NVML_DIR), "FAKE_NVML": str(state)}
+
+
+def start(verb: str, args: dict[str, Any], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start the agent the way the client does: bootstrap line, then its byte length and source on stdin."""
     p = subprocess.Popen([sys.executable, "-u", "-c", agent.BOOTSTRAP, verb, json.dumps(args)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, **(env or {})})
     assert p.stdin is not None
     p.stdin.write(str(len(SOURCE)).encode() + b"\n" + SOURCE)
     p.stdin.flush()
     return p
 
 
-def drive(verb: str, args: dict[str, Any], timeout: float = 60) -> tuple[int, list[dict[str, Any]]]:
+def drive(verb: str, args: dict[str, Any], timeout: float = 60,
+          env: dict[str, str] | None = None) -> tuple[int, list[dict[str, Any]]]:
     """Run one verb to its `bye`; return the exit code and every message (each stamped with `_rx`)."""
-    p = start(verb, args)
+    p = start(verb, args, env)
     msgs: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout
     assert p.stdout is not None
