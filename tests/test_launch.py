@@ -154,3 +154,16 @@ def test_launch_follow_survives_ssh_drop(tmp_path: Path, sshd, ct: int, drop_ssh
     assert rc == 0, err
     assert "reconnecting" in err
     assert [ln.split()[1] for ln in got if ln.startswith("line ")] == [f"{i:06d}" for i in range(n)]
+
+
+def test_hosts_check_and_unknown_names(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parent.parent
+    r = opsctl(repo / "hosts.yaml", "hosts", "check")
+    assert r.returncode == 0 and "local (local): tiny" in r.stdout
+    bad = tmp_path / "hosts.yaml"
+    bad.write_text("hosts:\n  box:\n    local: true\n    runs:\n      r:\n        workdir: /tmp\n        log: x.log\n"
+                   "        command: [true]\n        ready_timeout: -3\n")
+    r = opsctl(bad, "hosts", "check")
+    assert r.returncode == commands.EXIT_USAGE and f"{bad}:9" in r.stderr and "ready_timeout" in r.stderr
+    r = opsctl(repo / "hosts.yaml", "launch", "local", "tinny")
+    assert r.returncode == commands.EXIT_USAGE and "did you mean 'tiny'" in r.stderr
