@@ -154,6 +154,24 @@ def test_load_from_local_directory_gives_equal_outputs(target: Target, tmp_path:
     assert weight_steps[-1][0] == weight_steps[-1][1]
 
 
+def test_vlm_format_checkpoint_loads_as_its_text_model(tmp_path: Path) -> None:
+    """Qwen3.5 releases ship as Qwen3_5ForConditionalGeneration (text + vision); the target must load the text part."""
+    from transformers import Qwen3_5Config
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+    torch.manual_seed(0)
+    vlm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=dict(TINY_ARCH), vision_config=vision)).eval()
+    vlm.save_pretrained(tmp_path / "vlm")
+    loaded = Target(TargetConfig(path=str(tmp_path / "vlm")), num_draft_layers=2, device=CPU)
+    assert (loaded.hidden_size, loaded.vocab_size, loaded.num_layers) == (64, TINY_ARCH["vocab_size"], 6)
+    ids = torch.stack(random_ids([10], seed=5))
+    with torch.inference_mode():
+        ref = vlm.model.language_model(input_ids=ids, output_hidden_states=True).hidden_states
+    got = loaded.hidden_states(ids, torch.ones_like(ids))
+    torch.testing.assert_close(got, torch.cat([ref[2], ref[4]], dim=-1), rtol=0, atol=0)
+
+
 def test_missing_directory_fails_with_its_name(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="nope"):
         Target(TargetConfig(path=str(tmp_path / "nope")), num_draft_layers=2, device=CPU)
