@@ -167,3 +167,24 @@ def test_hosts_check_and_unknown_names(tmp_path: Path) -> None:
     assert r.returncode == commands.EXIT_USAGE and f"{bad}:9" in r.stderr and "ready_timeout" in r.stderr
     r = opsctl(repo / "hosts.yaml", "launch", "local", "tinny")
     assert r.returncode == commands.EXIT_USAGE and "did you mean 'tiny'" in r.stderr
+
+
+def test_hostile_paths_and_args_reach_the_run_verbatim(tmp_path: Path, sshd, ct: int) -> None:
+    """Paths and argv with spaces, quotes, $(), ; and backticks cross SSH + pct + the agent as plain data."""
+    evil = "we ird $(touch PWNED) 'q' \"d\";`touch PWNED2`"
+    work = tmp_path / evil
+    work.mkdir()
+    arg = "$(touch PWNED3); echo hi 'x' \"y\""
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={"evil": {
+        "workdir": str(work), "command": ["{python}", "-c", "import sys, os; print('ARG=' + sys.argv[1]); "
+                                          "print('CWD=' + os.getcwd())", arg],
+        "log": "a log $(x).txt", "ready_pattern": "^CWD=", "inductor_cache_dir": str(work / "cache $(y)"),
+        "clean_roots": [str(work)], "tmux_session": "evil-$(z)"}})
+    r = opsctl(hosts, "launch", "box", "evil")
+    assert r.returncode == 0, r.stderr
+    assert f"ARG={arg}" in r.stdout and f"CWD={work}" in r.stdout
+    assert (work / "a log $(x).txt").read_text().startswith(f"ARG={arg}\n")
+    for name in ("PWNED", "PWNED2", "PWNED3"):
+        for where in (Path.home(), Path("/"), Path(__file__).resolve().parent.parent):
+            assert not (where / name).exists()
+        assert not list(tmp_path.rglob(name))
