@@ -48,7 +48,7 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
     epochs: int = 1
-    max_steps: int | None = None  # stops earlier than `epochs` when set
+    max_steps: int | None = None  # when set, the run length (more epochs are scheduled if one is not enough)
     seed: int = 0
     checkpoint_every: int = 100  # steps; 0 = only at the end / on a signal
     keep_last: int = 3

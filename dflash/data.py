@@ -174,6 +174,8 @@ class TokenizerAdapter:
         return list(self._hf(text, add_special_tokens=False)["input_ids"])
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []  # HF fast tokenizers fail on an empty batch
         if self._tiny is not None:
             return [list(e.ids) for e in self._tiny.encode_batch(texts)]
         return [list(x) for x in self._hf(texts, add_special_tokens=False)["input_ids"]]
@@ -196,18 +198,32 @@ class TokenizerAdapter:
                 mask += [False] + [supervised] * (len(body) - 1) + [supervised]
             return ids, mask
         # HF: render growing prefixes with the model's own chat template; the tokens a message adds belong to it.
+        # Before an assistant turn the prefix is rendered with the generation prompt, so the assistant header the
+        # template adds is context (unsupervised) and only what the assistant wrote is supervised.
         ids = []
         mask = []
         prev: list[int] = []
-        for i, m in enumerate(messages):
-            cur = list(self._hf.apply_chat_template(messages[: i + 1], tokenize=True, return_dict=False))
+
+        def extend(cur: list[int], supervised: bool) -> None:
+            nonlocal prev
             if cur[: len(prev)] != prev:
-                raise DataError(f"{self.source}: chat template is not prefix-stable; cannot mask assistant turns")
+                raise DataError(f"{self.source}: the chat template is not prefix-stable (an earlier turn renders "
+                                "differently once more turns follow); cannot mask assistant turns")
             new = cur[len(prev):]
-            ids += new
-            mask += [m["role"] == "assistant"] * len(new)
+            ids.extend(new)
+            mask.extend([supervised] * len(new))
             prev = cur
+
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant" and i > 0:
+                extend(self._render(messages[:i], generation_prompt=True), False)
+            extend(self._render(messages[: i + 1], generation_prompt=False), m["role"] == "assistant")
         return ids, mask
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        out = self._hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
+                                           return_dict=False)
+        return [int(x) for x in out]
 
 
 def train_tiny_tokenizer(docs: Sequence[Document], vocab_size: int) -> Any:

@@ -368,6 +368,10 @@ class _Run:
         else:
             planned = None
         sched_path = out / "schedule.json"
+        if not resume and self.rank0 and sched_path.is_file():
+            sched_path.unlink()  # a fresh run in an old directory makes its own schedule (ours by name, inside OUT)
+        if roles.world_size > 1:
+            dist.barrier()
         first = load_or_build_schedule(corpus, cfg.data, cfg.train.seed, 1, sched_path, write=False)
         bpe = len(first.epochs[0])
         total = planned or total_steps_for(bpe, cfg.train.epochs, max_steps or cfg.train.max_steps, n_d)
@@ -416,7 +420,10 @@ class _Run:
             def progress(i: int, n: int) -> None:
                 self.phase("loading_target", i=i, n=n)
 
-            target = Target(tcfg, cfg.drafter.num_layers, device, on_progress=progress)
+            try:
+                target = Target(tcfg, cfg.drafter.num_layers, device, on_progress=progress)
+            except ValueError as exc:  # the target names the bad field (target.arch, target.tap_layers, ...)
+                raise UsageError(f"{cfg.source}: {exc}") from None
             info = TargetInfo.from_target(target)
             if target.vocab_size < tok.vocab_size:
                 raise UsageError(f"target vocab {target.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
@@ -451,7 +458,10 @@ class _Run:
         if dcfg.mask_token_id is None:
             raise UsageError("drafter.mask_token_id: the tokenizer has no mask token; set it in the config")
         torch.manual_seed(cfg.train.seed)  # identical init on every drafter rank and in every layout
-        drafter = DFlashDrafter(dcfg, info.hidden_size, len(info.tap_layers)).to(device)
+        try:
+            drafter = DFlashDrafter(dcfg, info.hidden_size, len(info.tap_layers)).to(device)
+        except ValueError as exc:  # e.g. drafter.hidden_size != target hidden size
+            raise UsageError(f"{cfg.source}: {exc}") from None
         model: nn.Module = drafter
         if n_d > 1:
             group = self._dgroup()

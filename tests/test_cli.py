@@ -156,3 +156,23 @@ def test_second_signal_exits_at_once(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step-*"))
+
+
+def test_shipped_tiny_config_loads_and_yaml_booleans_map_to_choices(tmp_path: Path) -> None:
+    from dflash.config import load_config
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    assert cfg.target.path is None and cfg.target.arch["num_hidden_layers"] == 6
+    assert cfg.data.paths == [] and cfg.dist.roles == "colocated" and cfg.train.max_steps is not None
+    p = _write(tmp_path, tiny_run_yaml(train={"compile": False}))
+    assert load_config(p).train.compile == "false"
+
+
+def test_semantic_config_error_found_at_load_exits_2_naming_the_field(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, tiny_run_yaml(target={"tap_layers": [9]}))
+    assert main(["train", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: target.tap_layers: layer 9 is outside 0..3" in err
+    evs = list(read_events(tmp_path / "out" / "events.jsonl"))
+    assert evs[-1]["kind"] == "run_end" and evs[-1]["exit_code"] == 2

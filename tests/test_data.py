@@ -139,3 +139,31 @@ def test_buffer_views_agree() -> None:
     d, s, n = pieces[0]
     assert arr["input_ids"][:n].tolist() == corpus.ids[d][s:s + n].tolist()
     assert arr["position_ids"][:n].tolist() == list(range(n))
+
+
+def test_hf_tokenizer_dir_with_chat_template_masks_assistant_content(tmp_path: Path) -> None:
+    """A real Hugging Face tokenizer directory (our BPE saved through transformers, with a jinja chat template)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    _, tok, _ = tiny_corpus()
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(tok.source), eos_token="<|endoftext|>",
+                                 pad_token="<|pad|>", mask_token="<|mask|>")
+    hf.chat_template = template
+    hf.save_pretrained(str(tmp_path / "hf"))
+    f = tmp_path / "chat.jsonl"
+    msgs = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao"}]
+    f.write_text(json.dumps({"messages": msgs}) + "\n")
+    cfg = data_cfg(paths=[str(f)], tokenizer=str(tmp_path / "hf"))
+    docs = read_documents(cfg)
+    adapter = load_tokenizer(cfg, docs, tmp_path / "unused")
+    assert adapter.mask_token_id == tok.mask_token_id and adapter.eos_id == tok.eos_id
+    corpus = tokenize(docs, adapter)
+    ids, mask = corpus.ids[0].tolist(), corpus.loss_mask[0].tolist()
+    assert adapter.decode(ids) == "<|user|>hi there<|end|><|assistant|>hello<|end|><|user|>bye<|end|><|assistant|>ciao<|end|>"
+    assert adapter.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "hello<|end|>ciao<|end|>"
+    with pytest.raises(DataError, match="must be a local tokenizer directory"):
+        load_tokenizer(data_cfg(tokenizer=str(tmp_path / "nope")), docs, tmp_path)
