@@ -831,8 +831,11 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     cache, default_ok = run.cache_dir()
     try:
         real = validate_clean_dir(cache, run.clean_roots, default_ok)
-        n, size = empty_dir(real, dry_run=False) if ok else (0, 0)
-        emit("check", name="inductor_cache", ok=True, detail=f"cleared {real} ({n} entries, {size / 2**20:.1f} MiB)")
+        if ok:
+            n, size = empty_dir(real, dry_run=False)
+            emit("check", name="inductor_cache", ok=True, detail=f"cleared {real} ({n} entries, {size / 2**20:.1f} MiB)")
+        else:
+            emit("check", name="inductor_cache", ok=True, detail=f"{real} is valid; not cleared (launch refused)")
     except (AgentError, OSError) as exc:
         emit("check", name="inductor_cache", ok=False, detail=str(exc))
         ok = False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -246,13 +247,18 @@ def _resume_until_ready(ctx: Ctx, host: HostConfig, run: RunConfig, t: Transport
                         state: RunState, t0: float) -> int:
     """The channel dropped after the run started: follow it again from the same offsets until ready or dead."""
     deadline = t0 + run.ready_timeout
+    pattern = re.compile(run.ready_pattern) if run.ready_pattern else None
     for m in _follow_reconnecting(ctx, host, run, offsets, events=True):
         state.apply(m)
         if m.get("t") == "log":
             ctx.line(m["line"])
+            if pattern is not None and pattern.search(m["line"]):
+                ctx.err.print(f"[bold green]READY[/] {run.name}: log line matched {run.ready_pattern!r} "
+                              "(after a reconnect)")
+                return EXIT_OK
         v = state.view()
-        if v.step >= 1 or v.state == "training" and v.step:
-            ctx.err.print(f"[bold green]READY[/] {run.name}: first step event (after a reconnect)")
+        if m.get("t") == "event" and m["event"].get("kind") == "step":
+            ctx.err.print(f"[bold green]READY[/] {run.name}: first step event (after a reconnect), step {v.step}")
             return EXIT_OK
         if m.get("t") == "verdict":
             _print_verdict_failure(ctx, m)

@@ -188,3 +188,21 @@ def test_hostile_paths_and_args_reach_the_run_verbatim(tmp_path: Path, sshd, ct:
         for where in (Path.home(), Path("/"), Path(__file__).resolve().parent.parent):
             assert not (where / name).exists()
         assert not list(tmp_path.rglob(name))
+
+
+def test_launch_waits_for_ready_across_ssh_drop(tmp_path: Path, sshd, ct: int, drop_ssh) -> None:
+    import os
+    import subprocess
+
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={
+        "ok": script_run(tmp_path, "ok_run.py", "--steps", "3", "--step-time", "0.2", "--load-time", "2")})
+    proc = subprocess.Popen([sys.executable, "-m", "opsctl", "--hosts", str(hosts), "launch", "box", "ok"],
+                            cwd=str(Path(__file__).resolve().parent.parent), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, NO_COLOR="1"))
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "loading model\n"  # the run is loading: cut the link now
+    assert drop_ssh() >= 1
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "reconnecting" in err and "READY ok: first step event (after a reconnect)" in err
+    assert "loading model" not in out  # resumed at the offset: the line is not shown twice
