@@ -125,3 +125,25 @@ def test_lr_schedule_warms_up_then_decays_to_floor() -> None:
     assert f(10) == pytest.approx(1.0) and f(55) == pytest.approx(0.55)
     assert f(100) == pytest.approx(0.1)
     assert all(f(i) >= f(i + 1) for i in range(10, 100))
+
+
+def test_failure_mid_run_is_a_classified_error_event_with_traceback(tmp_path: Path) -> None:
+    def fail(step: int, _loss: float) -> None:
+        if step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    res = train(run_config(train={"max_steps": 5, "checkpoint_every": 0}), tmp_path, on_step=fail)
+    assert (res.exit_code, res.reason, res.step) == (1, "error", 2)
+    evs = _events(tmp_path)
+    err = [e for e in evs if e["kind"] == "error"]
+    assert len(err) == 1 and err[0]["class"] == "oom" and err[0]["fatal"] is True
+    assert "OutOfMemoryError" in err[0]["traceback"] and "fail" in err[0]["traceback"]
+    assert evs[-1]["kind"] == "run_end" and evs[-1]["reason"] == "error" and evs[-1]["exit_code"] == 1
+
+
+def test_error_classes() -> None:
+    from dflash.train import classify_error
+
+    assert classify_error(RuntimeError("CUDA error: out of memory")) == "oom"
+    assert classify_error(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error")) == "nccl"
+    assert classify_error(KeyError("x")) == "exception"
