@@ -119,6 +119,38 @@ class RecordedSource:
         self.actions.append("reconnect")
 
 
+def record(source: WatchSource, path: str | Path, max_seconds: float, max_messages: int | None = None) -> int:
+    """Save a live source's stream as JSON lines, in arrival order (a fixture for RecordedSource).
+
+    Stops after `max_seconds` of wall time, `max_messages`, or when the stream ends or fails; returns the count.
+    """
+    if max_seconds <= 0:
+        raise ValueError(f"max_seconds must be > 0, got {max_seconds}")
+    got: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def pump() -> None:
+        try:
+            for msg in source.messages():
+                with lock:
+                    got.append(msg)
+                if done.is_set() or (max_messages is not None and len(got) >= max_messages):
+                    break
+        finally:
+            done.set()
+
+    threading.Thread(target=pump, name=f"record:{source.label}", daemon=True).start()
+    done.wait(max_seconds)
+    done.set()
+    with lock:
+        msgs = got[:max_messages] if max_messages is not None else list(got)
+    with Path(path).open("w", encoding="utf-8") as fh:
+        for m in msgs:
+            fh.write(json.dumps(m, separators=(",", ":")) + "\n")
+    return len(msgs)
+
+
 def link_msg(state: str, detail: str = "") -> dict[str, Any]:
     """The watcher's own message about the link (not from the agent): up / lost / reconnecting / ended."""
     return {"t": "link", "state": state, "detail": detail, "local_ts": time.time()}

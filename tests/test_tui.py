@@ -23,7 +23,7 @@ import pytest
 from textual.pilot import Pilot
 
 from opsctl.plain import run_plain, snapshot_once
-from opsctl.tui import RecordedSource, SourceWorker, WatchApp, WatchSource
+from opsctl.tui import RecordedSource, SourceWorker, WatchApp, WatchSource, record
 from opsctl.widgets import (
     SEV_ERROR,
     SEV_WARNING,
@@ -458,6 +458,21 @@ def test_worker_treats_the_end_of_a_live_stream_as_a_lost_link_and_reconnects() 
     assert src.reconnects == 2 and not w.ended.is_set()
     w.stop()
     src.hold.set()
+
+
+def test_record_saves_a_stream_that_replays_identically(tmp_path: Path) -> None:
+    src = recorded("crashed")
+    out = tmp_path / "rec.jsonl"
+    assert record(src, out, max_seconds=10) == 71
+    assert list(RecordedSource(out).messages()) == list(src.messages())
+    assert record(recorded("training"), tmp_path / "head.jsonl", max_seconds=10, max_messages=5) == 5
+    assert [m["t"] for m in RecordedSource(tmp_path / "head.jsonl").messages()] == [
+        "hello", "proc", "log", "event", "event"]
+    start = time.monotonic()
+    hanging = HangingSource("dead:run")
+    assert record(hanging, tmp_path / "none.jsonl", max_seconds=0.3) == 0
+    assert time.monotonic() - start < 2
+    hanging.release.set()
 
 
 def test_once_json_snapshot_of_every_run() -> None:
