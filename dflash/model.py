@@ -394,6 +394,12 @@ class DFlashDrafter(nn.Module):
         cfg, b = self.cfg, self.cfg.block_size
         if cfg.mask_token_id is None:
             raise ValueError("drafter.mask_token_id is not set (the caller sets it from the tokenizer's mask token)")
+        batch.validate()
+        if batch.hidden.shape[1] != self.fc.in_features:
+            raise ValueError(
+                f"DraftBatch.hidden has {batch.hidden.shape[1]} features; this drafter expects {self.num_taps} taps x "
+                f"{self.fc.in_features // self.num_taps} = {self.fc.in_features}"
+            )
         if anchors is None:
             anchors, keep = sample_anchors(batch, cfg.num_anchors, b, generator)
         elif keep is None:

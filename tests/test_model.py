@@ -390,6 +390,17 @@ def test_bad_config_is_refused_clearly() -> None:
     d = make_drafter(mask_token_id=None)
     with pytest.raises(ValueError, match="mask_token_id"):
         d(make_batch(20, [20]), emb, head)
+    d = make_drafter()
+    with pytest.raises(ValueError, match="expects 2 taps"):
+        d(make_batch(20, [20], hidden_dim=3 * H), emb, head)
+    bad = make_batch(20, [20])
+    bad.loss_mask = bad.loss_mask.long()
+    with pytest.raises(ValueError, match="loss_mask must be bool"):
+        d(bad, emb, head)
+    bad = make_batch(20, [20])
+    bad.doc_ids = bad.doc_ids[:10]
+    with pytest.raises(ValueError, match="doc_ids"):
+        d(bad, emb, head)
 
 
 def test_drafter_learns_a_fixed_batch() -> None:
