@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
+import selectors
 import shlex
 import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -19,6 +21,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 from opsctl.config import HostConfig, Inventory, SSHSettings
 
 STDERR_KEEP = 1 << 20  # bytes of a stream's stderr kept for error messages
+EXIT_GRACE_S = 2.0  # after a command exits, how long run() still collects output its leftover children write
 
 # paramiko logs a dropped connection as "Socket exception: ..." through logging's last-resort stderr handler,
 # in the middle of a user's terminal; we report drops as TransportError instead. `-v` logging still sees them.
@@ -171,6 +174,70 @@ class _LocalStream(Stream):
         self._stderr_thread.join(2)
 
 
+def _communicate(proc: subprocess.Popen[bytes], input: bytes | None, timeout: float | None) -> tuple[bytes, bytes]:
+    """Like Popen.communicate, but returns EXIT_GRACE_S after the process exits even if a background child
+    it started (`daemon &`, `nohup x &`) still holds stdout open: the classic ssh hang of PAIN.md."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    bufs: dict[int, bytearray] = {}
+    sel = selectors.DefaultSelector()
+    for f in (proc.stdout, proc.stderr):
+        assert f is not None
+        bufs[f.fileno()] = bytearray()
+        sel.register(f.fileno(), selectors.EVENT_READ)
+    pending = memoryview(input or b"")
+    stdin_fd = -1
+    if proc.stdin is not None:
+        stdin_fd = proc.stdin.fileno()
+        os.set_blocking(stdin_fd, False)
+        if pending:
+            sel.register(stdin_fd, selectors.EVENT_WRITE)
+        else:
+            proc.stdin.close()
+    pidfd = os.pidfd_open(proc.pid)
+    sel.register(pidfd, selectors.EVENT_READ)
+    exited_at: float | None = None
+    try:
+        while any(fd in bufs for fd in sel.get_map()):
+            now = time.monotonic()
+            waits = [t for t in (deadline, None if exited_at is None else exited_at + EXIT_GRACE_S) if t is not None]
+            if waits and min(waits) <= now:
+                if deadline is not None and deadline <= now:
+                    raise TransportTimeout(f"timed out after {timeout}s")
+                break  # exited, grace over: a daemonized child keeps the pipe; we do not wait for it
+            for key, _ in sel.select(min(waits) - now if waits else None):
+                fd = key.fd
+                if fd == pidfd:
+                    sel.unregister(pidfd)
+                    exited_at = time.monotonic()
+                elif fd == stdin_fd:
+                    try:
+                        n = os.write(fd, pending[:65536])
+                        pending = pending[n:]
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:
+                        pending = pending[:0]
+                    if not pending:
+                        sel.unregister(fd)
+                        proc.stdin.close()  # type: ignore[union-attr]
+                else:
+                    data = os.read(fd, 65536)
+                    if data:
+                        bufs[fd] += data
+                    else:
+                        sel.unregister(fd)
+    finally:
+        sel.close()
+        os.close(pidfd)
+    proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()) + EXIT_GRACE_S)
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()])
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        if f is not None and not f.closed:
+            f.close()
+    return out, err
+
+
 class LocalTransport:
     """Runs argv directly with subprocess (no shell at all). `env` adds to (or overrides) os.environ."""
 
@@ -196,13 +263,16 @@ class LocalTransport:
         except PermissionError as e:
             return Completed(126, b"", f"{cmd[0]}: {e.strerror}\n".encode())
         try:
-            out, err = proc.communicate(input, timeout=timeout)
-        except subprocess.TimeoutExpired:
+            out, err = _communicate(proc, input, timeout)
+        except TransportTimeout:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            proc.communicate()
+            proc.wait()
+            for f in (proc.stdin, proc.stdout, proc.stderr):
+                if f is not None:
+                    f.close()
             raise TransportTimeout(f"timed out after {timeout}s (killed): {shell_join(cmd)}") from None
         return Completed(proc.returncode, out, err)
 
@@ -527,8 +597,9 @@ class SSHTransport:
         if not chan.status_event.wait(timeout):  # type: ignore[attr-defined]
             chan.close()  # type: ignore[attr-defined]
             raise TransportTimeout(f"{self.label}: timed out after {timeout}s: {cmd[:200]}")
+        # The output ends at EOF, which a daemonized child holding stdout may never send: wait a grace period.
         for th in threads[:2]:
-            th.join(timeout if timeout is not None else None)
+            th.join(EXIT_GRACE_S)
         rc = int(chan.exit_status)  # type: ignore[attr-defined]
         if rc == -1 and not self._conn_active():
             raise TransportError(f"{self.label}: SSH connection lost while running: {cmd[:200]}")

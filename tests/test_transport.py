@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from harness.sshd import PctHost, Sshd
 
+import opsctl.transport as transport_mod
 from opsctl.config import HostConfig, SSHSettings, parse_inventory
 from opsctl.transport import (
     LocalTransport,
@@ -122,6 +123,16 @@ def test_run_returns_rc_and_separate_bytes(transport: Transport) -> None:
     assert (r.rc, r.stdout, r.stderr) == (7, data, b"err\n")
     rc, out, err = transport.run(["true"])
     assert (rc, out, err) == (0, b"", b"")
+
+
+def test_run_returns_when_the_command_exits_even_if_a_background_child_holds_stdout(
+        transport: Transport, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `nohup x &` over ssh used to hang the client until the child exited (PAIN.md's 30 s tool time-out)
+    monkeypatch.setattr(transport_mod, "EXIT_GRACE_S", 0.5)
+    t0 = time.monotonic()
+    r = transport.run(["sh", "-c", "sleep 6 & echo started; echo err >&2; exit 4"], timeout=30)
+    assert time.monotonic() - t0 < 4
+    assert (r.rc, r.stdout, r.stderr) == (4, b"started\n", b"err\n")
 
 
 def test_missing_command_is_rc_127_everywhere(transport: Transport) -> None:
