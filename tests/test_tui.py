@@ -23,7 +23,7 @@ import pytest
 from textual.pilot import Pilot
 
 from opsctl.plain import run_plain, snapshot_once
-from opsctl.tui import RecordedSource, SourceWorker, WatchApp, WatchSource, record
+from opsctl.tui import RecordedSource, SourceWorker, WatchApp, WatchSource, record, watch_main
 from opsctl.widgets import (
     SEV_ERROR,
     SEV_WARNING,
@@ -365,6 +365,49 @@ async def test_log_pane_pauses_on_scroll_searches_and_filters() -> None:
         assert pane.lines is model.log
         await pilot.press("slash", "escape")
         assert pane.search == "" and pane.follow
+
+
+@pytest.mark.anyio
+async def test_keys_typed_into_the_search_box_are_text_not_commands() -> None:
+    app = app_for("training")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("slash", "k", "q", "c", "tab", "enter")
+        assert not isinstance(app.screen, ConfirmScreen) and app.is_running
+        assert app.query_one(LogPane).search == "kqc"
+        assert app.sources[0].actions == []  # type: ignore[attr-defined]
+
+
+class BellCountingApp(WatchApp):
+    """Counts bells instead of writing BEL to the (headless) terminal."""
+
+    bells = 0
+
+    def bell(self) -> None:
+        self.bells += 1
+
+
+@pytest.mark.anyio
+async def test_bell_rings_once_per_new_alert_only_when_enabled() -> None:
+    clock_at = last_ts("crashed") + 2
+    quiet = BellCountingApp([recorded("crashed")], clock=lambda: clock_at)
+    async with quiet.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+    assert quiet.bells == 0
+    loud = BellCountingApp([recorded("crashed")], clock=lambda: clock_at, bell=True)
+    async with loud.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.pause(0.3)  # more ticks: the same alert must not ring again
+    assert loud.bells == 1
+
+
+def test_watch_main_once_json_prints_every_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert watch_main([recorded("loading"), recorded("crashed")], plain=False, once_json=True, bell=False) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(s["label"], s["view"]["state"]) for s in out][1] == ("h200:crashed", "crashed")
+    assert out[0]["view"]["phase_i"] == 5 and out[0]["view"]["phase_n"] == 8
+    with pytest.raises(SystemExit, match="no runs to watch"):
+        watch_main([], plain=False, once_json=True, bell=False)
 
 
 # -- snapshots (fixed size and clock) ----------------------------------------------------------------------
