@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,7 +190,9 @@ class Target:
             if on_progress is not None:
                 on_progress(0, 1)
             with _weight_loading_progress(on_progress):
-                model = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, dtype=self.dtype)
+                model = AutoModelForCausalLM.from_pretrained(
+                    cfg.path, local_files_only=True, dtype=self.dtype, **self._placement()
+                )
             if on_progress is not None:
                 on_progress(1, 1)
             return model
@@ -219,6 +222,12 @@ class Target:
             if on_progress is not None:
                 on_progress(n, n)
         return model.to(self.dtype)
+
+    def _placement(self) -> dict[str, Any]:
+        """Load weights straight onto the GPU when accelerate is there (no full CPU copy of a 27B model first)."""
+        if self.device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
+            return {"device_map": {"": str(self.device)}}
+        return {}
 
     @staticmethod
     def _decoder(model: nn.Module) -> nn.Module:

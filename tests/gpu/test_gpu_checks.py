@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,3 +282,23 @@ def test_training_size_flex_equals_dense_and_step_cost() -> None:
         print(f"{backend}: N={n} A=512 B=16 H={h}: step median {ts[2] * 1e3:.1f} ms, peak extra memory {peak:.0f} MiB")
         del d, emb, head, runs
     assert rel(losses["flex"], losses["dense"]) < 2e-2
+
+
+def test_load_from_directory_onto_the_gpu(tmp_path: Path) -> None:
+    """A saved target loads from its directory straight onto the GPU and gives the same tapped states."""
+    built = Target(TargetConfig(arch=GPU_ARCH), num_draft_layers=2, device=DEV)
+    built.model.save_pretrained(tmp_path / "t")
+    progress: list[tuple[int, int]] = []
+    loaded = Target(
+        TargetConfig(path=str(tmp_path / "t")),
+        num_draft_layers=2,
+        device=DEV,
+        on_progress=lambda i, n: progress.append((i, n)),
+    )
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+    assert loaded.kernels == built.kernels and loaded.packing == built.packing
+    ids = torch.randint(0, GPU_ARCH["vocab_size"], (2, 300), device=DEV)
+    mask = torch.ones_like(ids)
+    assert rel(loaded.hidden_states(ids, mask), built.hidden_states(ids, mask)) < 1e-3  # same bf16 weights
+    print(f"load progress reports: {len(progress)}, last {progress[-1]}")
+    assert progress[-1] == (1, 1)
