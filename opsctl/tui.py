@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -245,9 +246,6 @@ class SourceWorker:
     def pending(self) -> int:
         with self._lock:
             return len(self._logs) + len(self._other)
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
 
 class RunModel:
@@ -550,7 +548,7 @@ class WatchApp(App[int]):
         event.input.remove_class("visible")
         pane.focus()
 
-    def on_key(self, event: Any) -> None:
+    def on_key(self, event: events.Key) -> None:
         box = self.query_one("#search", Input)
         if event.key == "escape" and box.has_class("visible"):
             box.remove_class("visible")

@@ -335,11 +335,6 @@ class LogPane(ScrollView, can_focus=True):
         self.follow = True
         self.sync()
 
-    def _keep(self, line: LogLine) -> bool:
-        if line.sev < self.min_sev:
-            return False
-        return self._search_re is None or self._search_re.search(line.text) is not None
-
     def _filter_active(self) -> bool:
         # Search highlights and jumps; only the severity filter hides lines.
         return self.min_sev > SEV_INFO
