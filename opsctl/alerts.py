@@ -145,7 +145,9 @@ class AlertTracker:
         if kind == "run_start":
             self._reset_run()
             kernels = ev.get("kernels") or {}
-            self.slow_kernels = {k: str(v) for k, v in kernels.items() if str(v) == "torch-fallback"}
+            # On a CPU run the PyTorch fallback is the only implementation there is: not worth an alert.
+            on_cpu = str(ev.get("device") or "").startswith("cpu")
+            self.slow_kernels = {} if on_cpu else {k: str(v) for k, v in kernels.items() if str(v) == "torch-fallback"}
             self.capacity = _find_capacity(ev.get("config"))
         elif kind == "phase":
             if ev.get("phase") == "training" and self.training_since is None and _finite(ts):

@@ -78,7 +78,7 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
     head.append_text(state_badge(view))
     total = f"/{view.total_steps:,}" if view.total_steps else ""
     head.append(f"  step {view.step:,}{total}  epoch {'-' if view.epoch is None else view.epoch}"
-                f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(view.tokens_per_s)}"
+                f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(view.tokens_per_s, 0)}"
                 f"  ETA {fmt_duration(view.eta_s)}  heartbeat "
                 f"{'-' if view.heartbeat_age_s is None else fmt_duration(view.heartbeat_age_s) + ' ago'}"
                 f"  link {model.link}  log {model.lines_total:,} lines, {model.dropped:,} dropped")

@@ -182,7 +182,7 @@ class RunSummary(_Quiet):
             ("step", f"{view.step:,}{total}  epoch {epoch}"),
             ("ETA", fmt_duration(view.eta_s)),
             ("loss", fmt_num(view.loss, 4)),
-            ("tokens/s", fmt_num(view.tokens_per_s)),
+            ("tokens/s", fmt_num(view.tokens_per_s, 0)),
             ("step time", "-" if view.step_time_s is None else f"{view.step_time_s:.3f} s"),
             ("heartbeat", "-" if view.heartbeat_age_s is None else f"{fmt_duration(view.heartbeat_age_s)} ago"),
             ("process", f"{view.proc_state or '-'}  pid {view.pid or '-'}"
@@ -201,8 +201,8 @@ class Charts(Widget):
     """Sparklines of loss, tokens/s, step time and hidden-state queue depth over the recent steps."""
 
     DEFAULT_CSS = "Charts { height: 4; }"
-    SERIES = (("loss", "loss", "green"), ("tokens_per_s", "tok/s", "cyan"),
-              ("step_time_s", "step s", "yellow"), ("queue_depth", "queue", "magenta"))
+    SERIES = (("loss", "loss", "green", 4), ("tokens_per_s", "tok/s", "cyan", 0),
+              ("step_time_s", "step s", "yellow", 3), ("queue_depth", "queue", "magenta", 0))
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -215,9 +215,9 @@ class Charts(Widget):
     def render(self) -> Text:
         width = max(0, self.size.width - 24)
         t = Text()
-        for i, (key, label, colour) in enumerate(self.SERIES):
+        for i, (key, label, colour, digits) in enumerate(self.SERIES):
             vals = self._series.get(key) or []
-            last = fmt_num(vals[-1]) if vals else "-"
+            last = fmt_num(vals[-1], digits) if vals else "-"
             if i:
                 t.append("\n")
             t.append(f"{label:>7} {last:>10} ", style="dim")

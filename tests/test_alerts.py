@@ -133,6 +133,11 @@ def test_slow_kernel_fallback_at_start_lists_the_kernels() -> None:
     r3 = Run()
     r3.feed(run_start(T0))
     assert "slow_kernel" not in r3.alerts(T0 + 1)
+    on_cpu = run_start(T0, kernels={"chunk_gated_delta_rule": "torch-fallback"})
+    on_cpu["event"]["device"] = "cpu"  # nothing faster exists there
+    r4 = Run()
+    r4.feed(on_cpu)
+    assert "slow_kernel" not in r4.alerts(T0 + 1)
 
 
 def test_recompiles_during_warmup_are_fine_later_ones_alert() -> None:
