@@ -190,3 +190,15 @@ def prune(out: str | Path, keep_last: int) -> list[Path]:
         shutil.rmtree(p)
         removed.append(p)
     return removed
+
+
+def remove_all(out: str | Path) -> list[Path]:
+    """Delete every checkpoint of OUT (finished and crashed temp dirs), for an explicit fresh start."""
+    root = checkpoints_dir(out)
+    removed = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and (_STEP_RE.match(p.name) or _TMP_RE.match(p.name)):
+                shutil.rmtree(p)
+                removed.append(p)
+    return removed

@@ -16,6 +16,8 @@ examples:
       and runs/tiny/events.jsonl (the telemetry contract, docs/events.md)
   dflash train --config configs/tiny.yaml --out runs/tiny --resume --max-steps 400
       continue from the newest checkpoint in runs/tiny/checkpoints (refused if it is corrupt)
+  dflash train --config configs/tiny.yaml --out runs/tiny --fresh
+      start over in a directory that holds an older run's checkpoints
   torchrun --nproc-per-node 8 -m dflash train --config my.yaml --out /runs/a
       one process per GPU; `dist: {roles: split, target_ranks: 5}` puts the target on 5 ranks
   dflash preflight --config my.yaml
@@ -37,7 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, help="run config YAML (see configs/tiny.yaml)")
     t.add_argument("--out", default=None, help="run directory (default runs/<config name>)")
     t.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (overrides the config)")
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    t.add_argument("--resume", nargs="?", const="always", choices=["always", "auto"], default=None,
+                   help="continue from the newest checkpoint in --out (refused if it is corrupt); "
+                        "`--resume auto`: resume if --out has a checkpoint, else start")
+    t.add_argument("--fresh", action="store_true",
+                   help="start over in an --out that has checkpoints (deletes OUT/checkpoints/step-*)")
     t.add_argument("--allow-slow-kernels", action="store_true",
                    help="run a GPU job even if the target falls back to slow PyTorch kernels")
     f = sub.add_parser("preflight", help="show the kernels a config's target binds; exit 1 on problems")
@@ -64,12 +70,14 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
     except ConfigError as exc:
         return _fail(str(exc))
+    from dflash.checkpoint import list_checkpoints
     from dflash.train import UsageError, prepare_documents, train
 
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
     try:
         docs = prepare_documents(cfg)  # validated before anything is written to --out
-        result = train(cfg, out, max_steps=args.max_steps, resume=args.resume,
+        resume = args.resume == "always" or (args.resume == "auto" and bool(list_checkpoints(out)))
+        result = train(cfg, out, max_steps=args.max_steps, resume=resume, fresh=args.fresh,
                        allow_slow_kernels=args.allow_slow_kernels, docs=docs)
     except (DataError, UsageError) as exc:
         return _fail(str(exc))

@@ -218,7 +218,7 @@ def prepare_documents(cfg: RunConfig) -> list[Document]:
 
 
 def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resume: bool = False,
-          allow_slow_kernels: bool = False, docs: list[Document] | None = None,
+          fresh: bool = False, allow_slow_kernels: bool = False, docs: list[Document] | None = None,
           on_step: Callable[[int, float], None] | None = None) -> TrainResult:
     """Run (or resume) training into `out`; returns the exit code the CLI should use. Never raises for run errors:
     they become `error` + `run_end` events (the events file is the contract), except UsageError/DataError raised
@@ -228,9 +228,15 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
     out = Path(out)
     if docs is None:
         docs = prepare_documents(cfg)
+    if fresh and resume:
+        raise UsageError("--fresh and --resume exclude each other")
     found = ckpt.list_checkpoints(out)
-    if found and not resume:
-        raise UsageError(f"{out}: has checkpoints ({found[0][1].name}); pass --resume or use a new --out")
+    if found and fresh and (roles.rank == 0):
+        ckpt.remove_all(out)  # explicit --fresh: only step-N dirs inside OUT/checkpoints go
+        found = []
+    if found and not resume and not fresh:
+        raise UsageError(f"{out}: has checkpoints ({found[0][1].name}); pass --resume (or --fresh to start over) "
+                         "or use a new --out")
     init_distributed(roles, device, cfg.dist.backend)
     out.mkdir(parents=True, exist_ok=True)
     run_file = out / "run.json"

@@ -176,3 +176,18 @@ def test_semantic_config_error_found_at_load_exits_2_naming_the_field(tmp_path: 
     assert f"{path}: target.tap_layers: layer 9 is outside 0..3" in err
     evs = list(read_events(tmp_path / "out" / "events.jsonl"))
     assert evs[-1]["kind"] == "run_end" and evs[-1]["exit_code"] == 2
+
+
+def test_fresh_and_resume_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, tiny_run_yaml(train={"max_steps": 2, "checkpoint_every": 0}))
+    out = tmp_path / "out"
+    args = ["train", "--config", str(path), "--out", str(out)]
+    assert main([*args, "--resume", "auto"]) == 0  # nothing to resume: starts
+    assert main(args) == 2 and "--fresh" in capsys.readouterr().err
+    assert main([*args, "--resume", "auto", "--max-steps", "3"]) == 0  # resumes 2 -> 3
+    starts = [e for e in read_events(out / "events.jsonl") if e["kind"] == "run_start"]
+    assert [s["resumed_from"] for s in starts] == [None, 2]
+    assert main([*args, "--fresh"]) == 0
+    starts = [e for e in read_events(out / "events.jsonl") if e["kind"] == "run_start"]
+    assert [s["resumed_from"] for s in starts] == [None]  # a fresh run truncates the events
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
