@@ -55,6 +55,7 @@ class TrainConfig:
     heartbeat_s: float = 5.0
     log_every: int = 1
     compile: str = "auto"  # auto (GPU only) | true | false
+    compile_backend: str = "inductor"  # torch.compile backend ("eager"/"aot_eager" check tracing without codegen)
 
 
 @dataclass

@@ -502,7 +502,7 @@ class _Run:
         feeder = Feeder(feeds[d], cfg.data.reservoir, t.seed * 1000 + d, source, states[d])
 
         compile_on = t.compile == "true" or (t.compile == "auto" and device.type == "cuda")
-        step_model = torch.compile(model) if compile_on else model
+        step_model = torch.compile(model, backend=t.compile_backend) if compile_on else model
         embed, head = info.embed_tokens, info.lm_head
         autocast = device.type == "cuda"
         flex_warned = False
@@ -539,14 +539,15 @@ class _Run:
                           traceback=None, fatal=True)
                 self.log.error("non-finite loss %s at step %d: stopping", loss_v, self.step + 1)
                 return self.end("error", EXIT_ERROR)
+            if compile_on and not entered_training:
+                # Forward and backward are compiled now: `training` starts just before the first optimizer step.
+                self.phase("training")
+                entered_training = True
             opt.step()
             sched.step()
             self.step += 1
             self.step_holder["step"] = self.step
             self.live.step = self.step
-            if compile_on and not entered_training:
-                self.phase("training")
-                entered_training = True
             recompiles = 0
             if compile_on:
                 frames = dynamo_counts()["frames"]

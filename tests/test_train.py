@@ -147,3 +147,23 @@ def test_error_classes() -> None:
     assert classify_error(RuntimeError("CUDA error: out of memory")) == "oom"
     assert classify_error(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error")) == "nccl"
     assert classify_error(KeyError("x")) == "exception"
+
+
+def test_compiled_step_enters_compiling_then_training_and_never_recompiles(tmp_path: Path) -> None:
+    """The compile plumbing on CPU (dynamo tracing, eager backend: no C++ toolchain needed): buffers of different
+    content but one fixed shape must not recompile after the first step."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    cfg = run_config(train={"max_steps": 4, "checkpoint_every": 0, "compile": "true", "compile_backend": "eager"})
+    res = train(cfg, tmp_path)
+    assert res.exit_code == 0
+    evs = _events(tmp_path)
+    phases = [e["phase"] for e in evs if e["kind"] == "phase"]
+    assert phases.index("compiling") < phases.index("training")
+    kinds = [e["kind"] if e["kind"] != "phase" else e["phase"] for e in evs if e["kind"] != "heartbeat"]
+    assert kinds.index("compiling") < kinds.index("training") < kinds.index("step")
+    steps = [e for e in evs if e["kind"] == "step"]
+    assert [e["recompiles"] for e in steps] == [0, 0, 0, 0]
+    assert not [e for e in evs if e["kind"] == "error"]
+    torch._dynamo.reset()
