@@ -196,8 +196,7 @@ class Target:
             if on_progress is not None:
                 on_progress(1, 1)
             return model
-        from transformers import Qwen3_5TextConfig
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+        from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
         arch = {**copy.deepcopy(TINY_ARCH), **copy.deepcopy(cfg.arch)}
         if "layer_types" in arch and len(arch["layer_types"]) != arch["num_hidden_layers"]:
@@ -218,10 +217,12 @@ class Target:
             n = hf_cfg.num_hidden_layers
             if on_progress is not None:
                 on_progress(0, n)
-            model = Qwen3_5ForCausalLM(hf_cfg)
+            # from_config(dtype=...) builds the weights in the target dtype but keeps RoPE's inv_freq in fp32, exactly
+            # as from_pretrained does; `.to(bf16)` after building would round inv_freq too (5e-3 rel. drift, seen on GPU).
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=self.dtype)
             if on_progress is not None:
                 on_progress(n, n)
-        return model.to(self.dtype)
+        return model
 
     def _placement(self) -> dict[str, Any]:
         """Load weights straight onto the GPU when accelerate is there (no full CPU copy of a 27B model first)."""

@@ -154,6 +154,17 @@ def test_load_from_local_directory_gives_equal_outputs(target: Target, tmp_path:
     assert weight_steps[-1][0] == weight_steps[-1][1]
 
 
+def test_bf16_random_target_equals_itself_saved_and_reloaded(tmp_path: Path) -> None:
+    """The random-init path must build what from_pretrained would load (RoPE tables stay fp32 in a bf16 model)."""
+    built = Target(TargetConfig(dtype="bfloat16"), num_draft_layers=2, device=CPU)
+    assert {p.dtype for p in built.model.parameters()} == {torch.bfloat16}
+    assert all(b.dtype == torch.float32 for name, b in built.model.named_buffers() if "inv_freq" in name)
+    built.model.save_pretrained(tmp_path / "bf16")
+    loaded = Target(TargetConfig(path=str(tmp_path / "bf16"), dtype="bfloat16"), num_draft_layers=2, device=CPU)
+    ids, mask = right_pad(random_ids([300, 120], seed=6))
+    assert torch.equal(loaded.hidden_states(ids, mask), built.hidden_states(ids, mask))
+
+
 def test_vlm_format_checkpoint_loads_as_its_text_model(tmp_path: Path) -> None:
     """Qwen3.5 releases ship as Qwen3_5ForConditionalGeneration (text + vision); the target must load the text part."""
     from transformers import Qwen3_5Config
