@@ -344,16 +344,19 @@ class Feeder:
         self.reservoir = Reservoir(capacity, seed)
         self.source = source
         state = state or FeedState()
-        self._pending = refeed(self.feed, state)  # keys still to put, in order
-        self._seq = 0  # index into the refeed (for the target worklist)
+        self._refeed = refeed(self.feed, state)  # keys to put, in order
+        self._seq = 0  # next index into the refeed (also the item number the target worklist uses)
         self.received = state.received
         self._restoring = len(state.reservoir)  # the first puts re-create the checkpointed reservoir
         if state.rng is not None:
             self.reservoir.set_rng_state(state.rng)
         self.last_wait_s = 0.0
 
+    def _pending(self) -> int:
+        return len(self._refeed) - self._seq
+
     def _put_one(self) -> None:
-        key = self._pending.pop(0)
+        key = self._refeed[self._seq]
         batch = self.source(self._seq, key)
         self._seq += 1
         self.reservoir.put(key, batch)
@@ -363,11 +366,11 @@ class Feeder:
             self.received += 1
 
     def remaining(self) -> int:
-        return len(self._pending) + len(self.reservoir)
+        return self._pending() + len(self.reservoir)
 
     def next(self) -> tuple[Key, DraftBatch]:
         t0 = time.perf_counter()
-        while self._pending and (not self.reservoir.full() or self._restoring):
+        while self._pending() and (not self.reservoir.full() or self._restoring):
             self._put_one()
         self.last_wait_s = time.perf_counter() - t0
         return self.reservoir.take()
@@ -378,7 +381,7 @@ class Feeder:
     def pending_targets(self, n_targets: int, d: int, n_d: int) -> list[int]:
         """Targets that still expect to serve this drafter (they must be told to stop when it stops early)."""
         out = set()
-        for j in range(self._seq, self._seq + len(self._pending)):
+        for j in range(self._seq, min(len(self._refeed), self._seq + n_targets)):
             out.add((j * n_d + d) % n_targets)
         return sorted(out)
 
