@@ -573,33 +573,74 @@ def _wait_screen(sock: Path, *needles: str, timeout_s: float = 30.0) -> str:
     raise AssertionError(f"{needles} not on screen after {timeout_s} s:\n{screen}")
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
-def test_watch_in_tmux_over_ssh_pct_live_run_then_kill_from_the_dashboard(tmp_path: Path, sshd: Any,
-                                                                            container: Any) -> None:
-    ct = container(200)
+class WatchInTmux:
+    """The real `opsctl watch` in a tmux pane of its own server (own socket), read back with capture-pane."""
+
+    def __init__(self, tmp: Path, hosts: Path, target: str) -> None:
+        self.sock = tmp / "tmux.sock"
+        cmd = f"{shlex.quote(sys.executable)} -m opsctl --hosts {shlex.quote(str(hosts))} watch {target}"
+        subprocess.run(["tmux", "-S", str(self.sock), "new-session", "-d", "-s", "watch", "-x", "160", "-y", "50",
+                        "-c", str(REPO), cmd], check=True, env=dict(os.environ, TERM="xterm-256color"))
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run(["tmux", "-S", str(self.sock), "send-keys", "-t", "watch", *keys], check=True)
+
+    def wait(self, *needles: str, timeout_s: float = 30.0) -> str:
+        return _wait_screen(self.sock, *needles, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-S", str(self.sock), "kill-server"], capture_output=True)
+
+
+def _launch_live(tmp_path: Path, sshd: Any, ct: int) -> Path:
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={
         "tiny": script_run(tmp_path, "ok_run.py", "--steps", "3000", "--step-time", "0.2",
                            "--ckpt-dir", str(tmp_path / "ckpt"))})
     (tmp_path / "cache").mkdir()
     r = opsctl(hosts, "launch", "box", "tiny")
     assert r.returncode == 0, r.stderr
-    sock = tmp_path / "tmux.sock"
-    cmd = f"{shlex.quote(sys.executable)} -m opsctl --hosts {shlex.quote(str(hosts))} watch box:tiny"
+    return hosts
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_watch_in_tmux_survives_an_ssh_drop(tmp_path: Path, sshd: Any, container: Any, drop_ssh: Any) -> None:
+    hosts = _launch_live(tmp_path, sshd, container(200))
+    watch = WatchInTmux(tmp_path, hosts, "box:tiny")
     try:
-        subprocess.run(["tmux", "-S", str(sock), "new-session", "-d", "-s", "watch", "-x", "160", "-y", "50",
-                        "-c", str(REPO), cmd], check=True, env=dict(os.environ, TERM="xterm-256color"))
-        screen = _wait_screen(sock, "box:tiny", "TRAINING", "loss", "opsctl watch")
+        watch.wait("TRAINING", "link up")
+        assert drop_ssh() >= 1
+        screen = watch.wait("SSH link lost", timeout_s=10)
+        assert "ChannelLost" in screen or "TransportError" in screen or "closed" in screen, screen
+        screen = watch.wait("link up", "no alerts", timeout_s=20)  # back, from the saved offsets
+        step = int(re.search(r"step ([\d,]+)/3,000", screen).group(1).replace(",", ""))  # type: ignore[union-attr]
+        later = watch.wait(f"step {step + 3}/3,000", timeout_s=20)
+        lines = [ln for ln in later.splitlines() if re.search(r"│step \d+ loss", ln)]
+        nums = [int(re.search(r"step (\d+) loss", ln).group(1)) for ln in lines]  # type: ignore[union-attr]
+        assert len(nums) >= 3, f"the run's log lines did not reach the screen:\n{later}"
+        assert nums == list(range(nums[0], nums[0] + len(nums))), nums  # no line lost or repeated on screen
+    finally:
+        watch.close()
+        opsctl(hosts, "kill", "box", "tiny")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_watch_in_tmux_over_ssh_pct_live_run_then_kill_from_the_dashboard(tmp_path: Path, sshd: Any,
+                                                                            container: Any) -> None:
+    hosts = _launch_live(tmp_path, sshd, container(200))
+    watch = WatchInTmux(tmp_path, hosts, "box:tiny")
+    try:
+        screen = watch.wait("box:tiny", "TRAINING", "loss", "opsctl watch")
         assert re.search(r"step [\d,]+/3,000", screen), screen
         assert re.search(r"loss \d\.\d{4}", screen), screen
-        assert "step " in screen and "no alerts" in screen
+        assert "no alerts" in screen
         assert "GPUs: none reported (nvml: unavailable (" in screen  # the container has no NVML: said, not hidden
-        subprocess.run(["tmux", "-S", str(sock), "send-keys", "-t", "watch", "k"], check=True)
-        _wait_screen(sock, "kill box:tiny?")
-        subprocess.run(["tmux", "-S", str(sock), "send-keys", "-t", "watch", "y"], check=True)
-        screen = _wait_screen(sock, "KILLED", "run killed", "run_end signal")
+        watch.keys("k")
+        watch.wait("kill box:tiny?")
+        watch.keys("y")
+        screen = watch.wait("KILLED", "run killed", "run_end signal")
         assert "exit code 0" in screen
         assert list((tmp_path / "ckpt").glob("step*.pt"))  # the run checkpointed on the way out
-        subprocess.run(["tmux", "-S", str(sock), "send-keys", "-t", "watch", "q"], check=True)
+        watch.keys("q")
     finally:
-        subprocess.run(["tmux", "-S", str(sock), "kill-server"], capture_output=True)
+        watch.close()
         opsctl(hosts, "kill", "box", "tiny")
