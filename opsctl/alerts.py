@@ -101,6 +101,7 @@ class AlertTracker:
         self.recompile_errors: list[str] = []
         self.recent_steps: deque[tuple[int, float, float, int]] = deque(maxlen=QUEUE_WINDOW)
         self.capacity: int | None = None
+        self.split_roles = False  # separate target and drafter ranks: only then can the queue starve or back up
         self.training_since: float | None = None
         self.idle_since: dict[int, float] = {}
         self.idle_util: dict[int, float] = {}
@@ -149,6 +150,9 @@ class AlertTracker:
             on_cpu = str(ev.get("device") or "").startswith("cpu")
             self.slow_kernels = {} if on_cpu else {k: str(v) for k, v in kernels.items() if str(v) == "torch-fallback"}
             self.capacity = _find_capacity(ev.get("config"))
+            roles = ev.get("roles") or {}
+            # Colocated, the "wait" is the rank's own target forward and a full reservoir is its normal state.
+            self.split_roles = isinstance(roles, dict) and bool(roles.get("target")) and bool(roles.get("drafter"))
         elif kind == "phase":
             if ev.get("phase") == "training" and self.training_since is None and _finite(ts):
                 self.training_since = float(ts)
@@ -290,7 +294,7 @@ class AlertTracker:
         return "; ".join(idle) + " while the run reports training" if idle else None
 
     def _queue_rules(self) -> Iterable[Alert]:
-        if len(self.recent_steps) < QUEUE_MIN_STEPS:
+        if not self.split_roles or len(self.recent_steps) < QUEUE_MIN_STEPS:
             return
         waits = [s[1] for s in self.recent_steps]
         times = [s[2] for s in self.recent_steps]

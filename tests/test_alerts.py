@@ -199,6 +199,17 @@ def test_queue_starvation_and_backlog() -> None:
     assert not {"queue_starved", "queue_backlog"} & set(healthy.alerts(T0 + 10))
 
 
+def test_queue_rules_do_not_apply_to_colocated_runs() -> None:
+    # Colocated, the feeder runs the target forward itself: its "wait" is compute, and the reservoir is kept full.
+    r = Run()
+    start = run_start(T0, config={"data": {"reservoir": 4}})
+    start["event"]["roles"] = {"colocated": [0]}
+    r.feed(start, ev("phase", T0, phase="training"))
+    for n in range(1, 7):
+        r.feed(step(n, T0 + n, dt=2.0, wait=1.8, depth=4))
+    assert not {"queue_starved", "queue_backlog"} & set(r.alerts(T0 + 7))
+
+
 def test_link_lost_and_reconnecting_then_up_again() -> None:
     r = training_run(2)
     r.feed({"t": "link", "state": "lost", "detail": "SSHException: Socket is closed (retry in 2 s)",
