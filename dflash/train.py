@@ -612,7 +612,7 @@ class _Run:
         tps = st.real_tokens / max(step_time, 1e-9)
         self.emit("step", step=step, epoch=int(key[0]), loss=st.loss, acc=st.acc, lr=lr, grad_norm=grad_norm,
                   tokens=st.tokens, tokens_per_s=tps, step_time_s=step_time, queue_depth=len(feeder.reservoir),
-                  queue_wait_s=wait_s, recompiles=recompiles, total_steps=total)
+                  queue_wait_s=wait_s, recompiles=recompiles, total_steps=total, buffer=[int(key[0]), int(key[1])])
         self.log.info("step %d/%d  loss %.4f  acc[1] %.3f  lr %.2e  gnorm %.2f  %.0f tok/s  %.2fs", step, total,
                       st.loss, st.acc[0] if st.acc else float("nan"), lr, grad_norm, tps, step_time)
 

@@ -94,6 +94,9 @@ def test_sigterm_then_resume_is_bit_identical(tmp_path: Path) -> None:
                                                                         ("completed", None, 2 * n)]
     starts = [e for e in evs if e["kind"] == "run_start"]
     assert [s["resumed_from"] for s in starts] == [None, n]
+    # the resumed run consumed exactly the buffers the uninterrupted one did, in the same order
+    assert [e["buffer"] for e in evs if e["kind"] == "step"] == \
+        [e["buffer"] for e in _events(tmp_path / "a") if e["kind"] == "step"]
     assert len({e["run_id"] for e in evs}) == 1
 
 
