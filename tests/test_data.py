@@ -167,3 +167,19 @@ def test_hf_tokenizer_dir_with_chat_template_masks_assistant_content(tmp_path: P
     assert adapter.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "hello<|end|>ciao<|end|>"
     with pytest.raises(DataError, match="must be a local tokenizer directory"):
         load_tokenizer(data_cfg(tokenizer=str(tmp_path / "nope")), docs, tmp_path)
+
+
+def test_directory_of_text_files_and_format_filter(tmp_path: Path) -> None:
+    (tmp_path / "b.txt").write_text("second file")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.txt").write_text("first file")
+    (tmp_path / "c.jsonl").write_text('{"text": "json text"}\n')
+    (tmp_path / "ignored.md").write_text("not data")
+    docs = read_documents(data_cfg(paths=[str(tmp_path)]))
+    assert [d.text for d in docs] == ["second file", "json text", "first file"]  # sorted by path
+    with pytest.raises(DataError, match="expected a 'messages' key"):
+        read_documents(data_cfg(paths=[str(tmp_path / "c.jsonl")], format="chat"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="no .txt or .jsonl files"):
+        read_documents(data_cfg(paths=[str(empty)]))
