@@ -238,7 +238,7 @@ class AlertTracker:
                 where += f" {v.phase_i}/{v.phase_n}"
             yield Alert("stalled", CRITICAL, "run stalled",
                         f"no heartbeat or step for {v.heartbeat_age_s or 0:.0f} s (stall_after "
-                        f"{v.stall_after_s or 0:.0f} s); last seen in {where}, step {v.step}")
+                        f"{v.stall_after_s or 0:g} s); last seen in {where}, step {v.step}")
         if self.link_state in ("lost", "reconnecting"):
             title = "SSH link lost" if self.link_state == "lost" else "SSH link lost, reconnecting"
             yield Alert("link", CRITICAL, title, self.link_detail or self.link_state)

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl.alerts import CRITICAL
-from opsctl.tui import RunModel, SourceWorker, WatchSource
+from opsctl.tui import RunModel, SourceWorker, WatchSource, stall_after_of
 from opsctl.widgets import fmt_duration, fmt_num, spark, state_badge
 
 SETTLE_S = 1.0  # --once: a stream quiet this long has sent its backlog
@@ -45,7 +45,7 @@ def snapshot_once(sources: Sequence[WatchSource], settle_s: float = SETTLE_S, ti
     """
     if settle_s <= 0 or timeout_s <= 0:
         raise ValueError("settle_s and timeout_s must be > 0")
-    models = [RunModel(s.label, clock=clock) for s in sources]
+    models = [RunModel(s.label, clock=clock, stall_after_s=stall_after_of(s)) for s in sources]
     workers = [SourceWorker(s) for s in sources]
     for w in workers:
         w.start()
@@ -109,7 +109,7 @@ def run_plain(sources: Sequence[WatchSource], bell: bool = False, hz: float = PL
               stream: TextIO | None = None, exit_when_ended: bool = True) -> int:
     """Live view until Ctrl-C (or until every stream has ended); exit code 0."""
     console = Console(file=stream or sys.stdout)
-    models = [RunModel(s.label) for s in sources]
+    models = [RunModel(s.label, stall_after_s=stall_after_of(s)) for s in sources]
     workers = [SourceWorker(s) for s in sources]
     seen: list[set[str]] = [set() for _ in sources]
     for w in workers:

@@ -61,8 +61,17 @@ class WatchSource(Protocol):
         """Re-establish the link; the next `messages()` resumes after the last offsets seen."""
         ...
 
-    # Optional attribute `finite = True`: the stream's normal end is final (a recording). Without it, an end is
-    # a lost link and is retried with back-off, like an exception from `messages()`.
+    # Optional attributes: `finite = True`: the stream's normal end is final (a recording); without it, an end is
+    # a lost link and is retried with back-off, like an exception from `messages()`. `stall_after_s`: the run's
+    # configured stall threshold (hosts.yaml `stall_after`; the agent source's `run.stall_after` also works).
+
+
+def stall_after_of(source: WatchSource) -> float | None:
+    """The run's configured stall threshold, if its source knows one (else RunState's default rule applies)."""
+    value = getattr(source, "stall_after_s", None)
+    if value is None:
+        value = getattr(getattr(source, "run", None), "stall_after", None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
 class RecordedSource:
@@ -382,7 +391,8 @@ class WatchApp(App[int]):
         if len(set(labels)) != len(labels):
             raise ValueError(f"two sources share a label: {labels}")
         self.sources = list(sources)
-        self.models = [RunModel(s.label, clock=clock, log_capacity=log_capacity) for s in sources]
+        self.models = [RunModel(s.label, clock=clock, log_capacity=log_capacity, stall_after_s=stall_after_of(s))
+                       for s in sources]
         self.followers = [SourceWorker(s, inbox_lines=inbox_lines, backoff=backoff) for s in sources]
         self.bell_on = bell
         self.current = 0

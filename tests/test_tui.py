@@ -23,7 +23,7 @@ import pytest
 from textual.pilot import Pilot
 
 from opsctl.plain import run_plain, snapshot_once
-from opsctl.tui import RecordedSource, SourceWorker, WatchApp, WatchSource, record, watch_main
+from opsctl.tui import RecordedSource, SourceWorker, WatchApp, WatchSource, record, stall_after_of, watch_main
 from opsctl.widgets import (
     SEV_ERROR,
     SEV_WARNING,
@@ -117,6 +117,20 @@ async def test_stalled_stream_raises_stalled_and_gpu_idle_alerts_with_evidence()
         assert "no heartbeat or step for 120 s (stall_after 60 s); last seen in training, step 12" in alerts
         assert "GPU idle while training" not in alerts  # stalled is not "training"; the stall alert covers it
         assert "STALLED" in text_of(app, RunsBar) and "⚠1" in text_of(app, RunsBar)
+
+
+@pytest.mark.anyio
+async def test_configured_stall_after_of_the_source_is_used() -> None:
+    # 2 s after the loading recording's last heartbeat: with hosts.yaml `stall_after: 0.5` that is a stall.
+    src = recorded("loading")
+    src.stall_after_s = 0.5  # type: ignore[attr-defined]
+    clock_at = last_ts("loading") + 2
+    app = WatchApp([src], clock=lambda: clock_at)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert "STALLED" in text_of(app, RunsBar)
+        assert "no heartbeat or step for 2 s (stall_after 0.5 s)" in text_of(app, AlertsPanel)
+    assert stall_after_of(recorded("loading")) is None
 
 
 @pytest.mark.anyio
