@@ -5,6 +5,7 @@ Both reuse the dashboard's workers, RunModel and alert rules, so they report exa
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from opsctl.widgets import fmt_duration, fmt_num, spark, state_badge
 SETTLE_S = 1.0  # --once: a stream quiet this long has sent its backlog
 ONCE_TIMEOUT_S = 10.0
 PLAIN_HZ = 4.0
+PRINT_EVERY_S = 5.0  # --plain into a pipe or file: at most one snapshot this often
 
 
 def _fold(workers: Sequence[SourceWorker], models: Sequence[RunModel]) -> bool:
@@ -106,27 +108,55 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
 
 
 def run_plain(sources: Sequence[WatchSource], bell: bool = False, hz: float = PLAIN_HZ,
-              stream: TextIO | None = None, exit_when_ended: bool = True) -> int:
-    """Live view until Ctrl-C (or until every stream has ended); exit code 0."""
+              stream: TextIO | None = None, exit_when_ended: bool = True, print_every_s: float = PRINT_EVERY_S) -> int:
+    """Live view until Ctrl-C (or until every stream has ended); exit code 0.
+
+    On a terminal the view updates in place (rich Live). Into a pipe or file, Live would print nothing until the
+    end, so there a fresh snapshot is printed whenever something changed, at most every `print_every_s`.
+    """
+    if hz <= 0 or print_every_s <= 0:
+        raise ValueError("hz and print_every_s must be > 0")
     console = Console(file=stream or sys.stdout)
     models = [RunModel(s.label, stall_after_s=stall_after_of(s)) for s in sources]
     workers = [SourceWorker(s) for s in sources]
     seen: list[set[str]] = [set() for _ in sources]
     for w in workers:
         w.start()
+
+    def frame() -> Group:
+        panels = []
+        for i, m in enumerate(models):
+            panels.append(render_run(m))
+            keys = {a.key for a in m.alerts(m.view())}
+            if bell and keys - seen[i]:
+                console.bell()
+            seen[i] = keys
+        return Group(*panels)
+
+    def finished() -> bool:
+        return exit_when_ended and all(w.ended.is_set() and not w.pending() for w in workers)
+
     try:
-        with Live(console=console, refresh_per_second=hz, transient=False) as live:
+        if console.is_terminal:
+            with Live(console=console, refresh_per_second=hz, transient=False) as live:
+                while True:
+                    _fold(workers, models)
+                    live.update(frame())
+                    if finished():
+                        break
+                    time.sleep(1.0 / hz)
+        else:
+            last_print = -math.inf
+            versions: list[int] = []
             while True:
                 _fold(workers, models)
-                panels = []
-                for i, m in enumerate(models):
-                    panels.append(render_run(m))
-                    keys = {a.key for a in m.alerts(m.view())}
-                    if bell and keys - seen[i]:
-                        console.bell()
-                    seen[i] = keys
-                live.update(Group(*panels))
-                if exit_when_ended and all(w.ended.is_set() and not w.pending() for w in workers):
+                done = finished()
+                now = time.monotonic()
+                current = [m.version for m in models]
+                if done or (current != versions and now - last_print >= print_every_s):
+                    console.print(frame())
+                    versions, last_print = current, now
+                if done:
                     break
                 time.sleep(1.0 / hz)
     except KeyboardInterrupt:
