@@ -99,6 +99,8 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
             table.add_row(f"GPU{idx}", f"{fmt_num(g.get('util'), 0)}%", spark(hist.get("util", []), 16, 0, 100), mem,
                           f"{fmt_num(g.get('power_w'), 0)}W", f"{fmt_num(g.get('temp_c'), 0)}°C", procs)
         parts.append(table)
+    else:
+        parts.append(Text(f"GPUs: none reported (nvml: {view.nvml or 'no sample yet'})", style="dim"))
     for a in alerts:
         style = "bold white on red" if a.severity == CRITICAL else "bold black on yellow"
         parts.append(Text.assemble((f" {a.title} ", style), f" {a.evidence}"))
