@@ -180,6 +180,7 @@ class SourceWorker:
         self._other: deque[dict[str, Any]] = deque(maxlen=inbox_other)
         self._dropped = 0
         self._backoff = tuple(backoff) or (1.0,)
+        self._attempt = 0  # reconnect attempts since the link last worked
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.received = 0
@@ -221,25 +222,26 @@ class SourceWorker:
                 return
             if not announced:
                 self._put(link_msg("up"))
+                self._attempt = 0  # the link works again: the next loss starts the back-off from the beginning
                 announced = True
             self._put(msg)
 
     def _run(self) -> None:
         # A recording ends for good; a live follow only ends when its channel closed, which is a lost link.
         finite = bool(getattr(self.source, "finite", False))
-        attempt = 0
+        self._attempt = 0
         while not self._stop.is_set():
             try:
-                if attempt:
-                    self._put(link_msg("reconnecting", f"attempt {attempt}"))
+                if self._attempt:
+                    self._put(link_msg("reconnecting", f"attempt {self._attempt}"))
                     self.source.reconnect()
                 self._follow()
                 if not finite and not self._stop.is_set():
                     raise ConnectionError("stream closed")
             except Exception as exc:  # the transport's errors are many; every one means the link is gone
-                attempt += 1
-                delay = self._backoff[min(attempt - 1, len(self._backoff) - 1)]
-                self._put(link_msg("lost", f"{type(exc).__name__}: {exc} (retry in {delay:.0f} s)"))
+                self._attempt += 1
+                delay = self._backoff[min(self._attempt - 1, len(self._backoff) - 1)]
+                self._put(link_msg("lost", f"{type(exc).__name__}: {exc} (retry in {delay:g} s)"))
                 self._wake.wait(delay)
                 self._wake.clear()
                 continue
@@ -250,7 +252,7 @@ class SourceWorker:
             self._wake.wait()
             self._wake.clear()
             self.ended.clear()
-            attempt = 1
+            self._attempt = 1
 
     def pending(self) -> int:
         with self._lock:

@@ -510,8 +510,10 @@ def test_worker_treats_the_end_of_a_live_stream_as_a_lost_link_and_reconnects() 
         time.sleep(0.01)
     other, _, _ = w.drain()
     links = [(m["state"], m["detail"]) for m in other if m["t"] == "link"]
-    assert links[:3] == [("up", ""), ("lost", "ConnectionError: stream closed (retry in 0 s)"),
-                         ("reconnecting", "attempt 1")]
+    # Each loss follows a working link, so each retry is attempt 1 with the first back-off delay.
+    assert links[:6] == [("up", ""), ("lost", "ConnectionError: stream closed (retry in 0.05 s)"),
+                         ("reconnecting", "attempt 1"), ("up", ""),
+                         ("lost", "ConnectionError: stream closed (retry in 0.05 s)"), ("reconnecting", "attempt 1")]
     assert src.reconnects == 2 and not w.ended.is_set()
     w.stop()
     src.hold.set()
