@@ -260,7 +260,6 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
         writer = EventWriter(out / "events.jsonl", run_id, rank=roles.rank)
     log = _make_logger(out, roles.rank)
     live = Live(device=device)
-    hb = Heartbeat(writer, live.heartbeat, cfg.train.heartbeat_s).start()
     step_holder = {"step": 0}
 
     def emergency_end(signum: int) -> None:
@@ -274,6 +273,8 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
         t.join(0.5)
 
     gate = SignalGate(emergency_end).install()
+    # Handlers first, heartbeat second: once a heartbeat is visible, a signal gets the clean shutdown.
+    hb = Heartbeat(writer, live.heartbeat, cfg.train.heartbeat_s).start()
     runner = _Run(cfg, out, roles, device, writer, log, live, gate, step_holder, docs, on_step, hb)
     try:
         result = runner.run(max_steps=max_steps, resume=resume, allow_slow_kernels=allow_slow_kernels)
