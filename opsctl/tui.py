@@ -594,3 +594,25 @@ def watch_main(sources: list[WatchSource], plain: bool, once_json: bool, bell: b
         return run_plain(sources, bell=bell)
     result = WatchApp(sources, bell=bell).run()
     return int(result or 0)
+
+
+def replay_main(argv: list[str] | None = None) -> int:
+    """`python -m opsctl.tui [--speed X] [--plain | --once-json] FILE...`: the dashboard over recorded streams (demos)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m opsctl.tui", description=replay_main.__doc__)
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="recorded agent stream (JSON lines)")
+    p.add_argument("--speed", type=float, default=None, help="replay at X times real time (default: at once)")
+    p.add_argument("--plain", action="store_true")
+    p.add_argument("--once-json", action="store_true")
+    p.add_argument("--bell", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        sources: list[WatchSource] = [RecordedSource(f, label=f"replay:{f.stem}", speed=args.speed) for f in args.files]
+    except (FileNotFoundError, ValueError) as exc:
+        p.error(str(exc))
+    return watch_main(sources, plain=args.plain, once_json=args.once_json, bell=args.bell)
+
+
+if __name__ == "__main__":
+    raise SystemExit(replay_main())

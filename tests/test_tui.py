@@ -23,7 +23,16 @@ import pytest
 from textual.pilot import Pilot
 
 from opsctl.plain import run_plain, snapshot_once
-from opsctl.tui import RecordedSource, SourceWorker, WatchApp, WatchSource, record, stall_after_of, watch_main
+from opsctl.tui import (
+    RecordedSource,
+    SourceWorker,
+    WatchApp,
+    WatchSource,
+    record,
+    replay_main,
+    stall_after_of,
+    watch_main,
+)
 from opsctl.widgets import (
     SEV_ERROR,
     SEV_WARNING,
@@ -422,6 +431,15 @@ def test_watch_main_once_json_prints_every_run(capsys: pytest.CaptureFixture[str
     assert out[0]["view"]["phase_i"] == 5 and out[0]["view"]["phase_n"] == 8
     with pytest.raises(SystemExit, match="no runs to watch"):
         watch_main([], plain=False, once_json=True, bell=False)
+
+
+def test_replay_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
+    assert replay_main(["--once-json", str(STREAMS / "stalled.jsonl")]) == 0
+    (snap,) = json.loads(capsys.readouterr().out)
+    assert snap["label"] == "replay:stalled" and snap["view"]["step"] == 12
+    with pytest.raises(SystemExit) as exc:
+        replay_main([str(STREAMS / "missing.jsonl")])
+    assert exc.value.code == 2 and "recorded stream not found" in capsys.readouterr().err
 
 
 # -- snapshots (fixed size and clock) ----------------------------------------------------------------------
