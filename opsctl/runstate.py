@@ -43,7 +43,8 @@ class RunView:
     kernels: dict[str, str] = field(default_factory=dict)
     errors: list[dict[str, Any]] = field(default_factory=list)
     end_reason: str | None = None
-    exit_code: int | None = None
+    exit_code: int | None = None  # the training core's own (run_end) when it wrote one, else the process's
+    proc_exit_code: int | None = None  # what the process (or its launcher, e.g. torchrun) returned
     pid: int | None = None
     pgid: int | None = None
     proc_state: str | None = None
@@ -82,7 +83,9 @@ class RunState:
             v.pid = msg.get("pid", v.pid)
             v.pgid = msg.get("pgid", v.pgid)
             if msg.get("exit_code") is not None:
-                v.exit_code = msg["exit_code"]
+                v.proc_exit_code = msg["exit_code"]
+                if v.end_reason is None:
+                    v.exit_code = msg["exit_code"]
         elif t == "gpu":
             self._v.gpus = list(msg.get("gpus") or [])
         elif t == "hello":
@@ -99,6 +102,7 @@ class RunState:
             self._fatal_error = False
             v.end_reason = None
             v.exit_code = None
+            v.proc_exit_code = None
             v.kernels = dict(ev.get("kernels") or {})
             v.total_steps = ev.get("total_steps")
             v.step = ev.get("resumed_from") or 0

@@ -135,3 +135,15 @@ def test_plain_command_without_events() -> None:
     bad.apply(proc("running", T0))
     bad.apply(proc("exited", T0 + 2, 3))
     assert bad.view(T0 + 3).state == "crashed"
+
+
+def test_run_end_exit_code_wins_over_launcher_exit_code() -> None:
+    # torchrun exits 1 after SIGTERM even when every rank wrote run_end(signal, exit 0): trust the training core.
+    for ordering in ("end_first", "proc_first"):
+        rs = RunState()
+        end = ev("run_end", T0 + 2, reason="signal", exit_code=0, step=3)
+        gone = proc("exited", T0 + 2, 1)
+        for m in (proc("running", T0), run_start(T0), *((end, gone) if ordering == "end_first" else (gone, end))):
+            rs.apply(m)
+        v = rs.view(T0 + 3)
+        assert (v.state, v.exit_code, v.proc_exit_code) == ("finished", 0, 1), ordering
