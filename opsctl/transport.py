@@ -300,6 +300,9 @@ class LocalTransport:
 
 
 def _parse_jump(spec: str) -> tuple[str | None, str, int | None]:
+    if "," in spec:
+        raise TransportError(f"jump {spec!r}: several hops are not supported in hosts.yaml; put them in "
+                             f"~/.ssh/config as ProxyJump (use_ssh_config: true) or name another inventory host")
     user, _, rest = spec.rpartition("@")
     host, port = rest, None
     if rest.count(":") == 1:
