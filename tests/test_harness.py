@@ -124,6 +124,10 @@ def test_pct_exec_argument_handling(pct_host: PctHost, container: object) -> Non
     assert (r.returncode, r.stdout) == (3, "-x|a b\n")
     r = pct(pct_host, "start", "211")
     assert (r.returncode, r.stderr) == (255, "CT 211 already running\n")
+    # PVE 8 keeps the caller's environment by default; --keep-env 0 is lxc-attach --clear-env
+    assert "PCT_STANDIN_ROOT=" in pct(pct_host, "exec", "211", "--", "env").stdout
+    assert sorted(pct(pct_host, "exec", "211", "--keep-env", "0", "--", "env").stdout.split()) == [
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "container=lxc"]
     assert pct(pct_host, "status", "211").stdout == "status: running\n"
 
 
