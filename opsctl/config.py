@@ -433,6 +433,10 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
             return _resolve_local_path(p, Path(workdir))
         return posixpath.normpath(posixpath.join(workdir, p))
 
+    remote = not (host.local and host.pct is None)
+    for key in ("log", "events", "state_dir", "model_dir", "inductor_cache_dir", "model_manifest"):
+        if remote and isinstance(data[key], str) and data[key].startswith("~"):
+            bad(key, f"{data[key]!r}: '~' cannot be resolved for a remote host; write an absolute path")
     for key in ("log", "events", "state_dir", "model_dir", "inductor_cache_dir"):
         data[key] = under_workdir(data[key])
     if data["model_manifest"] is not None:

@@ -191,6 +191,10 @@ def test_remote_workdir_must_be_absolute() -> None:
     (err,) = errors_of(text)
     assert err == (f"hosts.yaml:{line_of(text, 'workdir')}: hosts.gpu1.runs.train.workdir: "
                    "'work': a remote (ssh or pct) workdir must be an absolute path")
+    text = GOOD_SSH.replace("log: runs/a/train.log", "log: ~/train.log")
+    (err,) = errors_of(text)
+    assert err == (f"hosts.yaml:{line_of(text, 'log:')}: hosts.gpu1.runs.train.log: "
+                   "'~/train.log': '~' cannot be resolved for a remote host; write an absolute path")
 
 
 def test_duplicate_keys_and_bad_yaml_name_their_line() -> None:
