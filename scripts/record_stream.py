@@ -1,0 +1,32 @@
+"""Record a live run's agent stream (docs/agent-protocol.md) as JSON lines, for tests/fixtures/streams/.
+
+Follows HOST:RUN from the first byte of its log and events, for at most --seconds, through the same path as
+`opsctl watch` (AgentSource); the file replays with `python -m opsctl.tui FILE` or `RecordedSource`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from opsctl.commands import AgentSource, Ctx
+from opsctl.tui import record
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("host")
+    p.add_argument("run")
+    p.add_argument("out", help="JSON-lines file to write")
+    p.add_argument("--seconds", type=float, default=120.0)
+    p.add_argument("--hosts", default=None, help="inventory file (default ./hosts.yaml)")
+    args = p.parse_args(argv)
+    source = AgentSource(Ctx(hosts_file=args.hosts), args.host, args.run)
+    source.offsets = {"log_offset": 0, "events_offset": 0}
+    n = record(source, args.out, max_seconds=args.seconds)
+    print(f"recorded {n} messages from {source.label} into {args.out}")
+    return 0 if n else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
