@@ -16,7 +16,7 @@ import pytest
 from harness.sshd import PctHost, Sshd
 
 import opsctl.transport as transport_mod
-from opsctl.config import HostConfig, SSHSettings, parse_inventory
+from opsctl.config import HostConfig, SSHSettings, load_inventory, parse_inventory, resolve
 from opsctl.transport import (
     LocalTransport,
     PctTransport,
@@ -331,3 +331,30 @@ def yaml_box(sshd: Sshd) -> str:
     return (f"box:\n  ssh:\n    host: 127.0.0.1\n    port: {sshd.port}\n    user: {sshd.user}\n"
             f"    identity_file: {sshd.identity_file}\n    known_hosts: {sshd.known_hosts}\n"
             "    use_ssh_config: false\n    jump: bastion\n")
+
+
+@pytest.mark.parametrize("layers", ["ssh", "ssh+pct"])
+def test_hostile_hosts_yaml_values_reach_the_host_verbatim(sshd: Sshd, ct: int, tmp_path: Path, layers: str) -> None:
+    canary = tmp_path / "pwned"
+    c = shlex.quote(str(canary))
+    evil = f"x $(touch {c}) `touch {c}`; touch {c} 'q' \"d\" *\n&& touch {c}"
+    runs = {"evil": {
+        "workdir": f"/tmp/dflash {evil}".replace("\n", " "),
+        "command": ["python3", "-c", "import sys; print(sys.argv)", evil],
+        "env": {"EVIL": evil},
+        "log": f"logs/{evil}.log",
+        "tmux_session": f"dflash-{evil}".replace("\n", " "),
+    }}
+    p = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs=runs, pct=ct if layers == "ssh+pct" else None)
+    inv = load_inventory(p)
+    host, run = resolve(inv, "box", "evil")
+    assert run is not None and run.env["EVIL"] == evil and run.argv[-1] == evil
+    t = transport_for(host, inventory=inv)
+    try:
+        values = [run.workdir, run.log, run.tmux_session or "", *run.argv, run.env["EVIL"]]
+        r = t.run(["printf", "%s\\0", *values])
+        assert r.rc == 0, r.stderr
+        assert r.stdout.split(b"\0")[:-1] == [v.encode() for v in values]
+    finally:
+        t.close()
+    assert not canary.exists()
