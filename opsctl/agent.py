@@ -60,7 +60,7 @@ def main():
     env.pop("TMUX_PANE", None)
     env.update(spec["env"])
     argv = spec["argv"]
-    logf = open(spec["log"], "ab", buffering=0)
+    logf = open(spec["log"], "ab+", buffering=0)  # read too: put() looks for lines the run wrote itself
     try:
         proc = subprocess.Popen(argv, cwd=spec["workdir"], env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -72,26 +72,66 @@ def main():
     _atomic(os.path.join(state, "pid"), json.dumps({"pid": proc.pid, "pgid": proc.pid,
             "wrapper_pid": os.getpid(), "started": time.time()}) + "\n")
     lock = threading.Lock()
-    base = os.fstat(logf.fileno()).st_size
-    own = [0]
-    # A run that writes the log file itself (a logging FileHandler next to a stdout StreamHandler) would see
-    # every line twice. Such a handler writes the file before stdout, so the file is longer than what we
-    # wrote when its stdout copy arrives: from then on stdout goes to the pane only; stderr (tracebacks,
-    # warnings) still goes to the log.
-    self_writes = [False]
+    # A run that writes the log file itself (a logging FileHandler next to a stdout StreamHandler, as dflash
+    # does) would see every line twice. Such a handler writes the file before stdout, so when a stdout line
+    # arrives its copy is already in the file: read what others appended since we last looked (minus what we
+    # wrote ourselves) and drop stdout lines found there. stderr (tracebacks, warnings) always goes in.
+    scan = {"pos": os.fstat(logf.fileno()).st_size, "ours": {}, "foreign": {}}
+
+    def _count(d, line, k):
+        n = d.get(line, 0) + k
+        if n > 0:
+            d[line] = n
+        else:
+            d.pop(line, None)
+
+    def _rescan():
+        size = os.fstat(logf.fileno()).st_size
+        if size < scan["pos"]:
+            scan["pos"] = 0  # truncated by the run
+        if size <= scan["pos"]:
+            return
+        data = os.pread(logf.fileno(), size - scan["pos"], scan["pos"])
+        cut = data.rfind(b"\n") + 1
+        scan["pos"] += cut
+        for line in data[:cut].split(b"\n")[:-1]:
+            if scan["ours"].get(line):
+                _count(scan["ours"], line, -1)
+            else:
+                _count(scan["foreign"], line, 1)
+        if len(scan["foreign"]) > 20000:  # lines the run logs to the file only: forget them
+            scan["foreign"].clear()
 
     def put(data, is_stdout):
         with lock:
-            if is_stdout and not self_writes[0] and os.fstat(logf.fileno()).st_size > base + own[0]:
-                self_writes[0] = True
-            if not (is_stdout and self_writes[0]):
-                logf.write(data)
-                own[0] += len(data)
+            lines = data.split(b"\n")
+            tail = lines.pop()  # b"" when data ends with a newline
+            keep = []
+            if is_stdout:
+                try:
+                    _rescan()
+                except OSError:
+                    pass  # never let the pump die: the run would block on a full pipe
+            for line in lines:
+                if is_stdout and scan["foreign"].get(line):
+                    _count(scan["foreign"], line, -1)  # the run already wrote this line to the log
+                    continue
+                keep.append(line + b"\n")
+                _count(scan["ours"], line, 1)
+            out = b"".join(keep) + tail
+            if out:
+                logf.write(out)
             try:
                 sys.stdout.buffer.write(data)
                 sys.stdout.buffer.flush()
             except OSError:
                 pass
+
+    def safe_put(data, is_stdout):
+        try:
+            put(data, is_stdout)
+        except Exception:
+            pass  # keep draining the pipe whatever happens to the log: a full pipe would block the run
 
     def pump(fd, is_stdout):
         buf = b""
@@ -99,7 +139,7 @@ def main():
             ready, _, _ = select.select([fd], [], [], 0.3)
             if not ready:
                 if buf:  # a partial line (a progress bar, a prompt): hand it over rather than sit on it
-                    put(buf, is_stdout)
+                    safe_put(buf, is_stdout)
                     buf = b""
                 continue
             try:
@@ -108,12 +148,12 @@ def main():
                 chunk = b""
             if not chunk:
                 if buf:
-                    put(buf, is_stdout)
+                    safe_put(buf, is_stdout)
                 return
             buf += chunk
             cut = buf.rfind(b"\n") + 1
             if cut:  # whole lines only, so stdout and stderr never interleave inside a line
-                put(buf[:cut], is_stdout)
+                safe_put(buf[:cut], is_stdout)
                 buf = buf[cut:]
 
     threads = [threading.Thread(target=pump, args=(proc.stdout.fileno(), True), daemon=True),

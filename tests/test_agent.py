@@ -194,6 +194,7 @@ def test_run_that_writes_its_own_log_is_not_duplicated(tmp_path: Path) -> None:
     lines = log.read_text().splitlines()
     assert lines[0] == "banner before logging is set up"
     assert [ln for ln in lines if ln.startswith("INFO")] == [f"INFO record {i}" for i in range(5)]  # once each
+    assert [ln for ln in lines if ln.startswith("plain")] == [f"plain print {i}" for i in range(5)]
     assert lines[-1] == "RuntimeError: selflog died" and "Traceback (most recent call last):" in lines
     verdict = of(msgs, "verdict")[0]
     assert verdict["traceback"].endswith("RuntimeError: selflog died")

@@ -91,7 +91,8 @@ def test_watch_source_resumes_at_offsets(tmp_path: Path, sshd) -> None:
     from opsctl import commands
 
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={
-        "c": script_run(tmp_path, "chatty.py", "--lines", "40", "--interval", "0.01", ready_pattern="^line 000000 ",
+        "c": script_run(tmp_path, "chatty.py", "--lines", "40", "--interval", "0.01", "--linger", "30",
+                        ready_pattern="^line 000000 ",
                         events=None, tmux_session="watch-src")})
     try:
         assert opsctl(hosts, "launch", "box", "c").returncode == 0
@@ -99,20 +100,21 @@ def test_watch_source_resumes_at_offsets(tmp_path: Path, sshd) -> None:
         (src,) = commands.watch_sources(ctx, ["box:c"])
         assert src.label == "box:c"
         got: list[str] = []
-        for _ in range(3):  # three connections, each cut after a few lines (as a dropped link would)
-            n = 0
-            for m in src.messages():
-                if m["t"] == "log" and m["line"].startswith("line "):
-                    got.append(m["line"].split()[1])
-                    n += 1
-                if n == 5 or len(got) == 40:
-                    break
-        deadline = time.monotonic() + 20
-        for m in src.messages():
-            if m["t"] == "log" and m["line"].startswith("line "):
-                got.append(m["line"].split()[1])
-            if len(got) >= 40 or time.monotonic() > deadline:
-                break
+
+        def consume() -> None:
+            for _ in range(4):  # four connections, each cut after a few lines (as a dropped link would be)
+                n = 0
+                for m in src.messages():
+                    if m["t"] == "log" and m["line"].startswith("line "):
+                        got.append(m["line"].split()[1])
+                        n += 1
+                    if n == 10 or len(got) == 40:
+                        break
+
+        worker = threading.Thread(target=consume, daemon=True)  # a lost line would block: bound the wait
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive(), f"stream stalled after {len(got)} lines"
         assert got == [f"{i:06d}" for i in range(40)]
         src.kill()
         assert src.last_rc == 0 and ("killed" in src.last_output or "not running" in src.last_output)

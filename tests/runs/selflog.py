@@ -16,4 +16,5 @@ for h in (logging.FileHandler(log_path), logging.StreamHandler(sys.stdout)):
     logger.addHandler(h)
 for i in range(5):
     logger.info("record %d", i)
+    print(f"plain print {i}", flush=True)  # stdout only: must reach the log too
 raise RuntimeError("selflog died")
