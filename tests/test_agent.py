@@ -121,17 +121,19 @@ def test_tail_last_n_lines(tmp_path: Path) -> None:
 
 def test_follow_resumes_at_offsets_without_loss_or_repeat(tmp_path: Path) -> None:
     args = run_args(tmp_path, "chatty.py", "--lines", "300")
-    rc, msgs = drive("launch", {**args, "ready_pattern": r"line 000010 "})
-    assert rc == 0
-    verdict = of(msgs, "verdict")[0]
-    assert verdict["reason"] == "ready" and "matched" in verdict["detail"]
-    seen = [m["line"].split()[1] for m in of(msgs, "log")]
-    # the chatty run exits by itself; follow from where launch stopped, until the run ends
-    rc, more = drive("follow", {**args, "options": {"log_offset": verdict["log_offset"], "events_offset": 0}})
-    assert rc == 0 and of(more, "verdict")[0]["exit_code"] == 0
-    seen += [m["line"].split()[1] for m in of(more, "log") if m["line"].startswith("line ")]
-    assert seen == [f"{i:06d}" for i in range(300)]
-    cleanup(args)
+    try:
+        rc, msgs = drive("launch", {**args, "ready_pattern": r"line 000010 "})
+        assert rc == 0
+        verdict = of(msgs, "verdict")[0]
+        assert verdict["reason"] == "ready" and "matched" in verdict["detail"]
+        seen = [m["line"].split()[1] for m in of(msgs, "log")]
+        # the chatty run exits by itself; follow from where launch stopped, until the run ends
+        rc, more = drive("follow", {**args, "options": {"log_offset": verdict["log_offset"], "events_offset": 0}})
+        assert rc == 0 and of(more, "verdict")[0]["exit_code"] == 0
+        seen += [m["line"].split()[1] for m in of(more, "log") if m["line"].startswith("line ")]
+        assert seen == [f"{i:06d}" for i in range(300)]
+    finally:
+        cleanup(args)
 
 
 def test_launch_refuses_on_failing_preflight_and_bad_manifest(tmp_path: Path) -> None:
