@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -825,6 +826,16 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("check", name="workdir", ok=False, detail=f"{run.workdir} is not a directory")
         return EXIT_CODES["refused"]
     os.makedirs(run.state_dir, exist_ok=True)
+    if shutil.which("tmux") is None:
+        emit("check", name="tmux", ok=False, detail="tmux is not installed on this host (apt-get install tmux)")
+        return EXIT_CODES["refused"]
+    # One launch at a time per run: held until this agent exits (the kernel drops it with the process).
+    lock_fd = os.open(run.sf("launch.lock"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        emit("check", name="not_running", ok=False, detail="another opsctl launch of this run is in progress")
+        return EXIT_CODES["refused"]
     prev = ProcWatch(run).snapshot()
     if prev["state"] == "running":
         emit("check", name="not_running", ok=False,

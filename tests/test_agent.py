@@ -267,3 +267,20 @@ def test_gpus_busy_refuses_launch_unless_forced_and_follow_samples(tmp_path: Pat
         other.kill()
         other.wait()
         cleanup(run_args(tmp_path, "hang_loading.py"))
+
+
+def test_concurrent_launches_of_one_run_start_it_once(tmp_path: Path) -> None:
+    args = run_args(tmp_path, "hang_loading.py", ready_timeout=1.5)
+    try:
+        first = start("launch", args)
+        assert first.stdout is not None
+        while json.loads(first.stdout.readline())["t"] != "launched":
+            pass
+        rc, msgs = drive("launch", args)  # while the first agent still follows its launch
+        assert rc == agent.EXIT_CODES["refused"]
+        assert [c for c in of(msgs, "check") if not c["ok"]][0]["name"] == "not_running"
+        assert first.wait(timeout=10) == agent.EXIT_CODES["timeout"]
+        first.stdin.close()  # type: ignore[union-attr]
+        first.stdout.close()
+    finally:
+        cleanup(args)
