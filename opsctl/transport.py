@@ -396,6 +396,51 @@ class _SSHStream(Stream):
         self._stderr_thread.join(2)
 
 
+def _load_known_hosts(client: object, path: Path) -> None:
+    """Add every plain or hashed entry of an OpenSSH known_hosts file to the client; never write the file.
+
+    paramiko's own loader aborts on `@cert-authority` / `@revoked` lines, and its save would rewrite the user's
+    file without them; those markers (which paramiko cannot use anyway) and unparsable lines are skipped here.
+    """
+    from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
+
+    keys = client.get_host_keys()  # type: ignore[attr-defined]
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", "@")):
+            continue
+        try:
+            entry = HostKeyEntry.from_line(line)
+        except (InvalidHostKey, ValueError, TypeError, IndexError):
+            continue
+        if entry is None or entry.key is None:
+            continue
+        for name in entry.hostnames:
+            keys.add(name, entry.key.get_name(), entry.key)
+
+
+class _AppendNewHostKey:
+    """--accept-new-host-key: trust an *unknown* key and append one line for it to known_hosts (never rewrite).
+
+    Only called for hosts absent from known_hosts; a changed key raises BadHostKeyException before this.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def missing_host_key(self, client: object, hostname: str, key: object) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"  # type: ignore[attr-defined]
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size and not self.path.read_bytes().endswith(b"\n"):
+                line = "\n" + line
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+        client.get_host_keys().add(hostname, key.get_name(), key)  # type: ignore[attr-defined]
+
+
 class SSHTransport:
     """Runs argv over one SSH connection (Fabric `Connection`), opened on first use and re-opened after a drop.
 
@@ -429,14 +474,15 @@ class SSHTransport:
 
         client = paramiko.SSHClient()
         kh = self._known_hosts()
-        if self.accept_new_host_key and not kh.exists():
-            kh.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            kh.touch(mode=0o600)
-        if kh.exists():
-            client.load_host_keys(str(kh))  # also where AutoAddPolicy saves a newly accepted key
+        files = [kh] if kh.exists() else []
         if self.settings.known_hosts is None and Path("/etc/ssh/ssh_known_hosts").is_file():
-            client.load_system_host_keys("/etc/ssh/ssh_known_hosts")
-        client.set_missing_host_key_policy(paramiko.AutoAddPolicy() if self.accept_new_host_key
+            files.append(Path("/etc/ssh/ssh_known_hosts"))
+        for f in files:
+            try:
+                _load_known_hosts(client, f)
+            except (OSError, UnicodeDecodeError) as e:
+                raise TransportError(f"{self.label}: cannot read known_hosts file {f}: {e}") from None
+        client.set_missing_host_key_policy(_AppendNewHostKey(kh) if self.accept_new_host_key
                                            else paramiko.RejectPolicy())
         return client
 

@@ -209,6 +209,17 @@ def test_unknown_host_key_is_refused_without_the_flag(sshd: Sshd, tmp_path: Path
     t = SSHTransport(sshd.ssh_settings(known_hosts=str(kh)))  # now known: no flag needed
     assert t.run(["true"]).rc == 0
     t.close()
+    # accepting appends one line and leaves everything else in the user's file alone
+    import paramiko
+
+    ca = paramiko.Ed25519Key.from_private_key_file(sshd.identity_file)
+    keep = f"# my hosts\n@cert-authority *.corp {ca.get_name()} {ca.get_base64()}\nother.example ssh-ed25519 {ca.get_base64()}\n"
+    kh.write_text(keep)
+    t = SSHTransport(sshd.ssh_settings(known_hosts=str(kh)), accept_new_host_key=True)
+    assert t.run(["true"]).rc == 0
+    t.close()
+    text = kh.read_text()
+    assert text.startswith(keep) and text[len(keep):].split()[:2] == [f"[127.0.0.1]:{sshd.port}", "ssh-ed25519"]
 
 
 def test_changed_host_key_is_refused_even_with_the_flag(sshd: Sshd, tmp_path: Path) -> None:
@@ -358,3 +369,17 @@ def test_hostile_hosts_yaml_values_reach_the_host_verbatim(sshd: Sshd, ct: int, 
     finally:
         t.close()
     assert not canary.exists()
+
+
+def test_hashed_known_hosts_entries_are_honoured(sshd: Sshd, tmp_path: Path) -> None:
+    import subprocess
+
+    kh = tmp_path / "known_hosts"
+    kh.write_text("@revoked * ssh-rsa AAAA\n" + Path(sshd.known_hosts).read_text())
+    subprocess.run(["ssh-keygen", "-H", "-f", str(kh)], check=True, capture_output=True)
+    assert "127.0.0.1" not in kh.read_text()  # really hashed
+    t = SSHTransport(sshd.ssh_settings(known_hosts=str(kh)))
+    try:
+        assert t.run(["true"]).rc == 0
+    finally:
+        t.close()
