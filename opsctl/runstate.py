@@ -84,13 +84,13 @@ class RunState:
             v.pgid = msg.get("pgid", v.pgid)
             if msg.get("exit_code") is not None:
                 v.proc_exit_code = msg["exit_code"]
-                if v.end_reason is None:
-                    v.exit_code = msg["exit_code"]
+            if msg.get("killed_by_opsctl"):
+                self.killed_by_us = True
         elif t == "gpu":
             self._v.gpus = list(msg.get("gpus") or [])
         elif t == "hello":
             self._v.nvml = msg.get("nvml")
-        elif t == "killed":
+        elif t == "killed" or (t == "status" and msg.get("killed_by_opsctl")):
             self.killed_by_us = True
 
     def apply_event(self, ev: dict[str, Any]) -> None:
@@ -102,7 +102,6 @@ class RunState:
             self._fatal_error = False
             v.end_reason = None
             v.exit_code = None
-            v.proc_exit_code = None
             v.kernels = dict(ev.get("kernels") or {})
             v.total_steps = ev.get("total_steps")
             v.step = ev.get("resumed_from") or 0
@@ -155,6 +154,8 @@ class RunState:
         v = self._v
         v.stall_after_s = self.stall_after()
         v.heartbeat_age_s = None if self._last_progress_ts is None else max(0.0, now - self._last_progress_ts)
+        if v.end_reason is None:  # no run_end (yet): the process's own code is all there is
+            v.exit_code = v.proc_exit_code
         v.state = self._derive_state(v)
         if v.total_steps and v.step and self._step_times and v.state == "training":
             v.eta_s = (v.total_steps - v.step) * statistics.median(self._step_times)

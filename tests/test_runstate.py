@@ -147,3 +147,22 @@ def test_run_end_exit_code_wins_over_launcher_exit_code() -> None:
             rs.apply(m)
         v = rs.view(T0 + 3)
         assert (v.state, v.exit_code, v.proc_exit_code) == ("finished", 0, 1), ordering
+
+
+def test_process_exit_seen_before_the_events_replay() -> None:
+    # `status` of a dead run may deliver the process state before the event history.
+    rs = RunState()
+    for m in (proc("exited", T0 + 5, 1), run_start(T0), ev("phase", T0 + 1, phase="loading_target", i=1, n=2)):
+        rs.apply(m)
+    v = rs.view(T0 + 6)
+    assert (v.state, v.exit_code) == ("crashed", 1)
+
+
+def test_killed_marker_from_status_or_proc() -> None:
+    for marker in ({"t": "status", "ts": T0 + 3, "killed_by_opsctl": True},
+                   {**proc("exited", T0 + 3, 0), "killed_by_opsctl": True}):
+        rs = RunState()
+        for m in (proc("running", T0), run_start(T0), ev("run_end", T0 + 2, reason="signal", exit_code=0, step=3),
+                  marker):
+            rs.apply(m)
+        assert rs.view(T0 + 4).state == "killed"
