@@ -190,3 +190,30 @@ def test_pct_over_ssh_is_the_same_pct(sshd: Sshd, container: object) -> None:
         assert r.rc == 255 and r.stderr.endswith(b"lxc/216.conf' does not exist\n")
     finally:
         t.close()
+
+
+def test_containers_end_when_their_owner_process_ends(pct_host: PctHost, tmp_path: Path) -> None:
+    # a stand-in for a test session that dies without teardown: containers must not outlive it
+    owner = subprocess.Popen(["sleep", "60"])
+    try:
+        env = {**os.environ, **pct_host.env(), "PCT_STANDIN_OWNER_PID": str(owner.pid)}
+        pct_bin = str(pct_host.bin_dir / "pct")
+        subprocess.run([pct_bin, "create", "217", "local:vztmpl/x.tar.zst"], env=env, check=True)
+        subprocess.run([pct_bin, "start", "217"], env=env, check=True)
+        init = pct_host.init_pid(217)
+        assert init is not None and Path(f"/proc/{init}").exists()
+        inner = subprocess.run([pct_bin, "exec", "217", "--", "sh", "-c",
+                                "setsid sleep 300 </dev/null >/dev/null 2>&1 & echo ok"], env=env,
+                               capture_output=True, text=True)
+        assert inner.stdout == "ok\n"
+        pidfd = os.pidfd_open(init)
+    finally:
+        owner.kill()
+        owner.wait()
+    try:
+        import select
+
+        assert select.select([pidfd], [], [], 10)[0] == [pidfd]  # init ended on its own
+    finally:
+        os.close(pidfd)
+    assert pct(pct_host, "status", "217").stdout == "status: stopped\n"

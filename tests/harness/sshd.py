@@ -64,10 +64,12 @@ class PctHost:
 
     root: Path
     bin_dir: Path
+    owner_pid: int = field(default_factory=os.getpid)  # containers end when this process ends
 
     def env(self) -> dict[str, str]:
         """Environment for a LocalTransport that should find `pct` like a Proxmox host's shell does."""
-        return {"PATH": f"{self.bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}", "PCT_STANDIN_ROOT": str(self.root)}
+        return {"PATH": f"{self.bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}", "PCT_STANDIN_ROOT": str(self.root),
+                "PCT_STANDIN_OWNER_PID": str(self.owner_pid)}
 
     def pct(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, **self.env()}
@@ -273,7 +275,7 @@ def start_sshd(base: Path, pct_host: PctHost | None = None, tries: int = 3) -> S
             "LogLevel INFO",
             "PrintMotd no",
             "UseDNS no",
-            f"SetEnv PATH={session_path} PCT_STANDIN_ROOT={pct_host.root}",
+            f"SetEnv PATH={session_path} PCT_STANDIN_ROOT={pct_host.root} PCT_STANDIN_OWNER_PID={pct_host.owner_pid}",
             "",
         ]))
         log_path = base / "sshd.log"
