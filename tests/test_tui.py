@@ -108,6 +108,26 @@ async def test_training_stream_shows_state_numbers_gpus_and_no_alerts() -> None:
 
 
 @pytest.mark.anyio
+async def test_real_h200_recording_replays_to_a_finished_run_with_its_gpu() -> None:
+    # Recorded on the H200 device machine (scripts/record_stream.py, docs/gpu-checks.md): the tiny run with fla +
+    # causal-conv1d kernels and compiled flex attention, NVML sampled at 1 Hz by the agent.
+    msgs = [json.loads(line) for line in (STREAMS / "h200_tiny.jsonl").read_text().splitlines()]
+    peak = max(g["mem_used_mb"] for m in msgs if m["t"] == "gpu" for g in m["gpus"])
+    holders = {p["pid"] for m in msgs if m["t"] == "gpu" for g in m["gpus"] for p in g["procs"]}
+    app = app_for("h200_tiny")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        summary = text_of(app, RunSummary)
+        assert "FINISHED" in summary and "step 120/120" in summary
+        model = app.models[0]
+        assert len(model.gpu_hist[0]["util"]) > 30
+        assert peak > 1000 and holders  # the run really held GPU memory while it trained
+        alerts = text_of(app, AlertsPanel)
+        assert "slow" not in alerts.lower()  # fla and causal_conv1d were bound: no fallback alert
+        assert "GPU0" in app.query_one(GpuPanel).render().plain
+
+
+@pytest.mark.anyio
 async def test_loading_stream_shows_progress_i_of_n() -> None:
     app = app_for("loading")
     async with app.run_test(size=SIZE) as pilot:
@@ -443,7 +463,7 @@ def test_replay_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # -- snapshots (fixed size and clock) ----------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["loading", "training", "stalled", "crashed"])
+@pytest.mark.parametrize("name", ["loading", "training", "stalled", "crashed", "h200_tiny"])
 def test_snapshot_main_screen(name: str, snap_compare: Any) -> None:
     app = app_for(name, after_s=0.0 if name == "stalled" else 2.0)
 
