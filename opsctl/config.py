@@ -39,7 +39,7 @@ hosts:
     runs:
       tiny:
         workdir: .
-        command: ["{python}", -m, dflash, train, --config, configs/tiny.yaml, --out, runs/tiny]
+        command: ["{python}", -m, dflash, train, --config, configs/tiny.yaml, --out, runs/tiny, --resume, auto]
         log: runs/tiny/train.log
         events: runs/tiny/events.jsonl
         tmux_session: dflash-tiny

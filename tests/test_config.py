@@ -64,7 +64,8 @@ def test_embedded_default_loads_without_a_file(tmp_path: Path, monkeypatch: pyte
     assert run is not None
     assert run.workdir == str(tmp_path.resolve())
     assert run.command[0] == sys.executable  # {python} -> the interpreter running opsctl, for local hosts
-    assert run.command[1:] == ["-m", "dflash", "train", "--config", "configs/tiny.yaml", "--out", "runs/tiny"]
+    assert run.command[1:] == ["-m", "dflash", "train", "--config", "configs/tiny.yaml", "--out", "runs/tiny",
+                              "--resume", "auto"]
     assert run.log == str(tmp_path.resolve() / "runs/tiny/train.log")
     assert run.events == str(tmp_path.resolve() / "runs/tiny/events.jsonl")
     assert run.tmux_session == "dflash-tiny"
