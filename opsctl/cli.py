@@ -101,11 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run", nargs="?")
     s.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
 
-    s = sub.add_parser("watch", formatter_class=fmt, help="live dashboard (Textual) of one or many runs")
-    s.add_argument("targets", nargs="*", metavar="HOST[:RUN]")
+    s = sub.add_parser("watch", formatter_class=fmt, help="live dashboard (Textual) of one or many runs",
+                       epilog="""examples:
+  opsctl watch                         every run in hosts.yaml, one worker per run (a dead host never
+                                       freezes the others); keys: k kill, c clean, r reconnect, tab next
+                                       run, / search the log, s severity filter, f follow, q quit
+  opsctl watch pve-box:qwen27b local   one run of pve-box and every run of local
+  opsctl watch --plain                 the same numbers as a scrolling rich view (no full-screen terminal)
+  opsctl watch --once                  one JSON snapshot of every run (state, step, loss, GPUs, alerts)""")
+    s.add_argument("targets", nargs="*", metavar="HOST[:RUN]", help="runs to watch (default: all in hosts.yaml)")
     s.add_argument("--plain", action="store_true", help="rich Live output instead of the full-screen app")
-    s.add_argument("--once", action="store_true", help="one snapshot (with --json) and exit")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--once", action="store_true", help="print one JSON snapshot of every run and exit")
+    s.add_argument("--json", action="store_true", help="same as --once (the snapshot is JSON)")
     s.add_argument("--bell", action="store_true", help="ring the terminal bell on new alerts")
 
     s = sub.add_parser("hosts", help="inventory commands")
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             from opsctl.tui import watch_main
 
             return watch_main(c.watch_sources(ctx, args.targets), plain=args.plain,  # type: ignore[arg-type]
-                              once_json=args.once and args.json, bell=args.bell)
+                              once_json=args.once or args.json, bell=args.bell)
         if args.verb == "hosts":
             return c.cmd_hosts_check(ctx)
     except c.OpsError as exc:

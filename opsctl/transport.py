@@ -580,14 +580,18 @@ class SSHTransport:
     def _transport(self) -> object:
         with self._lock:
             if self._conn is None or not self._conn.is_connected:  # type: ignore[attr-defined]
-                if self._conn is not None:
-                    try:
-                        self._conn.close()  # type: ignore[attr-defined]
-                    except Exception:
-                        pass
-                self._conn = None
+                self._drop_connection()
                 self._conn = self._open()
             return self._conn.transport  # type: ignore[attr-defined]
+
+    def _drop_connection(self) -> None:
+        """Forget the current connection (closing it if it still can be); the caller holds the lock."""
+        if self._conn is not None:
+            try:
+                self._conn.close()  # type: ignore[attr-defined]
+            except Exception:
+                pass
+            self._conn = None
 
     def _session(self, cmd: str) -> object:
         last: Exception | None = None
@@ -602,12 +606,7 @@ class SSHTransport:
                 # connection and one retry is safe.
                 last = e
                 with self._lock:
-                    if self._conn is not None:
-                        try:
-                            self._conn.close()  # type: ignore[attr-defined]
-                        except Exception:
-                            pass
-                        self._conn = None
+                    self._drop_connection()
         raise TransportError(f"{self.label}: cannot start a command on the SSH connection ({last or type(last).__name__})")
 
     # -- Transport API -------------------------------------------------------------------------------------
