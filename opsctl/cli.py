@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Signal the recorded process group and every descendant (also those that "
                        "left the group): SIGINT, wait kill_grace[0]; SIGTERM, wait kill_grace[1]; SIGKILL. "
                        "Reports the training core's run_end and checkpoint, and whether NVML still shows a "
-                       "process of the run holding GPU memory. Never pkill -f.")
+                       "process of the run holding GPU memory. Processes are never matched by name.")
     s.add_argument("host")
     s.add_argument("run")
 
