@@ -517,9 +517,44 @@ class SSHTransport:
             c = getattr(c, "gateway", None)
         return hops
 
-    def _open(self) -> object:
+    @staticmethod
+    def _hop_label(hop: object) -> str:
+        user = getattr(hop, "user", None)
+        return f"{user + '@' if user else ''}{hop.host}:{hop.port}"  # type: ignore[attr-defined]
+
+    def _open_hop(self, hop: object, label: str) -> None:
+        """Connect one hop, turning paramiko's exceptions into errors that name `label` and say what to do."""
         import paramiko
 
+        kh = self._known_hosts()
+        kh_name = hop.host if int(hop.port) == 22 else f"[{hop.host}]:{hop.port}"  # type: ignore[attr-defined]
+        try:
+            hop.open()  # type: ignore[attr-defined]
+        except paramiko.BadHostKeyException as e:
+            raise TransportError(
+                f"{label}: HOST KEY MISMATCH: the server presented {e.key.get_name()} "
+                f"{e.key.fingerprint} but {kh} has a different key for it. This may be an attack or a "
+                f"reinstalled host; if you know it was reinstalled, remove the old entry with "
+                f"`ssh-keygen -R '{kh_name}' -f {kh}` and connect again.") from None
+        except paramiko.AuthenticationException as e:
+            key = self.settings.identity_file or "your ssh agent / default keys"
+            raise TransportError(f"{label}: authentication failed ({e}); tried {key}. Check `user:` and "
+                                 f"`identity_file:` in hosts.yaml and the server's authorized_keys.") from None
+        except paramiko.SSHException as e:
+            if "not found in known_hosts" in str(e):
+                raise TransportError(
+                    f"{label}: host key not in known_hosts ({kh}); verify the host, then re-run with "
+                    f"--accept-new-host-key to trust and save it.") from None
+            raise TransportError(f"{label}: SSH error: {e}") from None
+        except TimeoutError:
+            raise TransportTimeout(f"{label}: no answer within connect_timeout={self.settings.connect_timeout}s "
+                                   f"(host down, firewalled, or wrong port?)") from None
+        except socket.gaierror as e:
+            raise TransportError(f"{label}: cannot resolve host name {hop.host!r} ({e.strerror})") from None  # type: ignore[attr-defined]
+        except (paramiko.ssh_exception.NoValidConnectionsError, OSError) as e:
+            raise TransportError(f"{label}: unreachable ({e}); is sshd running and the port right?") from None
+
+    def _open(self) -> object:
         gateway = None
         if self._jump_settings is not None:
             gateway = self._connection(self._jump_settings, None)
@@ -531,37 +566,16 @@ class SSHTransport:
             gateway = self._connection(js, None)
         conn = self._connection(self.settings, gateway)
         self._resolved = (conn.user, conn.host, int(conn.port))  # type: ignore[attr-defined]
-        kh = self._known_hosts()
-        kh_name = conn.host if int(conn.port) == 22 else f"[{conn.host}]:{conn.port}"  # type: ignore[attr-defined]
-        try:
+        hops = self._hops(conn)
+        # Open the hops outermost first (Fabric's open() skips a hop already connected), so an error names the
+        # hop it is about: an unknown or changed jump-host key is the jump host's, with its known_hosts entry.
+        for hop in reversed(hops):
             try:
-                conn.open()  # type: ignore[attr-defined]
+                self._open_hop(hop, self.label if hop is conn else "jump host " + self._hop_label(hop))
             except BaseException:
-                conn.close()  # type: ignore[attr-defined]  # a failed handshake must not leave a socket behind
+                for h in hops:
+                    h.close()  # type: ignore[attr-defined]  # a failed handshake must not leave a socket behind
                 raise
-        except paramiko.BadHostKeyException as e:
-            raise TransportError(
-                f"{self.label}: HOST KEY MISMATCH: the server presented {e.key.get_name()} "
-                f"{e.key.fingerprint} but {kh} has a different key for it. This may be an attack or a "
-                f"reinstalled host; if you know it was reinstalled, remove the old entry with "
-                f"`ssh-keygen -R '{kh_name}' -f {kh}` and connect again.") from None
-        except paramiko.AuthenticationException as e:
-            key = self.settings.identity_file or "your ssh agent / default keys"
-            raise TransportError(f"{self.label}: authentication failed ({e}); tried {key}. Check `user:` and "
-                                 f"`identity_file:` in hosts.yaml and the server's authorized_keys.") from None
-        except paramiko.SSHException as e:
-            if "not found in known_hosts" in str(e):
-                raise TransportError(
-                    f"{self.label}: host key not in known_hosts ({kh}); verify the host, then re-run with "
-                    f"--accept-new-host-key to trust and save it.") from None
-            raise TransportError(f"{self.label}: SSH error: {e}") from None
-        except TimeoutError:
-            raise TransportTimeout(f"{self.label}: no answer within connect_timeout={self.settings.connect_timeout}s "
-                                   f"(host down, firewalled, or wrong port?)") from None
-        except socket.gaierror as e:
-            raise TransportError(f"{self.label}: cannot resolve host name {self.settings.host!r} ({e.strerror})") from None
-        except (paramiko.ssh_exception.NoValidConnectionsError, OSError) as e:
-            raise TransportError(f"{self.label}: unreachable ({e}); is sshd running and the port right?") from None
         for hop in self._hops(conn):
             if getattr(hop, "transport", None) is not None:
                 hop.transport.set_keepalive(self.settings.keepalive_s)  # type: ignore[attr-defined]

@@ -280,6 +280,28 @@ def test_jump_host_gateway(sshd: Sshd) -> None:
         t.close()
 
 
+def test_jump_host_key_errors_name_the_jump_host(sshd: Sshd, tmp_path: Path) -> None:
+    import paramiko
+
+    # The final host (127.0.0.1) is known; the jump host (localhost, same sshd) is not: the refusal must name
+    # the jump host, not the host behind it.
+    jump = f"{sshd.user}@localhost:{sshd.port}"
+    with pytest.raises(TransportError) as exc:
+        SSHTransport(sshd.ssh_settings(jump=jump)).run(["true"])
+    msg = str(exc.value)
+    assert msg.startswith(f"jump host {sshd.user}@localhost:{sshd.port}: host key not in known_hosts"), msg
+    # a changed jump-host key: the ssh-keygen -R hint names the jump host's known_hosts entry
+    other = paramiko.Ed25519Key.from_private_key_file(sshd.identity_file)
+    kh = tmp_path / "known_hosts"
+    kh.write_text(Path(sshd.known_hosts).read_text()
+                  + f"[localhost]:{sshd.port} {other.get_name()} {other.get_base64()}\n")
+    with pytest.raises(TransportError) as exc:
+        SSHTransport(sshd.ssh_settings(jump=jump, known_hosts=str(kh))).run(["true"])
+    msg = str(exc.value)
+    assert msg.startswith(f"jump host {sshd.user}@localhost:{sshd.port}: HOST KEY MISMATCH"), msg
+    assert f"ssh-keygen -R '[localhost]:{sshd.port}' -f {kh}" in msg, msg
+
+
 def test_transport_for_builds_the_layers(sshd: Sshd, tmp_path: Path) -> None:
     p = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", name="box", pct=VMID, local_runs={})
     inv = parse_inventory(p.read_text(), base_dir=tmp_path)
