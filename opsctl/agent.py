@@ -36,8 +36,30 @@ BOOTSTRAP = (
 # The wrapper runs inside tmux as the pane's process. It puts the run in its own session/process group,
 # records pid and pgid, tees output to the log and writes the exit status when the run ends. It is written
 # to STATE_DIR/wrapper.py by `launch` so tmux starts it with a plain argv (no shell quoting involved).
+# On Linux it is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): a descendant whose parent exits (a
+# double-forked daemon) is re-parented to the wrapper instead of pid 1, so `kill` finds it among the wrapper's
+# descendants. The wrapper records the exit status when the main command ends, then stays (reaping) until every
+# such leftover is gone: while it lives, the leftovers stay findable; the tmux pane turns dead only after them.
 WRAPPER_SOURCE = r'''
 import json, os, select, signal, subprocess, sys, threading, time
+
+def _subreaper():
+    """None when we became a child subreaper, else why not (then detached descendants cannot be tracked)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+            return "prctl(PR_SET_CHILD_SUBREAPER) failed: errno %d" % ctypes.get_errno()
+        return None
+    except Exception as exc:  # not Linux (no prctl), or no ctypes
+        return "prctl(PR_SET_CHILD_SUBREAPER) unavailable: %s: %s" % (exc.__class__.__name__, exc)
+
+def _starttime():
+    try:
+        with open("/proc/self/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 def _atomic(path, text):
     tmp = path + ".tmp"
@@ -61,6 +83,7 @@ def main():
     env.pop("TMUX_PANE", None)
     env.update(spec["env"])
     argv = spec["argv"]
+    reaper_error = _subreaper()
     logf = open(spec["log"], "ab+", buffering=0)  # read too: put() looks for lines the run wrote itself
     try:
         proc = subprocess.Popen(argv, cwd=spec["workdir"], env=env, stdin=subprocess.DEVNULL,
@@ -71,7 +94,8 @@ def main():
         _atomic(os.path.join(state, "exit_code"), "127\n")
         return
     _atomic(os.path.join(state, "pid"), json.dumps({"pid": proc.pid, "pgid": proc.pid,
-            "wrapper_pid": os.getpid(), "started": time.time()}) + "\n")
+            "wrapper_pid": os.getpid(), "wrapper_start": _starttime(), "subreaper": reaper_error is None,
+            "subreaper_error": reaper_error, "started": time.time()}) + "\n")
     lock = threading.Lock()
     # A run that writes the log file itself (a logging FileHandler next to a stdout StreamHandler, as dflash
     # does) would see every line twice. Such a handler writes the file before stdout, so when a stdout line
@@ -172,6 +196,20 @@ def main():
         sys.stdout.flush()
     except OSError:
         pass
+    # Leftovers the run left behind (adopted orphans, see above): reap them until none is left.
+    try:
+        if os.waitpid(-1, os.WNOHANG) == (0, 0):
+            sys.stdout.write("[opsctl] waiting for processes the run left behind (opsctl kill ends them)\n")
+            sys.stdout.flush()
+    except (ChildProcessError, OSError):
+        pass
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        except OSError:
+            time.sleep(0.1)
 
 main()
 '''
@@ -408,15 +446,25 @@ def all_procs() -> dict[int, tuple[str, int, int, int]]:
     return out
 
 
-def run_procs(pid: int, pgid: int, known: dict[int, int]) -> dict[int, int]:
+def wrapper_of(info: dict[str, Any]) -> int | None:
+    """The run's wrapper pid if that process still is the wrapper (same start time), else None."""
+    w, start = info.get("wrapper_pid"), info.get("wrapper_start")
+    if not isinstance(w, int) or not isinstance(start, int):
+        return None
+    st = proc_stat(w)
+    return w if st is not None and st[3] == start and st[0] not in ("Z", "X") else None
+
+
+def run_procs(pid: int, pgid: int, known: dict[int, int], wrapper: int | None = None) -> dict[int, int]:
     """Live processes of the run: its process group, descendants of its pid (also those that left the group),
-    and processes seen before (tracked by start time, so a reused pid is not mistaken for ours)."""
+    every descendant of the wrapper (which, as a subreaper, adopts double-forked daemons), and processes seen
+    before (tracked by start time, so a reused pid is not mistaken for ours). The wrapper itself is not one."""
     procs = all_procs()
     found: dict[int, int] = {}
-    for p, (state, _ppid, pg, start) in procs.items():
-        if state in ("Z", "X"):
+    for p, (state, ppid, pg, start) in procs.items():
+        if state in ("Z", "X") or p == wrapper:
             continue
-        if pg == pgid or p == pid or known.get(p) == start:
+        if pg == pgid or p == pid or known.get(p) == start or (wrapper is not None and ppid == wrapper):
             found[p] = start
     changed = True
     while changed:
@@ -1095,9 +1143,16 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("verdict", ok=True, reason="not_running", detail=f"no process recorded in {run.state_dir}")
         return EXIT_CODES["ok"]
     pid, pgid = int(info["pid"]), int(info.get("pgid") or info["pid"])
-    known = run_procs(pid, pgid, {})
+
+    def procs(seen: dict[int, int]) -> dict[int, int]:
+        return run_procs(pid, pgid, seen, wrapper_of(info))  # the wrapper re-checked: it exits after the last one
+
+    # Without the subreaper (not Linux, or an older wrapper) a double-forked daemon is out of our sight: say so.
+    untracked = "" if info.get("subreaper") else "; detached descendants (double-forked daemons) could not be tracked: {}".format(
+        info.get("subreaper_error") or "the run's wrapper did not record itself as a subreaper")
+    known = procs({})
     if not known:
-        emit("verdict", ok=True, reason="not_running", detail=f"pid {pid} and process group {pgid} are gone (state {snap['state']})",
+        emit("verdict", ok=True, reason="not_running", detail=f"pid {pid} and process group {pgid} are gone (state {snap['state']}){untracked}",
              exit_code=snap["exit_code"])
         return EXIT_CODES["ok"]
     with open(run.sf("killed"), "w") as fh:
@@ -1110,7 +1165,7 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     seen_pids = dict(known)
     gpus_before = nvml_holders(nvml, set(seen_pids), opts.get("gpus"))
     for sig, wait in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), grace):  # noqa: B905 - the remote python may predate 3.10
-        targets = run_procs(pid, pgid, seen_pids)
+        targets = procs(seen_pids)
         if not targets:
             break
         seen_pids.update(targets)
@@ -1129,14 +1184,14 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         deadline = time.monotonic() + wait
         left = targets
         while time.monotonic() < deadline:
-            left = run_procs(pid, pgid, seen_pids)
+            left = procs(seen_pids)
             if not left:
                 break
             time.sleep(POLL_S)
         emit("killed", signal=signal.Signals(sig).name, pgid=pgid, alive=sorted(left))
         if not left:
             break
-    left = run_procs(pid, pgid, seen_pids)
+    left = procs(seen_pids)
     # The wrapper records the exit status right after the run ends; the training core writes run_end first.
     deadline = time.monotonic() + 3.0
     while read_exit_code(run.sf("exit_code")) is None and time.monotonic() < deadline:
@@ -1160,7 +1215,7 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     ok = not left and gpu_ok
     emit("verdict", ok=ok, reason="killed" if ok else ("survivors" if left else "gpu_held"), alive=sorted(left),
          exit_code=read_exit_code(run.sf("exit_code")), run_end=run_end,
-         detail=f"all {len(seen_pids)} processes gone" if not left else f"still alive: {sorted(left)}")
+         detail=(f"all {len(seen_pids)} processes gone" if not left else f"still alive: {sorted(left)}") + untracked)
     return EXIT_CODES["ok"] if ok else EXIT_CODES["failed"]
 
 
