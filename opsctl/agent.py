@@ -504,11 +504,14 @@ class ProcWatch:
             state = "exited" if (now - self.gone_since > (1.0 if wrapper_alive else 0.3)) else "running"
         else:
             state = "absent"
-        return {"state": state, "pid": pid, "pgid": pgid, "exit_code": code, "session": self.run.session}
+        # The `killed` marker (written by `kill`, removed by `launch`) rides on every `proc` message, so a stream
+        # that did not see the kill (a separate `opsctl kill` while `watch` follows) still reports `killed`.
+        return {"state": state, "pid": pid, "pgid": pgid, "exit_code": code, "session": self.run.session,
+                "killed_by_opsctl": os.path.exists(self.run.sf("killed"))}
 
     def poll(self, force: bool = False) -> dict[str, Any]:
         snap = self.snapshot()
-        key = (snap["state"], snap["pid"], snap["exit_code"])
+        key = (snap["state"], snap["pid"], snap["exit_code"], snap["killed_by_opsctl"])
         if force or key != self.last:
             self.last = key
             emit("proc", **snap)

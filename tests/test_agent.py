@@ -284,3 +284,38 @@ def test_concurrent_launches_of_one_run_start_it_once(tmp_path: Path) -> None:
         first.stdout.close()
     finally:
         cleanup(args)
+
+
+def test_follow_stream_reports_a_kill_made_by_another_client(tmp_path: Path) -> None:
+    # `watch` follows while a separate `opsctl kill` stops the run: the stream's proc says killed_by_opsctl, so
+    # the shared reducer shows `killed`, not a crash or a finish.
+    from opsctl.runstate import RunState
+
+    args = run_args(tmp_path, "ok_run.py", "--steps", "100000", "--step-time", "0.05", "--load-time", "0",
+                    kill_grace=[5, 5])
+    try:
+        assert drive("launch", args)[0] == 0
+        p = start("follow", {**args, "options": {"gpu_interval": 0}})
+        assert p.stdout is not None and p.stdin is not None
+        msgs = [json.loads(p.stdout.readline())]
+        while msgs[-1]["t"] != "proc":  # following: the run is live
+            msgs.append(json.loads(p.stdout.readline()))
+        assert msgs[-1]["state"] == "running" and msgs[-1]["killed_by_opsctl"] is False
+        assert drive("kill", args)[0] == 0
+        for raw in p.stdout:
+            msgs.append(json.loads(raw))
+            if msgs[-1]["t"] == "bye":
+                break
+        p.stdin.close()
+        p.wait(timeout=10)
+        last = of(msgs, "proc")[-1]
+        assert last["state"] == "exited" and last["killed_by_opsctl"] is True, last
+        state = RunState()
+        for m in msgs:
+            state.apply(m)
+        assert state.view(time.time()).state == "killed"
+        # a stream opened after the kill says the same
+        _rc, later = drive("follow", {**args, "options": {"once": True, "gpu_interval": 0}})
+        assert of(later, "proc")[-1]["killed_by_opsctl"] is True
+    finally:
+        cleanup(args)

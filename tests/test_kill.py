@@ -80,6 +80,12 @@ def test_kill_polite_run_stops_at_sigint(tmp_path: Path, sshd, container: Callab
     assert len(ckpts) == 1 and ckpts[0].name.startswith("step")
     st = json.loads(opsctl(hosts, "status", "box", "ok", "--json").stdout)
     assert st["state"] == "killed" and st["end_reason"] == "signal" and st["exit_code"] == 0
+    # the dashboard (its --once snapshot follows the run's stream) agrees with status: killed, not finished
+    r = opsctl(hosts, "watch", "--once", "box:ok")
+    assert r.returncode == 0, r.stderr
+    snap = json.loads(r.stdout)
+    assert [s["view"]["state"] for s in snap] == ["killed"], snap
+    assert "crashed" not in [a["key"] for a in snap[0]["alerts"]]
 
 
 def test_kill_confirms_gpu_memory_released_through_nvml(tmp_path: Path) -> None:
