@@ -159,7 +159,8 @@ def check_container(ctx: Ctx, host: HostConfig, t: Transport) -> None:
 
 
 def _print_check(ctx: Ctx, m: dict[str, Any]) -> None:
-    mark = "[green]ok[/]  " if m.get("ok") else "[red]FAIL[/]"
+    # `skipped`: the check could not be made (e.g. no NVML); neither a pass nor a failure.
+    mark = "[yellow]skip[/]" if m.get("skipped") else ("[green]ok[/]  " if m.get("ok") else "[red]FAIL[/]")
     ctx.err.print(f"{mark} {m.get('name')}: ", Text(str(m.get("detail", ""))), sep="")
 
 
