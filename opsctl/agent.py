@@ -761,12 +761,32 @@ def validate_clean_dir(path: Any, roots: list[str], default_ok: bool) -> str:
         raise AgentError(f"refusing to clean {path!r}: it is the home directory or contains it")
     if real in SYSTEM_DIRS or real.count("/") < 2:
         raise AgentError(f"refusing to clean {path!r} (resolves to {real!r}): a system or top-level directory")
-    allowed = [os.path.realpath(r) for r in roots if isinstance(r, str) and os.path.isabs(r)]
+    lex = os.path.normpath(path)
+    is_link = os.path.islink(lex)
+    allowed: list[str] = []
+    through_link: list[str] = []
+    for r in roots:
+        if not (isinstance(r, str) and os.path.isabs(r)):
+            continue
+        rl = os.path.normpath(r)
+        if is_link and (rl == lex or rl.startswith(lex.rstrip("/") + "/")):
+            # A root at or below the cache dir's own symlink resolves through that link: it would vouch for
+            # wherever the link points (with no clean_roots configured the cache dir is its own root).
+            through_link.append(rl)
+            continue
+        rr = os.path.realpath(rl)
+        if os.path.dirname(rr) == rr or rr in SYSTEM_DIRS:
+            continue  # a root that resolves to / or a system dir allows nothing
+        allowed.append(rr)
     if default_ok:
         allowed.append(os.path.realpath(default_inductor_dir()))
     for root in allowed:
         if real == root or real.startswith(root.rstrip("/") + "/"):
             return real
+    if is_link:
+        raise AgentError(f"refusing to clean {path!r} (resolves to {real!r}): {lex} is a symlink to {real}, outside the allowed roots "
+                         f"{allowed or '(none besides the link itself)'}; point inductor_cache_dir at the real "
+                         f"directory or add a clean_roots entry that contains {real}")
     raise AgentError(f"refusing to clean {path!r} (resolves to {real!r}): not inside an allowed root "
                      f"{allowed or '(none configured: set clean_roots)'}")
 

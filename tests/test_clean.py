@@ -109,3 +109,32 @@ def test_clean_refuses_escape_and_running_run(tmp_path: Path) -> None:
         assert (cache / "x").exists()
     finally:
         cleanup(args)
+
+
+def test_clean_refuses_a_symlinked_cache_dir_that_leads_out(tmp_path: Path, sshd, container: Callable[..., int]) -> None:
+    # The configured cache dir is a symlink inside the workdir pointing at a victim dir elsewhere. With no
+    # clean_roots the cache dir is its own root, so resolving the root through the same link must not vouch for it.
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    work = tmp_path / "ops"
+    work.mkdir()
+    (work / "evil").symlink_to(victim)
+    run = script_run(work, "ok_run.py", inductor_cache_dir=str(work / "evil"))
+    run.pop("clean_roots")
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=container(200), runs={"ok": run})
+    r = opsctl(hosts, "clean", "box", "ok")
+    assert r.returncode == 5, (r.stdout, r.stderr)
+    assert f"{work / 'evil'} is a symlink to {victim}" in r.stderr, r.stderr
+    assert (victim / "precious.txt").read_text() == "keep me"
+    # explicit roots naming the link (or a dir below it) do not vouch for it either; a real root around the
+    # target does
+    for roots in ([str(work / "evil")], [str(work / "evil" / "sub")]):
+        with pytest.raises(agent.AgentError, match="is a symlink to"):
+            agent.validate_clean_dir(str(work / "evil"), roots, False)
+    assert agent.validate_clean_dir(str(work / "evil"), [str(tmp_path)], False) == str(victim)
+    # a root that itself resolves to / or a system dir is no root
+    (work / "slash").symlink_to("/")
+    with pytest.raises(agent.AgentError, match="not inside an allowed root"):
+        agent.validate_clean_dir("/usr/lib/python3", [str(work / "slash")], False)
+    assert (victim / "precious.txt").exists()
