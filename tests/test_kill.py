@@ -127,12 +127,13 @@ def test_kill_finds_a_double_forked_daemon(tmp_path: Path, sshd, pct_host, conta
     r = opsctl(hosts, "launch", "box", "d")
     assert r.returncode == 0, r.stderr
     daemon, ppid = (int(x) for x in marker.read_text().split())
-    info = json.loads((tmp_path / ".opsctl" / "d" / "pid").read_text())
-    assert info["subreaper"] is True and ppid == info["wrapper_pid"]  # adopted by the wrapper, not by pid 1
     assert live_in_container(pct_host, vmid, [daemon]) == [daemon]
     r = opsctl(hosts, "kill", "box", "d")
+    assert live_in_container(pct_host, vmid, [daemon]) == [], r.stderr  # found and killed, not left running
     assert r.returncode == commands.EXIT_OK, r.stderr
     # the main process stops at SIGINT; the daemon ignores SIGINT and SIGTERM, so SIGKILL is what ends it
     assert "sent SIGKILL" in r.stderr and "killed d: all 2 processes gone" in r.stderr, r.stderr
-    assert live_in_container(pct_host, vmid, [daemon, info["wrapper_pid"]]) == []  # the wrapper reaped it, then left
     assert "could not be tracked" not in r.stderr
+    info = json.loads((tmp_path / ".opsctl" / "d" / "pid").read_text())
+    assert info["subreaper"] is True and ppid == info["wrapper_pid"]  # adopted by the wrapper, not by pid 1
+    assert live_in_container(pct_host, vmid, [info["wrapper_pid"]]) == []  # the wrapper reaped it, then left
