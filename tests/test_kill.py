@@ -137,3 +137,27 @@ def test_kill_finds_a_double_forked_daemon(tmp_path: Path, sshd, pct_host, conta
     info = json.loads((tmp_path / ".opsctl" / "d" / "pid").read_text())
     assert info["subreaper"] is True and ppid == info["wrapper_pid"]  # adopted by the wrapper, not by pid 1
     assert live_in_container(pct_host, vmid, [info["wrapper_pid"]]) == []  # the wrapper reaped it, then left
+
+
+def test_kill_says_when_detached_descendants_cannot_be_tracked(tmp_path: Path) -> None:
+    # Where prctl(PR_SET_CHILD_SUBREAPER) is unavailable (not Linux) the wrapper records why; kill must not
+    # claim everything is gone without saying that double-forked daemons were out of its sight.
+    from agentlib import cleanup, drive, of, run_args
+
+    args = run_args(tmp_path, "ok_run.py", "--steps", "100000", "--step-time", "0.05", "--load-time", "0",
+                    kill_grace=[2, 2])
+    try:
+        assert drive("launch", args)[0] == 0
+        pid_file = tmp_path / "state" / "pid"
+        info = json.loads(pid_file.read_text())
+        assert info["subreaper"] is True and info["subreaper_error"] is None  # Linux: tracked
+        pid_file.write_text(json.dumps({**info, "subreaper": False,
+                                        "subreaper_error": "prctl(PR_SET_CHILD_SUBREAPER) unavailable: no prctl"}))
+        rc, msgs = drive("kill", args)
+        verdict = of(msgs, "verdict")[0]
+        assert rc == 0 and verdict["reason"] == "killed"
+        assert verdict["detail"].startswith("all 1 processes gone"), verdict
+        assert "detached descendants (double-forked daemons) could not be tracked: prctl(PR_SET_CHILD_SUBREAPER) " \
+               "unavailable: no prctl" in verdict["detail"]
+    finally:
+        cleanup(args)
