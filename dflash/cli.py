@@ -61,13 +61,15 @@ def _fail(msg: str) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dflash.config import ConfigError, load_config
+    from dflash.config import ConfigError, check_run, load_config
     from dflash.data import DataError
 
     if args.max_steps is not None and args.max_steps < 1:
         return _fail(f"--max-steps must be at least 1, got {args.max_steps}")
     try:
         cfg = load_config(args.config)
+        # shapes, target.path, device: before train() may delete checkpoints (--fresh) or write to --out
+        check_run(cfg, "cuda" if _cuda() else "cpu")
     except ConfigError as exc:
         return _fail(str(exc))
     from dflash.checkpoint import list_checkpoints
@@ -79,25 +81,32 @@ def _train(args: argparse.Namespace) -> int:
         resume = args.resume == "always" or (args.resume == "auto" and bool(list_checkpoints(out)))
         result = train(cfg, out, max_steps=args.max_steps, resume=resume, fresh=args.fresh,
                        allow_slow_kernels=args.allow_slow_kernels, docs=docs)
-    except (DataError, UsageError) as exc:
+    except (DataError, UsageError, ConfigError) as exc:
         return _fail(str(exc))
     return result.exit_code
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _preflight(args: argparse.Namespace) -> int:
     import torch
 
-    from dflash.config import ConfigError, load_config
+    from dflash.config import ConfigError, check_run, load_config
     from dflash.kernels import check_kernels
     from dflash.model import resolve_attention
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         cfg = load_config(args.config)
+        check_run(cfg, device.type)
     except ConfigError as exc:
         return _fail(str(exc))
     from dflash.train import probe_kernels
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     vocab = int(cfg.target.arch.get("vocab_size", cfg.data.vocab_size))
     kernels = {**probe_kernels(cfg, vocab), "attention": resolve_attention(cfg.drafter.attention, device)}
     print(f"device: {device}")

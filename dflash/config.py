@@ -87,6 +87,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "train.compile": ("auto", "true", "false"),
     "dist.roles": ("colocated", "split"),
     "dist.backend": ("auto", "gloo", "nccl"),
+    "drafter.attention": ("auto", "flex", "dense", "flex-eager"),
+    "target.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "target.packing": ("auto", "pad", "varlen"),
 }
 
 
@@ -185,6 +188,54 @@ def _check_ranges(cfg: RunConfig) -> None:
     need(t.heartbeat_s > 0, "train.heartbeat_s", f"must be positive, got {t.heartbeat_s}")
     need(t.log_every >= 1, "train.log_every", f"must be at least 1, got {t.log_every}")
     need(cfg.dist.target_ranks >= 1, "dist.target_ranks", f"must be at least 1, got {cfg.dist.target_ranks}")
+    need(1 <= d.min_len <= d.max_len, "data.min_len", f"must be in 1..data.max_len ({d.max_len}), got {d.min_len}")
+
+    r = cfg.drafter
+    need(r.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {r.num_layers}")
+    need(r.num_heads >= 1, "drafter.num_heads", f"must be >= 1, got {r.num_heads}")
+    need(r.num_kv_heads >= 1, "drafter.num_kv_heads", f"must be >= 1, got {r.num_kv_heads}")
+    need(r.num_heads % r.num_kv_heads == 0, "drafter.num_heads",
+         f"must be a multiple of drafter.num_kv_heads ({r.num_kv_heads}), got {r.num_heads}")
+    need(r.block_size >= 2, "drafter.block_size", f"must be >= 2, got {r.block_size}")
+    # Anchors are drawn without replacement from the token_budget positions of one fixed-shape buffer.
+    need(1 <= r.num_anchors <= d.token_budget, "drafter.num_anchors",
+         f"must be in 1..data.token_budget ({d.token_budget}), got {r.num_anchors}")
+    need(r.loss_gamma > 0, "drafter.loss_gamma", f"must be > 0, got {r.loss_gamma}")
+    need(r.ce_chunk >= 1, "drafter.ce_chunk", f"must be >= 1, got {r.ce_chunk}")
+    for key in ("hidden_size", "head_dim", "intermediate_size", "sliding_window"):
+        v = getattr(r, key)
+        need(v is None or v >= 1, f"drafter.{key}", f"must be >= 1, got {v}")
+    if r.layer_sliding_windows is not None:
+        need(len(r.layer_sliding_windows) == r.num_layers, "drafter.layer_sliding_windows",
+             f"needs drafter.num_layers ({r.num_layers}) entries, got {len(r.layer_sliding_windows)}")
+    if r.mask_token_id is not None:
+        need(r.mask_token_id >= 0, "drafter.mask_token_id", f"must be >= 0, got {r.mask_token_id}")
+        if d.tokenizer is None:  # the tiny BPE: its vocabulary is data.vocab_size at most
+            need(r.mask_token_id < d.vocab_size, "drafter.mask_token_id",
+                 f"must be < data.vocab_size ({d.vocab_size}), got {r.mask_token_id}")
+    _check_arch(cfg)
+
+
+def _check_arch(cfg: RunConfig) -> None:
+    """target.arch keys are Qwen3_5TextConfig kwargs; that class accepts any kwarg, so a typo would pass silently."""
+    arch = cfg.target.arch
+    if not arch:
+        return
+    import inspect
+
+    from transformers import Qwen3_5TextConfig
+
+    known = set(Qwen3_5TextConfig().to_dict()) | set(inspect.signature(Qwen3_5TextConfig.__init__).parameters)
+    known -= {"self", "kwargs", "_name_or_path", "transformers_version", "model_type"}
+    for key in arch:
+        if key not in known:
+            raise ConfigError(f"target.arch.{key}: unknown Qwen3_5TextConfig field (known: {', '.join(sorted(known))})")
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "vocab_size"):
+        if key in arch:
+            v = arch[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"target.arch.{key}: must be an integer >= 1, got {_describe(v)}")
 
 
 def config_from_dict(data: Any, source: str = "<dict>") -> RunConfig:
@@ -218,7 +269,69 @@ def load_config(path: str | Path) -> RunConfig:
         cfg.data.tokenizer = str(_resolve(base, cfg.data.tokenizer))
     if cfg.target.path is not None:
         cfg.target.path = str(_resolve(base, cfg.target.path))
-    return cfg
+    return cfg  # target.path is checked by check_run: a shipped config names a path on the training box
+
+
+def _check_target_path(cfg: RunConfig) -> None:
+    p = cfg.target.path
+    if p is not None and not Path(p).is_dir():
+        what = "does not exist" if not Path(p).exists() else "is not a directory"
+        raise ConfigError(f"target.path: {p} {what} (a local Hugging Face model directory)")
+
+
+def _target_shape(cfg: RunConfig) -> tuple[int, int]:
+    """(num_layers, hidden_size) of the target from its config alone: no weights, no model built."""
+    if cfg.target.path is not None:
+        from transformers import AutoConfig
+
+        try:
+            hf = AutoConfig.from_pretrained(cfg.target.path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"target.path: {cfg.target.path}: cannot read its config.json ({first})") from None
+        text = hf.get_text_config()
+        return int(text.num_hidden_layers), int(text.hidden_size)
+    from dflash.target import TINY_ARCH
+
+    arch = {**TINY_ARCH, **cfg.target.arch}
+    if "layer_types" in cfg.target.arch and len(arch["layer_types"]) != arch["num_hidden_layers"]:
+        raise ConfigError(f"target.arch.layer_types: has {len(arch['layer_types'])} entries for "
+                          f"target.arch.num_hidden_layers={arch['num_hidden_layers']}")
+    return int(arch["num_hidden_layers"]), int(arch["hidden_size"])
+
+
+def check_run(cfg: RunConfig, device_type: str) -> None:
+    """The checks that need the target's shape or the device, done before a run touches its directory.
+
+    They would otherwise fail only when the target or drafter is built, after `--fresh` has deleted checkpoints and
+    events.jsonl has been truncated. Raises ConfigError (`FILE: field: what`).
+    """
+    from dflash.target import default_tap_layers
+
+    try:
+        _check_ranges(cfg)  # again: a RunConfig built or changed in code has not been through config_from_dict
+        _check_target_path(cfg)
+        n_layers, hidden = _target_shape(cfg)
+        r = cfg.drafter
+        if cfg.target.tap_layers is not None:
+            if not cfg.target.tap_layers:
+                raise ConfigError("target.tap_layers: must name at least one layer")
+            for t in cfg.target.tap_layers:
+                if not 0 <= t < n_layers:
+                    raise ConfigError(f"target.tap_layers: layer {t} is outside 0..{n_layers - 1}")
+        else:
+            try:
+                default_tap_layers(n_layers, r.num_layers)
+            except ValueError as exc:
+                raise ConfigError(f"target.tap_layers: {exc}; set target.tap_layers") from None
+        if r.hidden_size is not None and r.hidden_size != hidden:
+            raise ConfigError(f"drafter.hidden_size: must equal the target hidden size {hidden} (the drafter "
+                              f"reads the target's embedding and LM head), got {r.hidden_size}")
+        if device_type != "cuda" and r.attention in ("flex", "flex-eager"):
+            raise ConfigError(f"drafter.attention: {r.attention} needs a CUDA device (flex-attention has no CPU "
+                              "backward); use auto or dense on CPU")
+    except ConfigError as exc:
+        raise ConfigError(f"{cfg.source}: {exc}") from None
 
 
 def _resolve(base: Path, value: str) -> Path:

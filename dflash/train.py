@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash import checkpoint as ckpt
-from dflash.config import RunConfig
+from dflash.config import ConfigError, RunConfig, check_run
 from dflash.data import DataError, Document, load_or_build_schedule, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, inspect_kernels, versions
 from dflash.model import DFlashDrafter, resolve_attention
@@ -226,10 +226,17 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
     roles = resolve_roles(cfg.dist)
     device = pick_device(roles)
     out = Path(out)
+    # The whole config is checked before anything below deletes (--fresh) or truncates (events.jsonl) a thing.
+    check_run(cfg, device.type)
     if docs is None:
         docs = prepare_documents(cfg)
     if fresh and resume:
         raise UsageError("--fresh and --resume exclude each other")
+    if cfg.data.tokenizer is not None and cfg.drafter.mask_token_id is not None:
+        vocab = load_tokenizer(cfg.data, docs, out / "tokenizer").vocab_size  # an HF directory: read, not written
+        if cfg.drafter.mask_token_id >= vocab:
+            raise ConfigError(f"{cfg.source}: drafter.mask_token_id: must be < the vocabulary of data.tokenizer "
+                              f"({vocab}), got {cfg.drafter.mask_token_id}")
     found = ckpt.list_checkpoints(out)
     if found and fresh and (roles.rank == 0):
         ckpt.remove_all(out)  # explicit --fresh: only step-N dirs inside OUT/checkpoints go
@@ -352,6 +359,9 @@ class _Run:
             dist.barrier()
             if roles.rank != 0:
                 tok = load_tokenizer(cfg.data, self.docs, tok_cache)
+        if cfg.drafter.mask_token_id is not None and cfg.drafter.mask_token_id >= tok.vocab_size:
+            raise UsageError(f"{cfg.source}: drafter.mask_token_id: must be < the tokenizer's vocabulary "
+                             f"({tok.vocab_size}), got {cfg.drafter.mask_token_id}")
         corpus = tokenize(self.docs, tok)
         n_d = len(roles.drafters)
         # Resume state, read by rank 0 and broadcast so every rank (target ranks too) continues from the same place.

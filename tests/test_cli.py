@@ -29,6 +29,16 @@ def _write(tmp: Path, cfg: dict, name: str = "run.yaml") -> Path:
     return p
 
 
+def _merge(base: dict, patch: dict) -> dict:
+    """Deep merge, so a patch of target.arch changes one key of the tiny arch instead of replacing it."""
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
 def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0, err
@@ -43,12 +53,35 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     ({"target": {"tap_layers": ["x"]}}, "target.tap_layers[0]: expected an integer, got 'x'"),
     ({"data": {"token_budget": 4}}, "data.token_budget: must be at least data.max_len (48), got 4"),
     ({"bogus": {}}, "bogus: unknown field"),
+    # semantics: found at load (or, for what needs the target's shape or the device, before --out is touched)
+    ({"drafter": {"num_anchors": 0}}, "drafter.num_anchors: must be in 1..data.token_budget (256), got 0"),
+    ({"drafter": {"num_anchors": 5000}}, "drafter.num_anchors: must be in 1..data.token_budget (256), got 5000"),
+    ({"drafter": {"num_layers": 0}}, "drafter.num_layers: must be >= 1, got 0"),
+    ({"drafter": {"num_heads": 3, "num_kv_heads": 2}},
+     "drafter.num_heads: must be a multiple of drafter.num_kv_heads (2), got 3"),
+    ({"drafter": {"num_kv_heads": 0}}, "drafter.num_kv_heads: must be >= 1, got 0"),
+    ({"drafter": {"block_size": 0}}, "drafter.block_size: must be >= 2, got 0"),
+    ({"drafter": {"loss_gamma": 0}}, "drafter.loss_gamma: must be > 0, got 0.0"),
+    ({"drafter": {"loss_gamma": -1}}, "drafter.loss_gamma: must be > 0, got -1.0"),
+    ({"drafter": {"mask_token_id": 99999}}, "drafter.mask_token_id: must be < data.vocab_size (512), got 99999"),
+    ({"drafter": {"attention": "flex-eager"}}, "drafter.attention: flex-eager needs a CUDA device"),
+    ({"drafter": {"attention": "flex"}}, "drafter.attention: flex needs a CUDA device"),
+    ({"drafter": {"attention": "fast"}}, "drafter.attention: expected one of auto, flex, dense, flex-eager"),
+    ({"drafter": {"hidden_size": 48}}, "drafter.hidden_size: must equal the target hidden size 32"),
+    ({"data": {"min_len": 500}}, "data.min_len: must be in 1..data.max_len (48), got 500"),
+    ({"target": {"arch": {"bogus_key": 1}}}, "target.arch.bogus_key: unknown Qwen3_5TextConfig field"),
+    ({"target": {"arch": {"num_hidden_layers": 0}}}, "target.arch.num_hidden_layers: must be an integer >= 1, got 0"),
+    ({"target": {"tap_layers": [9]}}, "target.tap_layers: layer 9 is outside 0..3"),
+    ({"target": {"path": "/nonexistent/model"}}, "target.path: /nonexistent/model does not exist"),
 ])
 def test_bad_config_exits_2_naming_file_and_field_and_writes_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], patch: dict, expected: str) -> None:
-    cfg = tiny_run_yaml()
-    for section, values in patch.items():
-        cfg.setdefault(section, {}).update(values)
+    if "attention" in patch.get("drafter", {}) and "flex" in patch["drafter"]["attention"]:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("flex attention is refused on CPU runs only")
+    cfg = _merge(tiny_run_yaml(), patch)
     path = _write(tmp_path, cfg)
     out = tmp_path / "out"
     assert main(["train", "--config", str(path), "--out", str(out)]) == 2
@@ -170,12 +203,37 @@ def test_shipped_tiny_config_loads_and_yaml_booleans_map_to_choices(tmp_path: Pa
 
 def test_semantic_config_error_found_at_load_exits_2_naming_the_field(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A tap layer outside the target is known from the arch alone: refused before --out is created."""
     path = _write(tmp_path, tiny_run_yaml(target={"tap_layers": [9]}))
     assert main(["train", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert f"{path}: target.tap_layers: layer 9 is outside 0..3" in err
-    evs = list(read_events(tmp_path / "out" / "events.jsonl"))
-    assert evs[-1]["kind"] == "run_end" and evs[-1]["exit_code"] == 2
+    assert _one_line_error(capsys) == f"dflash: {path}: target.tap_layers: layer 9 is outside 0..3"
+    assert not (tmp_path / "out").exists()
+
+
+def test_preflight_refuses_a_missing_target_path_in_one_line(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, tiny_run_yaml(target={"path": str(tmp_path / "no-model")}))
+    assert main(["preflight", "--config", str(path)]) == 2
+    assert _one_line_error(capsys) == (f"dflash: {path}: target.path: {tmp_path / 'no-model'} does not exist "
+                                       "(a local Hugging Face model directory)")
+
+
+@pytest.mark.parametrize("bad", [{"drafter": {"block_size": 0}}, {"target": {"tap_layers": [9]}},
+                                 {"drafter": {"hidden_size": 48}}])
+def test_fresh_with_a_bad_config_deletes_no_checkpoint_and_keeps_the_events(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: dict) -> None:
+    """--fresh is destructive: it may only act once the whole config (target/drafter shapes too) is known good."""
+    good = _write(tmp_path, tiny_run_yaml(train={"max_steps": 2, "checkpoint_every": 1}), "good.yaml")
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(good), "--out", str(out)]) == 0
+    before = {p.name for p in (out / "checkpoints").iterdir()}
+    events = (out / "events.jsonl").read_bytes()
+    path = _write(tmp_path, _merge(tiny_run_yaml(), bad), "bad.yaml")
+    capsys.readouterr()
+    assert main(["train", "--config", str(path), "--out", str(out), "--fresh"]) == 2
+    assert _one_line_error(capsys).startswith(f"dflash: {path}: ")
+    assert before == {"step-1", "step-2"} and {p.name for p in (out / "checkpoints").iterdir()} == before
+    assert (out / "events.jsonl").read_bytes() == events
 
 
 def test_fresh_and_resume_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

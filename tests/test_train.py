@@ -170,3 +170,20 @@ def test_compiled_step_enters_compiling_then_training_and_never_recompiles(tmp_p
     assert [e["recompiles"] for e in steps] == [0, 0, 0, 0]
     assert not [e for e in evs if e["kind"] == "error"]
     torch._dynamo.reset()
+
+
+def test_fresh_checks_the_whole_config_before_deleting_anything(tmp_path: Path) -> None:
+    """A config changed in code (not through config_from_dict) is checked again, before --fresh deletes."""
+    from dflash.config import ConfigError
+
+    cfg = run_config(train={"max_steps": 2, "checkpoint_every": 1})
+    assert train(cfg, tmp_path).exit_code == 0
+    events = (tmp_path / "events.jsonl").read_bytes()
+    for field, value, msg in [("block_size", 0, "drafter.block_size: must be >= 2, got 0"),
+                              ("hidden_size", 48, "drafter.hidden_size: must equal the target hidden size 32")]:
+        bad = run_config(train={"max_steps": 2, "checkpoint_every": 1})
+        setattr(bad.drafter, field, value)
+        with pytest.raises(ConfigError, match=f"^<test>: {msg}"):
+            train(bad, tmp_path, fresh=True)
+        assert sorted(s for s, _ in list_checkpoints(tmp_path)) == [1, 2]
+        assert (tmp_path / "events.jsonl").read_bytes() == events
