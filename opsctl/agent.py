@@ -476,6 +476,15 @@ def run_procs(pid: int, pgid: int, known: dict[int, int], wrapper: int | None = 
     return found
 
 
+def leftovers(run: Run) -> list[int]:
+    """Live processes the run's wrapper still holds (adopted orphans) after the main command ended.
+
+    Only the wrapper's descendants (wrapper checked by start time) count, so a reused pid is never taken for one."""
+    info = read_json(run.sf("pid")) or {}
+    wrapper = wrapper_of(info)
+    return sorted(run_procs(-1, -1, {}, wrapper)) if wrapper is not None else []
+
+
 class ProcWatch:
     """Process state of the run from STATE_DIR/pid and STATE_DIR/exit_code; emits `proc` on change."""
 
@@ -912,6 +921,11 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("check", name="not_running", ok=False,
              detail="run already running (pid {}, tmux session {}); kill it first".format(prev["pid"], run.session))
         return EXIT_CODES["refused"]
+    left = leftovers(run)
+    if left:
+        emit("check", name="not_running", ok=False,
+             detail=f"the previous run exited but left processes alive (pids {left}); kill them first (opsctl kill)")
+        return EXIT_CODES["refused"]
     emit("check", name="not_running", ok=True, detail=f"no live process recorded in {run.state_dir}")
 
     ok = True
@@ -1252,9 +1266,15 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     snap = ProcWatch(run).snapshot()
     rc = EXIT_CODES["ok"]
     cache, default_ok = run.cache_dir()
+    left = leftovers(run) if snap["state"] != "running" else []
     if snap["state"] == "running":
         emit("check", name="inductor_cache", ok=False,
              detail="run is running (pid {}): its compile cache is in use; not cleaned".format(snap["pid"]))
+        rc = EXIT_CODES["refused"]
+    elif left:
+        emit("check", name="inductor_cache", ok=False,
+             detail=f"the run exited but left processes alive (pids {left}); they may use the cache and the pid "
+                    f"file is how opsctl kill finds them: nothing cleaned, run opsctl kill first")
         rc = EXIT_CODES["refused"]
     else:
         try:
@@ -1275,7 +1295,7 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("removed", path=sock, bytes=0, dry_run=dry)
         if not dry:
             os.unlink(sock)
-    if snap["state"] != "running" and os.path.exists(run.sf("pid")):
+    if snap["state"] != "running" and not left and os.path.exists(run.sf("pid")):
         emit("removed", path=run.sf("pid"), bytes=os.path.getsize(run.sf("pid")), dry_run=dry)
         if not dry:
             os.unlink(run.sf("pid"))

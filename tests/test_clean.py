@@ -138,3 +138,31 @@ def test_clean_refuses_a_symlinked_cache_dir_that_leads_out(tmp_path: Path, sshd
     with pytest.raises(agent.AgentError, match="not inside an allowed root"):
         agent.validate_clean_dir("/usr/lib/python3", [str(work / "slash")], False)
     assert (victim / "precious.txt").exists()
+
+
+def test_clean_and_launch_refuse_while_a_finished_run_left_a_daemon(tmp_path: Path) -> None:
+    # The main command exits by itself but leaves a double-forked daemon (held by the subreaper wrapper):
+    # clean must not drop the pid file (kill's way to find it) or empty the cache under it, launch must not
+    # start over it; after `kill` both go ahead.
+    marker = tmp_path / "daemon"
+    args = run_args(tmp_path, "daemonizer.py", "--marker", str(marker), "--exit-after", "0.3", kill_grace=[0.5, 0.5])
+    try:
+        assert drive("launch", {**args, "options": {"follow": True}})[0] == 0  # the main command exited 0
+        daemon = int(marker.read_text().split()[0])
+        assert agent.alive(daemon)
+        (tmp_path / "cache").mkdir(exist_ok=True)
+        (tmp_path / "cache" / "x.so").write_text("in use")
+        rc, msgs = drive("clean", args)
+        assert rc == agent.EXIT_CODES["refused"], msgs
+        assert f"left processes alive (pids [{daemon}])" in of(msgs, "check")[0]["detail"]
+        assert not of(msgs, "removed") and (tmp_path / "state" / "pid").exists()
+        assert (tmp_path / "cache" / "x.so").exists()
+        rc, msgs = drive("launch", args)
+        assert rc == agent.EXIT_CODES["refused"] and agent.alive(daemon)
+        assert "left processes alive" in [c for c in of(msgs, "check") if not c["ok"]][0]["detail"]
+        rc, msgs = drive("kill", args)
+        assert rc == 0 and not agent.alive(daemon), msgs
+        rc, msgs = drive("clean", args)
+        assert rc == 0 and not (tmp_path / "cache" / "x.so").exists()
+    finally:
+        cleanup(args)

@@ -1,6 +1,7 @@
 """Test run that leaves a daemon behind: fork, setsid, fork again, the middle process exits (a double fork).
 
 The daemon's parent is gone, so without a subreaper it re-parents to pid 1; its pid goes to --marker.
+With --exit-after S the main process exits by itself after S seconds, leaving the daemon behind.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 
 from _common import parse, writer
 
-args = parse()
+args = parse(exit_after=0.0)
 w = writer(args.events)
 w.emit("phase", phase="training")
 r, wfd = os.pipe()
@@ -47,6 +48,7 @@ signal.signal(signal.SIGINT, on_signal)
 signal.signal(signal.SIGTERM, on_signal)
 w.emit("step", step=1, epoch=0, loss=1.0, acc=[0.5], lr=1e-3, grad_norm=1.0, tokens=1, tokens_per_s=1.0,
        step_time_s=0.1, queue_depth=0, queue_wait_s=0.0, recompiles=0, total_steps=1000)
-while stop["sig"] is None:
+end = time.monotonic() + args.exit_after if args.exit_after else None
+while stop["sig"] is None and (end is None or time.monotonic() < end):
     time.sleep(0.05)
-w.emit("run_end", reason="signal", exit_code=0, step=1, signal=stop["sig"])
+w.emit("run_end", reason="signal" if stop["sig"] else "completed", exit_code=0, step=1, signal=stop["sig"])
