@@ -167,6 +167,23 @@ class TokenizerAdapter:
             self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else self.eos_id
             mask = hf.mask_token_id if getattr(hf, "mask_token_id", None) is not None else None
             self.mask_token_id = mask
+        self.content_hash = self._content_hash()
+
+    def _content_hash(self) -> str:
+        """sha256 of what the tokenizer does (vocabulary, merges, normalisation, special tokens), not where it lives:
+        a run directory that is moved, copied or named by another path must still match its schedule."""
+        h = hashlib.sha256()
+        if self._tiny is not None:
+            h.update(self._tiny.to_str().encode())
+            return h.hexdigest()
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        if backend is not None:  # a fast tokenizer: its whole tokenizer.json
+            h.update(backend.to_str().encode())
+        else:
+            h.update(json.dumps(sorted(self._hf.get_vocab().items()), ensure_ascii=False).encode())
+        h.update(json.dumps([str(t) for t in getattr(self._hf, "all_special_tokens", [])]).encode())
+        h.update(str(getattr(self._hf, "chat_template", None)).encode())
+        return h.hexdigest()
 
     def encode(self, text: str) -> list[int]:
         if self._tiny is not None:
@@ -309,7 +326,7 @@ def tokenize(docs: Sequence[Document], tok: TokenizerAdapter) -> TokenizedCorpus
         ids.append(torch.tensor(seq, dtype=torch.long))
         masks.append(torch.tensor(m, dtype=torch.bool))
     h = hashlib.sha256(corpus_fingerprint(docs).encode())
-    h.update(tok.source.encode())
+    h.update(tok.content_hash.encode())
     h.update(str(tok.vocab_size).encode())
     return TokenizedCorpus(ids=ids, loss_mask=masks, fingerprint=h.hexdigest())
 
@@ -409,6 +426,22 @@ def save_schedule(schedule: Schedule, meta: dict[str, Any], path: str | Path) ->
     os.replace(tmp, p)
 
 
+def schedule_mismatch(on_disk: dict[str, Any], now: dict[str, Any]) -> str:
+    """Say what differs between the schedule on disk and this run, and the ways out (the checkpoints stay valid)."""
+    parts = []
+    for k in sorted(set(now) | set(on_disk)):
+        if on_disk.get(k) == now.get(k):
+            continue
+        if k == "fingerprint":
+            parts.append(f"the corpus or tokenizer content (fingerprint {str(on_disk.get(k))[:12]} on disk, "
+                         f"{str(now.get(k))[:12]} now)")
+        else:
+            name = "train.seed" if k == "seed" else f"data.{k}"
+            parts.append(f"{name} {on_disk.get(k)!r} on disk, {now.get(k)!r} now")
+    return ("schedule was made for other data/settings: " + "; ".join(parts) + ". To resume, restore the original "
+            "data and settings; to start a new run instead, pass --fresh or use another --out")
+
+
 def load_or_build_schedule(corpus: TokenizedCorpus, cfg: DataConfig, seed: int, epochs: int,
                            path: str | Path, write: bool = True) -> Schedule:
     """Reuse the schedule on disk when it was made for this data and settings (extending it if the run got longer).
@@ -431,9 +464,7 @@ def load_or_build_schedule(corpus: TokenizedCorpus, cfg: DataConfig, seed: int, 
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{p}: unreadable schedule ({exc}); delete it to rebuild") from None
     if on_disk != meta:
-        diff = sorted(k for k in meta if on_disk.get(k) != meta[k])
-        raise DataError(f"{p}: schedule was made for other data/settings ({', '.join(diff)} differ); "
-                        f"use a fresh --out directory")
+        raise DataError(f"{p}: {schedule_mismatch(on_disk, meta)}")
     sched = Schedule(epochs=eps, fingerprint=corpus.fingerprint, seed=seed, token_budget=cfg.token_budget)
     if len(eps) < epochs:
         sched.epochs += build_schedule(corpus, cfg, seed, epochs, first=len(eps)).epochs

@@ -119,7 +119,7 @@ def test_schedule_on_disk_is_reused_extended_and_guarded(tmp_path: Path) -> None
     longer = load_or_build_schedule(corpus, cfg, 5, 2, path)  # a longer run extends it deterministically
     assert longer.epochs[0] == first.epochs[0]
     assert longer.epochs[1] == build_schedule(corpus, cfg, 5, 2).epochs[1]
-    with pytest.raises(DataError, match="seed differ"):
+    with pytest.raises(DataError, match="train.seed 5 on disk, 6 now"):
         load_or_build_schedule(corpus, cfg, 6, 1, path)
     path.write_text("{trunc")
     with pytest.raises(DataError, match="unreadable schedule"):
@@ -183,3 +183,49 @@ def test_directory_of_text_files_and_format_filter(tmp_path: Path) -> None:
     empty.mkdir()
     with pytest.raises(DataError, match="no .txt or .jsonl files"):
         read_documents(data_cfg(paths=[str(empty)]))
+
+
+def test_corpus_fingerprint_follows_the_tokenizer_content_not_its_path(tmp_path: Path) -> None:
+    """A run dir that is moved, copied or named by another path holds the same tokenizer: the schedule must match."""
+    import shutil
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash.data import TokenizerAdapter, train_tiny_tokenizer
+
+    docs, tok, corpus = tiny_corpus()
+    copies = []
+    for name in ("a", "b"):
+        p = tmp_path / name / "tiny.json"
+        p.parent.mkdir()
+        shutil.copyfile(tok.source, p)
+        copies.append(TokenizerAdapter(tiny=Tokenizer.from_file(str(p)), source=str(p)))
+    assert tokenize(docs, copies[0]).fingerprint == tokenize(docs, copies[1]).fingerprint == corpus.fingerprint
+    other = TokenizerAdapter(tiny=train_tiny_tokenizer(docs[:3], 300), source=copies[0].source)  # same path
+    assert tokenize(docs, other).fingerprint != corpus.fingerprint
+
+    # A Hugging Face tokenizer directory, copied: same content, same fingerprint.
+    hf_dir = tmp_path / "hf"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(tok.source), eos_token="<|endoftext|>",
+                            pad_token="<|pad|>").save_pretrained(hf_dir)
+    shutil.copytree(hf_dir, tmp_path / "hf-copy")
+    a = load_tokenizer(data_cfg(tokenizer=str(hf_dir)), docs, tmp_path / "unused")
+    b = load_tokenizer(data_cfg(tokenizer=str(tmp_path / "hf-copy")), docs, tmp_path / "unused")
+    assert a.source != b.source and tokenize(docs[:5], a).fingerprint == tokenize(docs[:5], b).fingerprint
+    assert not (tmp_path / "unused").exists()
+
+
+def test_schedule_mismatch_says_what_differs_and_how_to_resume(tmp_path: Path) -> None:
+    docs, tok, corpus = tiny_corpus()
+    path = tmp_path / "schedule.json"
+    load_or_build_schedule(corpus, data_cfg(), 0, 1, path)
+    fewer = tokenize(docs[:-1], tok)  # the corpus changed
+    with pytest.raises(DataError) as exc:
+        load_or_build_schedule(fewer, data_cfg(num_buckets=2), 0, 1, path)
+    msg = str(exc.value)
+    assert msg.startswith(f"{path}: schedule was made for other data/settings: ")
+    assert f"the corpus or tokenizer content (fingerprint {corpus.fingerprint[:12]} on disk, " \
+           f"{fewer.fingerprint[:12]} now)" in msg
+    assert "data.num_buckets 4 on disk, 2 now" in msg and "restore the original data" in msg
+    assert "\n" not in msg

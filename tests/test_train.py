@@ -172,6 +172,27 @@ def test_compiled_step_enters_compiling_then_training_and_never_recompiles(tmp_p
     torch._dynamo.reset()
 
 
+def test_resume_from_another_spelling_of_out_and_after_the_run_dir_moved(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokenizer lives in OUT/tokenizer; the schedule must not depend on the path it was loaded from."""
+    import shutil
+
+    cfg = run_config(data={"tokenizer_cache": None}, train={"max_steps": 2, "checkpoint_every": 0})
+    monkeypatch.chdir(tmp_path)
+    assert train(cfg, "rel").exit_code == 0
+    assert any((tmp_path / "rel" / "tokenizer").iterdir())
+    res = train(cfg, tmp_path / "rel", resume=True, max_steps=3)  # relative, then absolute
+    assert (res.exit_code, res.reason, res.step) == (0, "completed", 3)
+    shutil.move(tmp_path / "rel", tmp_path / "moved")
+    res = train(cfg, tmp_path / "moved", resume=True, max_steps=4)
+    assert (res.exit_code, res.reason, res.step) == (0, "completed", 4)
+    shutil.copytree(tmp_path / "moved", tmp_path / "copy")
+    res = train(cfg, tmp_path / "copy", resume=True, max_steps=5)
+    assert (res.exit_code, res.reason, res.step) == (0, "completed", 5)
+    starts = [e["resumed_from"] for e in _events(tmp_path / "copy") if e["kind"] == "run_start"]
+    assert starts == [None, 2, 3, 4]
+
+
 def test_fresh_checks_the_whole_config_before_deleting_anything(tmp_path: Path) -> None:
     """A config changed in code (not through config_from_dict) is checked again, before --fresh deletes."""
     from dflash.config import ConfigError
