@@ -25,7 +25,8 @@ examples:
   dflash export --checkpoint runs/tiny/checkpoints/step-200 --out hf/tiny-drafter
       a Hugging Face directory in the DFlashDraftModel format (z-lab/dflash, SpecForge)
 
-exit codes: 0 ok (also after SIGTERM/SIGINT: checkpoint written), 1 run error (see events.jsonl),
+exit codes: 0 ok (also after SIGTERM/SIGINT: the step finishes and is checkpointed; before the first step
+            the run stops at the next phase boundary), 1 run error (see events.jsonl),
             2 bad config/data/checkpoint (one line on stderr), 130/143 second signal
 """
 

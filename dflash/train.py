@@ -332,6 +332,18 @@ class _Run:
         self.log.info("run_end: %s (exit %d) at step %d", reason, code, self.step)
         return TrainResult(exit_code=code, reason=reason, step=self.step, losses=self.losses)
 
+    def stop_requested(self) -> bool:
+        """A first signal seen at a phase boundary before any step ran: stop there, do not load or step.
+
+        Only a single-process run stops between phases; with several ranks the signal is agreed on in the step's
+        all-reduce (one rank alone leaving would leave the others waiting in a collective)."""
+        return self.gate.received is not None and self.roles.world_size == 1
+
+    def end_on_signal(self) -> TrainResult:
+        """Nothing ran since the last checkpoint (or since the start), so there is nothing to save."""
+        self.log.info("%s before the first step: stopping at the %s boundary", self.gate.name, self.live.phase)
+        return self.end("signal", EXIT_OK, signal=self.gate.name or "SIGTERM")
+
     def run(self, *, max_steps: int | None, resume: bool, allow_slow_kernels: bool) -> TrainResult:
         try:
             return self._run(max_steps, resume, allow_slow_kernels)
@@ -408,6 +420,10 @@ class _Run:
         start_step = int(resume_state["step"]) if resume_state else 0
         if start_step >= total:
             raise UsageError(f"{resume_path}: already at step {start_step} of {total}; raise --max-steps to continue")
+        self.step = start_step
+        self.step_holder["step"] = start_step
+        if self.stop_requested():
+            return self.end_on_signal()
 
         attention = resolve_attention(cfg.drafter.attention, device)
         kernels = {**probe_kernels(cfg, tok.vocab_size), "attention": attention}
@@ -423,6 +439,8 @@ class _Run:
                 self.emit("error", **{"class": "slow_kernel"}, message=p, traceback=None, fatal=True)
                 self.log.error("preflight: %s", p)
             return self.end("error", EXIT_ERROR)
+        if self.stop_requested():
+            return self.end_on_signal()
 
         # Target (target and colocated ranks) or its frozen embedding/LM head (drafter ranks in split mode).
         self.phase("loading_target", i=0, n=1)
@@ -451,6 +469,8 @@ class _Run:
             info = recv_target_info(roles.targets[0], device)
         self.log.info("target: %d layers, hidden %d, taps %s, packing %s, kernels %s (%.1fs)", info.num_layers,
                       info.hidden_size, info.tap_layers, info.packing, info.kernels, time.perf_counter() - t_start)
+        if self.stop_requested():
+            return self.end_on_signal()
 
         if roles.role == "target":
             assert target is not None
@@ -503,6 +523,8 @@ class _Run:
         self.step = start_step
         self.step_holder["step"] = start_step
         self.live.step = start_step
+        if self.stop_requested():
+            return self.end_on_signal()
 
         if roles.split:
             source: Callable[[int, Any], Any] = RemoteSource(
@@ -527,6 +549,8 @@ class _Run:
                       time.perf_counter() - t_start)
         reason = "completed"
         while self.step < total:
+            if self.step == start_step and self.stop_requested():
+                return self.end_on_signal()  # a signal during setup or compiling: no step has run, nothing to save
             if not compile_on and not entered_training:
                 self.phase("training")
                 entered_training = True

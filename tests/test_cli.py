@@ -140,8 +140,11 @@ def test_preflight_on_cpu_lists_kernels(capsys: pytest.CaptureFixture[str]) -> N
     assert "chunk_gated_delta_rule" in out and "torch-fallback" in out and "preflight: ok" in out
 
 
-def _start(tmp_path: Path, **train: object) -> tuple[subprocess.Popen[bytes], Path]:
-    path = _write(tmp_path, tiny_run_yaml(train={"checkpoint_every": 0, "heartbeat_s": 0.2, **train}))
+def _start(tmp_path: Path, own_tokenizer: bool = False, **train: object) -> tuple[subprocess.Popen[bytes], Path]:
+    cfg = tiny_run_yaml(train={"checkpoint_every": 0, "heartbeat_s": 0.2, **train})
+    if own_tokenizer:  # trained in OUT/tokenizer: preparing_data then lasts a couple of seconds
+        cfg["data"]["tokenizer_cache"] = None
+    path = _write(tmp_path, cfg)
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(path), "--out", str(out)],
@@ -176,11 +179,56 @@ def test_sigterm_finishes_step_checkpoints_and_exits_0(tmp_path: Path) -> None:
     assert json.loads((out / "run.json").read_text())["run_id"] == end["run_id"]
 
 
+def _popen(path: Path, out: Path, *extra: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(path), "--out", str(out),
+                             *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_signal_before_the_first_step_stops_at_the_phase_boundary_without_loading(tmp_path: Path) -> None:
+    """With a 27B target, loading and a first step take minutes: a first SIGTERM during data preparation must end
+    the run at the next phase boundary (no target load, no step, no checkpoint), reason signal, exit 0."""
+    # No shared tokenizer cache: the BPE is trained and the corpus tokenized in preparing_data (~2 s here).
+    cfg = tiny_run_yaml(train={"max_steps": 2, "checkpoint_every": 0, "heartbeat_s": 0.2})
+    cfg["data"]["tokenizer_cache"] = None
+    path = _write(tmp_path, cfg)
+    out = tmp_path / "out"
+    n_events = n_heartbeats = 0
+    for resumed in (False, True):
+        proc = _popen(path, out, *(["--resume", "--max-steps", "4"] if resumed else []))
+        try:
+            if resumed:  # the earlier runs' heartbeats are in the file: wait for this run's first
+                while (out / "events.jsonl").read_bytes().count(b'"heartbeat"') <= n_heartbeats:
+                    assert proc.poll() is None
+                    time.sleep(0.02)
+            else:
+                _wait_for(out, "heartbeat", proc)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        evs = list(read_events(out / "events.jsonl"))
+        if resumed:
+            evs = evs[n_events:]
+        end = evs[-1]
+        assert (end["kind"], end["reason"], end["exit_code"], end["signal"]) == ("run_end", "signal", 0, "SIGTERM")
+        assert end["step"] == (2 if resumed else 0)
+        assert [e["phase"] for e in evs if e["kind"] == "heartbeat"][0] == "preparing_data"
+        assert not [e for e in evs if e["kind"] in ("step", "checkpoint", "phase", "run_start", "error")]
+        assert [p.name for p in (out / "checkpoints").glob("step-*")] == ([] if not resumed else ["step-2"])
+        if not resumed:  # now a run with a checkpoint to resume from
+            assert main(["train", "--config", str(path), "--out", str(out), "--fresh"]) == 0
+            n_events = len((out / "events.jsonl").read_bytes().splitlines())
+            n_heartbeats = (out / "events.jsonl").read_bytes().count(b'"heartbeat"')
+
+
 def test_second_signal_exits_at_once(tmp_path: Path) -> None:
-    proc, out = _start(tmp_path, max_steps=100000)
+    proc, out = _start(tmp_path, own_tokenizer=True, max_steps=100000)
     try:
         _wait_for(out, "heartbeat", proc)
-        # handlers are installed before the first heartbeat; data preparation still takes seconds
+        # handlers are installed before the first heartbeat; data preparation still takes seconds, and the first
+        # signal alone would end the run at the end of it
         proc.send_signal(signal.SIGINT)
         time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
