@@ -117,6 +117,22 @@ def probe_kernels(cfg: RunConfig, vocab_size: int) -> dict[str, str]:
     return inspect_kernels(model)
 
 
+def loaded_kernel_problems(probed: dict[str, str], loaded: dict[str, str], device: torch.device | str,
+                           allow_slow: bool) -> list[str]:
+    """Problems with the kernels the loaded target bound: a difference from the early meta-device probe (run_start
+    named the probe's kernels, so it would have lied), then check_kernels on what is really bound."""
+    problems = []
+    for op in sorted(set(probed) | set(loaded)):
+        if op == "attention":  # the drafter's, not the target's
+            continue
+        if probed.get(op) != loaded.get(op):
+            problems.append(f"{op}: the loaded target binds {loaded.get(op, 'nothing')}, the preflight probe saw "
+                            f"{probed.get(op, 'nothing')}")
+    attention = {"attention": probed["attention"]} if "attention" in probed else {}
+    problems += check_kernels({**loaded, **attention}, device, allow_slow)
+    return problems
+
+
 def _rng_state(gen: torch.Generator) -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(), "anchors": gen.get_state()}
     if torch.cuda.is_available():
@@ -469,6 +485,18 @@ class _Run:
             info = recv_target_info(roles.targets[0], device)
         self.log.info("target: %d layers, hidden %d, taps %s, packing %s, kernels %s (%.1fs)", info.num_layers,
                       info.hidden_size, info.tap_layers, info.packing, info.kernels, time.perf_counter() - t_start)
+        # The probe above saw a weightless instance; what counts is what the loaded model really bound.
+        allowed = allow_slow_kernels or cfg.target.allow_slow_kernels
+        problems = loaded_kernel_problems(kernels, info.kernels, device, allowed)
+        if problems:
+            for p in problems:
+                self.emit("error", **{"class": "slow_kernel"}, message=p, traceback=None, fatal=not allowed)
+                self.log.error("loaded target: %s", p)
+            if not allowed:
+                print(f"dflash: loaded target: {problems[0]}", file=sys.stderr)
+                return self.end("error", EXIT_ERROR)
+        else:
+            self.log.info("loaded target binds the kernels the probe saw")
         if self.stop_requested():
             return self.end_on_signal()
 

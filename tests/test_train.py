@@ -15,7 +15,7 @@ from dflash_fixtures import run_config
 
 from dflash.checkpoint import list_checkpoints, load_file
 from dflash.telemetry import ReadStats, read_events, validate_event
-from dflash.train import TrainResult, UsageError, lr_lambda, train
+from dflash.train import TrainResult, UsageError, loaded_kernel_problems, lr_lambda, train
 
 
 def _events(out: Path) -> list[dict]:
@@ -61,6 +61,9 @@ def test_loss_falls_and_event_stream_follows_the_contract(tmp_path: Path) -> Non
     assert any(e["kind"] == "heartbeat" for e in evs)
     log = (tmp_path / "train.log").read_text()
     assert "step 40/40" in log and "run_end: completed" in log
+    # the kernels the loaded model bound were checked against the early (meta-device) probe: equal on CPU
+    assert "loaded target binds the kernels the probe saw" in log
+    assert not [e for e in evs if e["kind"] == "error"]
 
 
 def _params(ckpt_dir: Path) -> dict[str, torch.Tensor]:
@@ -191,6 +194,31 @@ def test_resume_from_another_spelling_of_out_and_after_the_run_dir_moved(tmp_pat
     assert (res.exit_code, res.reason, res.step) == (0, "completed", 5)
     starts = [e["resumed_from"] for e in _events(tmp_path / "copy") if e["kind"] == "run_start"]
     assert starts == [None, 2, 3, 4]
+
+
+def test_loaded_kernels_must_match_the_probe_and_pass_the_kernel_check() -> None:
+    """run_start names the probe's kernels; the loaded model must bind the same ones, and fast ones on a GPU."""
+    fast = {"chunk_gated_delta_rule": "fla", "fused_recurrent_gated_delta_rule": "fla",
+            "causal_conv1d_fn": "causal_conv1d", "causal_conv1d_update": "causal_conv1d"}
+    probed = {**fast, "attention": "flex-compiled"}
+    assert loaded_kernel_problems(probed, dict(fast), "cuda", False) == []
+    slow = {**fast, "chunk_gated_delta_rule": "torch-fallback"}
+    problems = loaded_kernel_problems(probed, slow, "cuda", False)
+    assert problems == [
+        "chunk_gated_delta_rule: the loaded target binds torch-fallback, the preflight probe saw fla",
+        "chunk_gated_delta_rule runs torch-fallback on cuda (install flash-linear-attention, or pass "
+        "--allow-slow-kernels)"]
+    # allowed slow kernels: the difference is still reported (run_start said otherwise), the fallback is not
+    assert loaded_kernel_problems(probed, slow, "cuda", True) == problems[:1]
+    # a kernel the probe did not see at all
+    assert loaded_kernel_problems(probed, {**fast, "extra_op": "hub:x"}, "cuda", False) == [
+        "extra_op: the loaded target binds hub:x, the preflight probe saw nothing"]
+    # the uncompiled drafter attention is a GPU problem even when the target's kernels agree
+    assert loaded_kernel_problems({**fast, "attention": "flex-eager"}, dict(fast), "cuda", False)[0].startswith(
+        "drafter attention runs flex-eager on cuda")
+    # on CPU the fallback is the only implementation: equal kernels are no problem
+    cpu = dict.fromkeys(fast, "torch-fallback")
+    assert loaded_kernel_problems({**cpu, "attention": "dense"}, dict(cpu), "cpu", False) == []
 
 
 def test_fresh_checks_the_whole_config_before_deleting_anything(tmp_path: Path) -> None:
