@@ -297,3 +297,22 @@ def test_fresh_and_resume_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str
     starts = [e for e in read_events(out / "events.jsonl") if e["kind"] == "run_start"]
     assert [s["resumed_from"] for s in starts] == [None]  # a fresh run truncates the events
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+
+
+def test_mask_token_outside_a_tokenizer_directory_vocab_exits_2_writing_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The vocabulary of a real tokenizer directory is known only once it is loaded: still before --out is touched."""
+    from dflash_fixtures import tiny_corpus
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    _, tok, _ = tiny_corpus()
+    hf = tmp_path / "tok"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(tok.source), eos_token="<|endoftext|>",
+                            pad_token="<|pad|>").save_pretrained(hf)
+    path = _write(tmp_path, tiny_run_yaml(data={"tokenizer": str(hf)}, drafter={"mask_token_id": 600}))
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(path), "--out", str(out)]) == 2
+    assert _one_line_error(capsys) == (f"dflash: {path}: drafter.mask_token_id: must be < the vocabulary of "
+                                       f"data.tokenizer ({tok.vocab_size}), got 600")
+    assert not out.exists()
