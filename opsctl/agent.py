@@ -54,6 +54,22 @@ def _subreaper():
     except Exception as exc:  # not Linux (no prctl), or no ctypes
         return "prctl(PR_SET_CHILD_SUBREAPER) unavailable: %s: %s" % (exc.__class__.__name__, exc)
 
+def _reap_orphans(main_pid):
+    """Reap adopted orphans as they exit, never the main command (Popen.wait reaps that one): peek with WNOWAIT
+    first, so a long run that sheds detached helpers does not pile up zombies under the wrapper."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        except (ChildProcessError, OSError):
+            info = None
+        if info is None or info.si_pid == main_pid:
+            time.sleep(0.5)
+            continue
+        try:
+            os.waitpid(info.si_pid, os.WNOHANG)
+        except (ChildProcessError, OSError):
+            pass
+
 def _starttime():
     try:
         with open("/proc/self/stat") as fh:
@@ -185,6 +201,8 @@ def main():
                threading.Thread(target=pump, args=(proc.stderr.fileno(), False), daemon=True)]
     for t in threads:
         t.start()
+    if reaper_error is None and hasattr(os, "waitid"):
+        threading.Thread(target=_reap_orphans, args=(proc.pid,), daemon=True).start()
     rc = proc.wait()
     code = rc if rc >= 0 else 128 - rc
     end = time.time() + 0.3  # children that keep the pipes open must not delay the exit status

@@ -319,3 +319,24 @@ def test_follow_stream_reports_a_kill_made_by_another_client(tmp_path: Path) -> 
         assert of(later, "proc")[-1]["killed_by_opsctl"] is True
     finally:
         cleanup(args)
+
+
+def test_wrapper_reaps_an_adopted_orphan_while_the_run_goes_on(tmp_path: Path) -> None:
+    # A daemon the run double-forked exits by itself mid-run: the subreaper wrapper adopted it, so it must reap
+    # it (no zombie piling up under the wrapper for the length of a training run).
+    marker = tmp_path / "daemon"
+    args = run_args(tmp_path, "daemonizer.py", "--marker", str(marker), "--daemon-life", "0.3",
+                    kill_grace=[0.5, 0.5])
+    try:
+        assert drive("launch", args)[0] == 0
+        daemon = int(marker.read_text().split()[0])
+        main_pid = json.loads((tmp_path / "state" / "pid").read_text())["pid"]
+        deadline = time.monotonic() + 5
+        while agent.proc_stat(daemon) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert agent.proc_stat(daemon) is None, agent.proc_stat(daemon)  # gone from /proc: reaped, not a zombie
+        assert agent.alive(main_pid)  # and the main command was left alone
+        rc, msgs = drive("kill", args)
+        assert rc == 0 and of(msgs, "verdict")[0]["exit_code"] == 0  # Popen still got the main's real status
+    finally:
+        cleanup(args)

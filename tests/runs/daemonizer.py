@@ -1,7 +1,8 @@
 """Test run that leaves a daemon behind: fork, setsid, fork again, the middle process exits (a double fork).
 
 The daemon's parent is gone, so without a subreaper it re-parents to pid 1; its pid goes to --marker.
-With --exit-after S the main process exits by itself after S seconds, leaving the daemon behind.
+With --exit-after S the main process exits by itself after S seconds, leaving the daemon behind; with
+--daemon-life S the daemon exits by itself after S seconds.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 
 from _common import parse, writer
 
-args = parse(exit_after=0.0)
+args = parse(exit_after=0.0, daemon_life=0.0)
 w = writer(args.events)
 w.emit("phase", phase="training")
 r, wfd = os.pipe()
@@ -24,6 +25,9 @@ if os.fork() == 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         os.write(wfd, str(os.getpid()).encode())
         os.close(wfd)
+        if args.daemon_life:
+            time.sleep(args.daemon_life)
+            os._exit(0)
         while True:
             time.sleep(1)
     os._exit(0)  # the middle process: the daemon is orphaned
