@@ -205,7 +205,9 @@ def main():
         threading.Thread(target=_reap_orphans, args=(proc.pid,), daemon=True).start()
     rc = proc.wait()
     code = rc if rc >= 0 else 128 - rc
-    end = time.time() + 0.3  # children that keep the pipes open must not delay the exit status
+    # Drain what the run wrote before it died (threads end at EOF at once), but a child that keeps the pipes open
+    # must not hold back the exit status: 0.8 s at most keeps "crash reported within 1 s of death".
+    end = time.time() + 0.8
     for t in threads:
         t.join(max(0.0, end - time.time()))
     _atomic(os.path.join(state, "exit_code"), "%d\n" % code)
