@@ -642,6 +642,18 @@ class WatchInTmux:
     def wait(self, *needles: str, timeout_s: float = 30.0) -> str:
         return _wait_screen(self.sock, *needles, timeout_s=timeout_s)
 
+    def wait_for_step(self, at_least: int, timeout_s: float = 30.0) -> str:
+        """The first screen whose summary shows step >= at_least."""
+        deadline = time.monotonic() + timeout_s
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = _screen(self.sock)
+            m = re.search(r"step ([\d,]+)/3,000", screen)
+            if m and int(m.group(1).replace(",", "")) >= at_least:
+                return screen
+            time.sleep(0.2)
+        raise AssertionError(f"step >= {at_least} not on screen after {timeout_s} s:\n{screen}")
+
     def close(self) -> None:
         subprocess.run(["tmux", "-S", str(self.sock), "kill-server"], capture_output=True)
 
@@ -667,7 +679,7 @@ def test_watch_in_tmux_survives_an_ssh_drop(tmp_path: Path, sshd: Any, container
         assert "ChannelLost" in screen or "TransportError" in screen or "closed" in screen, screen
         screen = watch.wait("link up", "no alerts", timeout_s=20)  # back, from the saved offsets
         step = int(re.search(r"step ([\d,]+)/3,000", screen).group(1).replace(",", ""))  # type: ignore[union-attr]
-        later = watch.wait(f"step {step + 3}/3,000", timeout_s=20)
+        later = watch.wait_for_step(step + 3, timeout_s=20)  # a step number shows for only 0.2 s: compare, not match
         lines = [ln for ln in later.splitlines() if re.search(r"│step \d+ loss", ln)]
         nums = [int(re.search(r"step (\d+) loss", ln).group(1)) for ln in lines]  # type: ignore[union-attr]
         assert len(nums) >= 3, f"the run's log lines did not reach the screen:\n{later}"
