@@ -60,8 +60,8 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    # colocated: every rank runs target + drafter. split: the first `target_ranks` ranks run the target,
-    # the others train the drafter (DDP among them).
+    # colocated: every rank runs target + drafter. split: the last `target_ranks` ranks run the target,
+    # the first ones train the drafter (DDP among them), so rank 0 always has the loss.
     roles: str = "colocated"
     target_ranks: int = 1
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
