@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
-from agentlib import kill_tmux, opsctl, script_run  # noqa: E402
+from agentlib import kill_tmux, opsctl, script_run, tiny_run  # noqa: E402
 
 from opsctl import commands  # noqa: E402
 
@@ -102,14 +102,8 @@ def test_help_teaches_examples_and_exit_codes() -> None:
 @pytest.mark.slow
 def test_real_tiny_run_ready_then_kill_writes_checkpoint(tmp_path: Path, sshd, ct: int) -> None:
     """The training core's embedded default through SSH + pct: ready at its first step; kill -> checkpoint."""
-    repo = Path(__file__).resolve().parent.parent
     out = tmp_path / "tiny"
-    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={"tiny": {
-        "workdir": str(repo), "command": ["{python}", "-m", "dflash", "train", "--config", "configs/tiny.yaml",
-                                          "--out", str(out)],
-        "log": str(out / "train.log"), "events": str(out / "events.jsonl"), "state_dir": str(tmp_path / "state"),
-        "inductor_cache_dir": str(tmp_path / "inductor"), "clean_roots": [str(tmp_path)], "tmux_session": "tiny",
-        "ready_timeout": 240, "kill_grace": [60, 10]}})
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={"tiny": tiny_run(tmp_path)})
     r = opsctl(hosts, "launch", "box", "tiny", timeout=300)
     assert r.returncode == 0, r.stderr
     assert "READY tiny: first step event" in r.stderr and "phase building_drafter" in r.stderr

@@ -47,7 +47,7 @@ from opsctl.widgets import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
-from agentlib import REPO, opsctl, script_run  # noqa: E402
+from agentlib import REPO, opsctl, script_run, tiny_run  # noqa: E402
 
 STREAMS = Path(__file__).parent / "fixtures" / "streams"
 SIZE = (120, 40)
@@ -693,14 +693,9 @@ def test_watch_in_tmux_survives_an_ssh_drop(tmp_path: Path, sshd: Any, container
 def test_watch_in_tmux_over_ssh_pct_live_run_then_kill_from_the_dashboard(tmp_path: Path, sshd: Any,
                                                                             container: Any) -> None:
     # The real training core (configs/tiny.yaml, lengthened so it is still training when killed).
-    repo = Path(__file__).resolve().parent.parent
     out = tmp_path / "tiny"
-    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=container(200), runs={"tiny": {
-        "workdir": str(repo), "command": ["{python}", "-m", "dflash", "train", "--config", "configs/tiny.yaml",
-                                          "--out", str(out), "--max-steps", "3000"],
-        "log": str(out / "train.log"), "events": str(out / "events.jsonl"), "state_dir": str(tmp_path / "state"),
-        "inductor_cache_dir": str(tmp_path / "inductor"), "clean_roots": [str(tmp_path)], "tmux_session": "tiny",
-        "ready_timeout": 240, "kill_grace": [60, 10]}})
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=container(200),
+                                  runs={"tiny": tiny_run(tmp_path, "--max-steps", "3000")})
     r = opsctl(hosts, "launch", "box", "tiny", timeout=300)
     assert r.returncode == 0, r.stderr
     watch = WatchInTmux(tmp_path, hosts, "box:tiny")

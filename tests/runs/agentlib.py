@@ -108,6 +108,18 @@ def script_run(tmp: Path, script: str, *script_args: str, **over: Any) -> dict[s
     return run
 
 
+def tiny_run(tmp: Path, *extra: str) -> dict[str, Any]:
+    """A hosts.yaml run entry for the training core's real embedded default (configs/tiny.yaml), out in TMP/tiny."""
+    out = tmp / "tiny"
+    return {
+        "workdir": str(REPO), "command": ["{python}", "-m", "dflash", "train", "--config", "configs/tiny.yaml",
+                                          "--out", str(out), *extra],
+        "log": str(out / "train.log"), "events": str(out / "events.jsonl"), "state_dir": str(tmp / "state"),
+        "inductor_cache_dir": str(tmp / "inductor"), "clean_roots": [str(tmp)], "tmux_session": "tiny",
+        "ready_timeout": 240, "kill_grace": [60, 10],
+    }
+
+
 def kill_tmux(workdir: Path, run: str) -> None:
     """Stop the tmux server a hosts.yaml run started outside a container (state_dir = WORKDIR/.opsctl/RUN)."""
     sock = agent.Run({"workdir": str(workdir), "state_dir": str(workdir / ".opsctl" / run)}).tmux_socket()
