@@ -235,6 +235,29 @@ main()
 '''
 
 
+# The last line of a Python traceback: `KeyboardInterrupt`, `RuntimeError: boom`, `torch.OutOfMemoryError: ...`.
+_EXC_LINE = re.compile(r"[A-Za-z_][\w.]*(:.*)?$")
+
+
+def traceback_from_lines(lines: list[str]) -> str | None:
+    """The last Python traceback in a log: its header, the indented frames, and the exception line.
+
+    stdout reaches the log through its own pipe and can land inside or after stderr's traceback, so other
+    unindented lines between the header and the exception line are left out."""
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last)"):
+            out = [lines[i]]
+            for line in lines[i + 1:]:
+                if line and not line[0].isspace():
+                    if _EXC_LINE.match(line):
+                        out.append(line)
+                        break
+                    continue
+                out.append(line)
+            return "\n".join(out)
+    return None
+
+
 # -- output -------------------------------------------------------------------------------------------------
 _out_lock = threading.Lock()
 
@@ -755,11 +778,7 @@ class Follower:
         for ev in reversed(self.fatal_errors):
             if ev.get("traceback"):
                 return str(ev["traceback"])
-        lines = list(self.lines)
-        for i in range(len(lines) - 1, -1, -1):
-            if lines[i].startswith("Traceback (most recent call last)"):
-                return "\n".join(lines[i:])
-        return None
+        return traceback_from_lines(list(self.lines))
 
 
 # -- preflight ----------------------------------------------------------------------------------------------
