@@ -32,7 +32,7 @@ class DrafterConfig:
     mask_token_id: int | None = None  # None -> caller sets (tokenizer's mask token)
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
-    sliding_window: int | None = None  # context window before the anchor (None = all)
+    sliding_window: int | None = None  # per query position: q reads keys in [q-w+1, q] (+ its block); None = all
     attention: str = "auto"  # auto: flex on CUDA, dense on CPU | "flex" | "dense" | "flex-eager" (debug only)
     ce_chunk: int = 1024  # rows of logits per chunk (never full fp32 logits)
     grad_checkpoint: bool = False  # non-reentrant activation checkpointing per layer
@@ -113,23 +113,34 @@ def sample_anchors(
 
 
 def block_attention_rule(
-    q_block: Tensor, kv: Tensor, anchors: Tensor, doc_ids: Tensor, n_ctx: int, block_size: int, window: int | None
+    q_idx: Tensor, kv: Tensor, anchors: Tensor, doc_ids: Tensor, n_ctx: int, block_size: int, window: int | None
 ) -> Tensor:
-    """The one mask rule, elementwise (broadcasting): may query of block `q_block` read key/value index `kv`?
+    """The one mask rule, elementwise (broadcasting): may query `q_idx` (block q_idx // B, offset q_idx % B) read key
+    index `kv`?
 
-    Keys 0..N-1 are context positions: allowed iff same document as the anchor, strictly before the anchor (`<`:
-    the serving drafter never sees the anchor's own target state), within the window. Keys N.. are the blocks' own
-    tokens: allowed iff they belong to the same block (bidirectional inside the block). Both the dense mask and the
-    flex mask_mod are this function, so they cannot disagree.
+    Keys 0..N-1 are context positions: allowed iff same document as the anchor and strictly before the anchor (`<`:
+    the serving drafter never sees the anchor's own target state). Keys N.. are the blocks' own tokens: allowed iff
+    they belong to the same block (bidirectional inside the block).
+
+    Sliding window `w`, per query position as serving engines apply it: the query at absolute position q = a + k
+    (anchor a, block offset k) reads keys at positions >= q - w + 1, i.e. [q-w+1, q] plus the later tokens of its own
+    block (bidirectional). So a context position p needs q - p < w, and a block key at offset j needs k - j < w.
+    A window measured from the anchor for the whole block (`a - p <= w`) lets late block positions read context
+    that the exported sliding-window layer will not give them at serving time.
+    Both the dense mask and the flex mask_mod are this function, so they cannot disagree.
     """
+    q_block = torch.div(q_idx, block_size, rounding_mode="floor")
+    q_off = q_idx - q_block * block_size
     a = anchors[q_block]
     is_ctx = kv < n_ctx
     p = torch.clamp(kv, max=n_ctx - 1)
     doc_p = doc_ids[p]
     ctx_ok = is_ctx & (doc_p == doc_ids[a]) & (doc_p >= 0) & (p < a)
+    kv_block = torch.div(kv - n_ctx, block_size, rounding_mode="floor")
+    blk_ok = (~is_ctx) & (kv_block == q_block)
     if window is not None:
-        ctx_ok = ctx_ok & (a - p <= window)
-    blk_ok = (~is_ctx) & (torch.div(kv - n_ctx, block_size, rounding_mode="floor") == q_block)
+        ctx_ok = ctx_ok & (a + q_off - p < window)
+        blk_ok = blk_ok & (q_off - (kv - n_ctx - kv_block * block_size) < window)
     return ctx_ok | blk_ok
 
 
@@ -137,9 +148,9 @@ def dense_mask(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int | 
     """[A*B, N + A*B] bool mask for SDPA: exact, any device, with backward (memory grows as A*B*N: CPU/tests only)."""
     n = doc_ids.shape[0]
     m = anchors.shape[0] * block_size
-    q_block = torch.arange(m, device=doc_ids.device) // block_size
+    q_idx = torch.arange(m, device=doc_ids.device)
     kv = torch.arange(n + m, device=doc_ids.device)
-    return block_attention_rule(q_block[:, None], kv[None, :], anchors, doc_ids, n, block_size, window)
+    return block_attention_rule(q_idx[:, None], kv[None, :], anchors, doc_ids, n, block_size, window)
 
 
 def flex_mask_mod(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int | None) -> Callable[..., Tensor]:
@@ -147,7 +158,7 @@ def flex_mask_mod(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int
     n = doc_ids.shape[0]
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return block_attention_rule(q_idx // block_size, kv_idx, anchors, doc_ids, n, block_size, window)
+        return block_attention_rule(q_idx, kv_idx, anchors, doc_ids, n, block_size, window)
 
     return mask_mod
 

@@ -83,15 +83,52 @@ def test_mask_rule_strict_before_anchor_same_doc_own_block() -> None:
 def test_mask_rule_sliding_window_and_padding() -> None:
     doc = torch.tensor([0] * 8 + [-1] * 2)
     anchors = torch.tensor([6, 9])  # 9 is a padding position (an unused anchor slot)
-    mask = dense_mask(anchors, doc, block_size=2, window=2)
-    # window 2: anchor 6 sees 4 and 5 only
+    mask = dense_mask(anchors, doc, block_size=2, window=3)
+    # window 3 per query position: the anchor row (q=6) reads context 4, 5 (and itself, in the block);
+    # the next row (q=7) reads context 5 only (keys 5..7 minus the anchor's own state, which is never context)
     assert mask[0, :10].nonzero().flatten().tolist() == [4, 5]
-    assert mask[1, :10].nonzero().flatten().tolist() == [4, 5]
+    assert mask[1, :10].nonzero().flatten().tolist() == [5]
+    assert mask[0:2, 10:12].all()
     # a block anchored on padding sees no context at all (padding never matches a document), only its own block
     assert not mask[2:, :10].any()
     assert mask[2:, 12:].all() and not mask[2:, 10:12].any()
     no_window = dense_mask(anchors, doc, block_size=2, window=None)
     assert no_window[0, :10].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
+    assert no_window[1, :10].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def plain_window_mask(anchors: list[int], doc: list[int], b: int, w: int | None) -> Tensor:
+    """The serving rule written out with loops: query q = a + k sees context p (same document, p < a) and block
+    token a + j (same block) only when that key's position lies in [q - w + 1, ...]; the block is bidirectional."""
+    n = len(doc)
+    out = torch.zeros(len(anchors) * b, n + len(anchors) * b, dtype=torch.bool)
+    for i, a in enumerate(anchors):
+        for k in range(b):
+            q = a + k
+            for p in range(n):
+                if doc[p] >= 0 and doc[p] == doc[a] and p < a and (w is None or q - w + 1 <= p):
+                    out[i * b + k, p] = True
+            for j in range(b):
+                if w is None or q - w + 1 <= a + j:
+                    out[i * b + k, n + i * b + j] = True
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 2, 3, 6])
+def test_dense_and_flex_masks_follow_the_per_query_window_rule(window: int | None) -> None:
+    from torch.nn.attention.flex_attention import create_mask
+
+    batch = make_batch(40, [13, 9, 11], seed=3)
+    b = 4
+    anchors, _ = sample_anchors(batch, 5, b, torch.Generator().manual_seed(0))
+    plain = plain_window_mask(anchors.tolist(), batch.doc_ids.tolist(), b, window)
+    dense = dense_mask(anchors, batch.doc_ids, b, window)
+    flex = create_mask(flex_mask_mod(anchors, batch.doc_ids, b, window), 1, 1, 20, 60, device="cpu")[0, 0]
+    assert torch.equal(dense, plain)
+    assert torch.equal(flex, plain)
+    if window is not None and window < 12:  # later block rows really see less context than the anchor row
+        rows = dense[:b, :40].sum(-1)
+        assert rows[0] > rows[-1] or rows[0] == 0
 
 
 def test_flex_mask_mod_is_the_dense_mask() -> None:
@@ -173,13 +210,13 @@ def naive_drafter_loss(
     for j in range(anchors.shape[0]):
         a = int(anchors[j])
         allowed = [
-            p
-            for p in range(n)
-            if batch.doc_ids[p] == batch.doc_ids[a]
-            and batch.doc_ids[p] >= 0
-            and p < a
-            and (cfg.sliding_window is None or a - p <= cfg.sliding_window)
+            p for p in range(n) if batch.doc_ids[p] == batch.doc_ids[a] and batch.doc_ids[p] >= 0 and p < a
         ]
+        # per query position window: query a + kq reads keys at positions >= a + kq - w + 1
+        win = cfg.sliding_window
+        key_at = allowed + [a + j for j in range(b)]
+        bias = torch.tensor([[0.0 if win is None or a + kq - win + 1 <= key else -math.inf for key in key_at]
+                             for kq in range(b)], dtype=ctx.dtype)
         ids = torch.tensor([int(batch.input_ids[a])] + [cfg.mask_token_id] * (b - 1))
         x = emb(ids).to(ctx.dtype)
         bpos = batch.position_ids[a] + torch.arange(b)
@@ -197,7 +234,7 @@ def naive_drafter_loss(
             heads = []
             for h in range(nh):
                 g = h // (nh // nkv)
-                scores = q[:, h] @ k[:, g].T / math.sqrt(hd)
+                scores = q[:, h] @ k[:, g].T / math.sqrt(hd) + bias
                 heads.append(torch.softmax(scores, dim=-1) @ v[:, g])
             x = x + torch.cat(heads, dim=-1) @ at.o_proj.weight.T
             xm = _rms(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
@@ -218,7 +255,7 @@ def naive_drafter_loss(
     return total / wsum, acc
 
 
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 2, 5])
 def test_dense_equals_naive_per_block_loop_forward_and_grads(window: int | None) -> None:
     emb, head = frozen_target_parts(dtype=torch.float64)
     d = make_drafter(sliding_window=window, ce_chunk=7).double()
