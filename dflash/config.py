@@ -12,14 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from dflash import yamlfile
 from dflash.model import DrafterConfig
 from dflash.target import TargetConfig
 
 
 class ConfigError(ValueError):
-    """A config problem, already phrased as the one line the CLI prints (`FILE: a.b: what is wrong`)."""
+    """A config problem, already phrased as the one line the CLI prints (`FILE:LINE: a.b: what is wrong`)."""
+
+
+EMPTY_HINT = "empty config (see configs/tiny.yaml for a complete one)"
 
 
 @dataclass
@@ -75,11 +77,26 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     source: str | None = None  # the file it was loaded from (not a YAML key)
+    # key path -> 1-based line in `source` (not a YAML key), so errors found after loading still name the line
+    lines: dict[tuple[str, ...], int] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("source", None)
+        out.pop("lines", None)
         return out
+
+    def error(self, exc_or_msg: Exception | str) -> ConfigError:
+        """`FIELD: message` -> a ConfigError `FILE:LINE: FIELD: message`, the line looked up in the loaded file."""
+        return ConfigError(_located(str(exc_or_msg), self.source or "<config>", self.lines))
+
+
+def _located(msg: str, source: str, lines: dict[tuple[str, ...], int]) -> str:
+    """Prefix `field.path: what` with the file and the field's line (or its nearest ancestor's)."""
+    head = msg.split(": ", 1)[0] if ": " in msg else ""
+    loc = tuple(p for p in head.replace("[", ".").replace("]", "").split(".") if p) if head and " " not in head else ()
+    line = yamlfile.line_for(lines, loc) if loc and lines else None
+    return f"{source}:{line}: {msg}" if line is not None else f"{source}: {msg}"
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -131,6 +148,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected true or false, got {_describe(value)}")
         return value
     if tp is int:
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+            return int(value)  # `max_chars: 1e6`: YAML reads it as a float; its value is an integer
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected an integer, got {_describe(value)}")
         return value
@@ -238,14 +257,16 @@ def _check_arch(cfg: RunConfig) -> None:
                 raise ConfigError(f"target.arch.{key}: must be an integer >= 1, got {_describe(v)}")
 
 
-def config_from_dict(data: Any, source: str = "<dict>") -> RunConfig:
-    """Build and check a RunConfig; errors are prefixed with `source`."""
+def config_from_dict(data: Any, source: str = "<dict>",
+                     lines: dict[tuple[str, ...], int] | None = None) -> RunConfig:
+    """Build and check a RunConfig; errors are prefixed with `source` and, when `lines` is given, the field's line."""
     try:
         cfg = _build(RunConfig, data, "")
         _check_ranges(cfg)
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(_located(str(exc), source, lines or {})) from None
     cfg.source = source
+    cfg.lines = dict(lines or {})
     return cfg
 
 
@@ -253,16 +274,17 @@ def load_config(path: str | Path) -> RunConfig:
     """Load a YAML run config. Relative data/tokenizer paths are resolved against the config file's directory."""
     p = Path(path)
     try:
-        text = p.read_text()
+        raw = p.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}:{line} invalid YAML: {getattr(exc, 'problem', exc)}") from None
-    cfg = config_from_dict(data, str(path))
+        doc = yamlfile.parse(yamlfile.decode(raw, str(path)), str(path))
+    except yamlfile.YamlFileError as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
+    if doc.data is None or doc.data == {}:
+        # every field has a default, so an empty file would silently train the defaults
+        raise ConfigError(f"{path}: {EMPTY_HINT}")
+    cfg = config_from_dict(doc.data, str(path), doc.lines)
     base = p.resolve().parent
     cfg.data.paths = [str(_resolve(base, x)) for x in cfg.data.paths]
     if cfg.data.tokenizer is not None:
@@ -331,7 +353,7 @@ def check_run(cfg: RunConfig, device_type: str) -> None:
             raise ConfigError(f"drafter.attention: {r.attention} needs a CUDA device (flex-attention has no CPU "
                               "backward); use auto or dense on CPU")
     except ConfigError as exc:
-        raise ConfigError(f"{cfg.source}: {exc}") from None
+        raise cfg.error(exc) from None
 
 
 def _resolve(base: Path, value: str) -> Path:

@@ -77,7 +77,7 @@ KINDS: dict[str, dict[str, tuple[type, ...]]] = {
 
 PHASES = ("loading_target", "building_drafter", "preparing_data", "compiling", "training", "saving", "finishing")
 ERROR_CLASSES = ("oom", "nccl", "nan", "exception", "slow_kernel", "uncompiled_flex", "recompile", "config")
-END_REASONS = ("completed", "signal", "error")
+END_REASONS = ("completed", "signal", "error", "refused")
 
 
 class EventError(ValueError):

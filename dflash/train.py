@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash import checkpoint as ckpt
-from dflash.config import ConfigError, RunConfig, check_run
+from dflash.config import RunConfig, check_run
 from dflash.data import DataError, Document, load_or_build_schedule, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, inspect_kernels, versions
 from dflash.model import DFlashDrafter, resolve_attention
@@ -57,6 +57,15 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 class UsageError(RuntimeError):
     """Bad input found after the config loaded (data, resume state): one line, exit 2."""
+
+
+class ResumeRefused(UsageError):
+    """A resume that cannot continue (corrupt newest checkpoint, nothing left to train): run_end reason `refused`,
+    at the step of the checkpoint the run stands at, so status keeps showing how far it got."""
+
+    def __init__(self, msg: str, step: int) -> None:
+        super().__init__(msg)
+        self.step = step
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -251,8 +260,8 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
     if cfg.data.tokenizer is not None and cfg.drafter.mask_token_id is not None:
         vocab = load_tokenizer(cfg.data, docs, out / "tokenizer").vocab_size  # an HF directory: read, not written
         if cfg.drafter.mask_token_id >= vocab:
-            raise ConfigError(f"{cfg.source}: drafter.mask_token_id: must be < the vocabulary of data.tokenizer "
-                              f"({vocab}), got {cfg.drafter.mask_token_id}")
+            raise cfg.error(f"drafter.mask_token_id: must be < the vocabulary of data.tokenizer ({vocab}), "
+                            f"got {cfg.drafter.mask_token_id}")
     found = ckpt.list_checkpoints(out)
     if found and fresh and (roles.rank == 0):
         ckpt.remove_all(out)  # explicit --fresh: only step-N dirs inside OUT/checkpoints go
@@ -363,6 +372,12 @@ class _Run:
     def run(self, *, max_steps: int | None, resume: bool, allow_slow_kernels: bool) -> TrainResult:
         try:
             return self._run(max_steps, resume, allow_slow_kernels)
+        except ResumeRefused as exc:
+            self.step = exc.step
+            self.emit("error", **{"class": "config"}, message=str(exc), traceback=None, fatal=True)
+            self.log.error("%s", exc)
+            print(f"dflash: {exc}", file=sys.stderr)
+            return self.end("refused", EXIT_USAGE)
         except (UsageError, DataError, ckpt.CheckpointError) as exc:
             self.emit("error", **{"class": "config"}, message=str(exc), traceback=None, fatal=True)
             self.log.error("%s", exc)
@@ -388,15 +403,18 @@ class _Run:
             if roles.rank != 0:
                 tok = load_tokenizer(cfg.data, self.docs, tok_cache)
         if cfg.drafter.mask_token_id is not None and cfg.drafter.mask_token_id >= tok.vocab_size:
-            raise UsageError(f"{cfg.source}: drafter.mask_token_id: must be < the tokenizer's vocabulary "
-                             f"({tok.vocab_size}), got {cfg.drafter.mask_token_id}")
+            raise UsageError(str(cfg.error(f"drafter.mask_token_id: must be < the tokenizer's vocabulary "
+                                           f"({tok.vocab_size}), got {cfg.drafter.mask_token_id}")))
         corpus = tokenize(self.docs, tok)
         n_d = len(roles.drafters)
         # Resume state, read by rank 0 and broadcast so every rank (target ranks too) continues from the same place.
         resume_state: dict[str, Any] | None = None
         resume_path: Path | None = None
         if resume and self.rank0:
-            resume_path = ckpt.latest_checkpoint(out)
+            try:
+                resume_path = ckpt.latest_checkpoint(out)
+            except ckpt.CheckpointError as exc:  # the run still stands at its newest checkpoint's step
+                raise ResumeRefused(str(exc), ckpt.list_checkpoints(out)[0][0]) from None
             if resume_path is None:
                 raise UsageError(f"{out}: --resume given but no checkpoint in {ckpt.checkpoints_dir(out)}")
             resume_state = ckpt.load_file(resume_path, "pipeline.json")
@@ -431,11 +449,13 @@ class _Run:
         states = [FeedState()] * n_d
         if resume_state is not None:
             states = [FeedState.from_json(s) for s in resume_state["feeds"]]
-            if len(states) != n_d:
-                raise UsageError(f"{resume_path}: saved with {len(states)} drafter ranks, this job has {n_d}")
         start_step = int(resume_state["step"]) if resume_state else 0
+        if resume_state is not None and len(states) != n_d:
+            raise ResumeRefused(f"{resume_path}: saved with {len(states)} drafter ranks, this job has {n_d}",
+                                start_step)
         if start_step >= total:
-            raise UsageError(f"{resume_path}: already at step {start_step} of {total}; raise --max-steps to continue")
+            raise ResumeRefused(f"{resume_path}: already at step {start_step} of {total}; raise --max-steps to "
+                                "continue", start_step)
         self.step = start_step
         self.step_holder["step"] = start_step
         if self.stop_requested():
@@ -474,7 +494,7 @@ class _Run:
             try:
                 target = Target(tcfg, cfg.drafter.num_layers, device, on_progress=progress)
             except ValueError as exc:  # the target names the bad field (target.arch, target.tap_layers, ...)
-                raise UsageError(f"{cfg.source}: {exc}") from None
+                raise UsageError(str(cfg.error(exc))) from None
             info = TargetInfo.from_target(target)
             if target.vocab_size < tok.vocab_size:
                 raise UsageError(f"target vocab {target.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
@@ -526,7 +546,7 @@ class _Run:
         try:
             drafter = DFlashDrafter(dcfg, info.hidden_size, len(info.tap_layers)).to(device)
         except ValueError as exc:  # e.g. drafter.hidden_size != target hidden size
-            raise UsageError(f"{cfg.source}: {exc}") from None
+            raise UsageError(str(cfg.error(exc))) from None
         model: nn.Module = drafter
         if n_d > 1:
             group = self._dgroup()

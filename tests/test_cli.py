@@ -39,6 +39,21 @@ def _merge(base: dict, patch: dict) -> dict:
     return base
 
 
+def _field_line(text: str, field: str) -> int:
+    """1-based line of a dotted field path (`a.b[0]`) in block-style YAML, found by indentation alone."""
+    parts = field.replace("[", ".").replace("]", "").split(".")
+    lines = text.splitlines()
+    i, indent = 0, 0
+    for part in parts:
+        if part.isdigit():  # a list item: safe_dump writes `- ` at its key's indent
+            items = [j for j in range(i, len(lines)) if lines[j].startswith(" " * (indent - 2) + "- ")]
+            i = items[int(part)]
+            continue
+        i = next(j for j in range(i, len(lines)) if lines[j].startswith(" " * indent + part + ":"))
+        indent += 2
+    return i + 1
+
+
 def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0, err
@@ -85,15 +100,69 @@ def test_bad_config_exits_2_naming_file_and_field_and_writes_nothing(
     path = _write(tmp_path, cfg)
     out = tmp_path / "out"
     assert main(["train", "--config", str(path), "--out", str(out)]) == 2
-    assert _one_line_error(capsys).startswith(f"dflash: {path}: {expected}")
+    line = _field_line(path.read_text(), expected.split(": ")[0])
+    assert _one_line_error(capsys).startswith(f"dflash: {path}:{line}: {expected}")
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("text", "line", "what"), [
+    ("train:\n  lr: [1,\n", 2, "not valid YAML: expected the node content, but found '<stream end>'"),
+    ("train:\n  lr: [1,\n  seed: 2\ndata:\n  max_len: 3\n", 2, "(a '[' list opened on this line is not closed)"),
+    ("train:\n  lr 3\n  seed: 1\n", 2, "not valid YAML: mapping values are not allowed here"),
+    ("train:\n  lr: 'abc\n  seed: 1\n", 2, "(a quoted string opened on this line is not closed)"),
+    ("train:\n  lr: 1\n seed: 2\n", 3, "not valid YAML: expected <block end>"),
+    ("train:\n  lr: 1\n  lr: 2\n", 3, "train.lr: duplicate key"),
+])
+def test_yaml_syntax_errors_name_the_line_to_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+                                                line: int, what: str) -> None:
+    p = tmp_path / "broken.yaml"
+    p.write_text(text)
+    assert main(["train", "--config", str(p), "--out", str(tmp_path / "o")]) == 2
+    err = _one_line_error(capsys)
+    assert err.startswith(f"dflash: {p}:{line}: ") and what in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_config_that_is_not_utf8_exits_2_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("# caf\u00e9 config\ntrain:\n  lr: 0.01\n".encode("latin-1"))
+    assert main(["train", "--config", str(p), "--out", str(tmp_path / "o")]) == 2
+    assert _one_line_error(capsys) == (f"dflash: {p}:1: not UTF-8 text (byte 0xe9 at offset 5); save the file as "
+                                       "UTF-8")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("text", ["", "# nothing here yet\n", "{}\n"])
+def test_empty_config_is_refused_pointing_at_a_complete_one(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            text: str) -> None:
+    p = tmp_path / "empty.yaml"
+    p.write_text(text)
+    assert main(["train", "--config", str(p), "--out", str(tmp_path / "o")]) == 2
+    assert _one_line_error(capsys) == f"dflash: {p}: empty config (see configs/tiny.yaml for a complete one)"
+    assert not (tmp_path / "o").exists()
+
+
+def test_exponent_numbers_without_a_dot_are_numbers(tmp_path: Path) -> None:
+    """YAML 1.1 reads `3e-4` and `1e6` as strings; every ML config writes a learning rate that way."""
+    from dflash.config import load_config
+
+    text = yaml.safe_dump(tiny_run_yaml()).replace("lr: 0.01", "lr: 3e-4").replace("max_chars: 200000",
+                                                                                  "max_chars: 2e5")
+    p = tmp_path / "run.yaml"
+    p.write_text(text + "  weight_decay: 1E-2\n")
+    cfg = load_config(p)
+    assert (cfg.train.lr, cfg.data.max_chars, cfg.train.weight_decay) == (3e-4, 200000, 0.01)
+    assert isinstance(cfg.data.max_chars, int)
+    p.write_text(text.replace("max_chars: 2e5", "max_chars: 2.5e0"))
+    with pytest.raises(ValueError, match=r"data.max_chars: expected an integer, got 2.5"):
+        load_config(p)
 
 
 def test_bad_yaml_and_missing_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = tmp_path / "broken.yaml"
     p.write_text("train:\n  lr: [1,\n")
     assert main(["train", "--config", str(p), "--out", str(tmp_path / "o")]) == 2
-    assert f"{p}: line" in _one_line_error(capsys)
+    assert f"{p}:2: not valid YAML" in _one_line_error(capsys)
     assert main(["train", "--config", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "o")]) == 2
     assert "cannot read config" in _one_line_error(capsys)
     assert not (tmp_path / "o").exists()
@@ -109,8 +178,8 @@ def test_bad_data_exits_2_naming_the_file_and_line(tmp_path: Path, capsys: pytes
     assert not out.exists()
 
 
-def test_resume_on_corrupt_checkpoint_is_refused_naming_the_file(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_on_corrupt_checkpoint_is_refused_naming_the_file_and_ends_at_its_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, tiny_run_yaml(train={"max_steps": 2, "checkpoint_every": 1, "keep_last": 3}))
     out = tmp_path / "out"
     assert main(["train", "--config", str(path), "--out", str(out)]) == 0
@@ -122,6 +191,8 @@ def test_resume_on_corrupt_checkpoint_is_refused_naming_the_file(tmp_path: Path,
     assert f"{bad}: size" in err and "refusing to resume" in err and "step-1" in err
     evs = list(read_events(out / "events.jsonl"))
     assert evs[-1]["kind"] == "run_end" and evs[-1]["exit_code"] == 2
+    # the run stands at its newest checkpoint (step 2), refused; not `error at step 0`
+    assert (evs[-1]["reason"], evs[-1]["step"]) == ("refused", 2)
     assert [e["class"] for e in evs if e["kind"] == "error"] == ["config"]
 
 
@@ -254,7 +325,8 @@ def test_semantic_config_error_found_at_load_exits_2_naming_the_field(tmp_path: 
     """A tap layer outside the target is known from the arch alone: refused before --out is created."""
     path = _write(tmp_path, tiny_run_yaml(target={"tap_layers": [9]}))
     assert main(["train", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
-    assert _one_line_error(capsys) == f"dflash: {path}: target.tap_layers: layer 9 is outside 0..3"
+    line = _field_line(path.read_text(), "target.tap_layers")
+    assert _one_line_error(capsys) == f"dflash: {path}:{line}: target.tap_layers: layer 9 is outside 0..3"
     assert not (tmp_path / "out").exists()
 
 
@@ -262,7 +334,8 @@ def test_preflight_refuses_a_missing_target_path_in_one_line(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, tiny_run_yaml(target={"path": str(tmp_path / "no-model")}))
     assert main(["preflight", "--config", str(path)]) == 2
-    assert _one_line_error(capsys) == (f"dflash: {path}: target.path: {tmp_path / 'no-model'} does not exist "
+    line = _field_line(path.read_text(), "target.path")
+    assert _one_line_error(capsys) == (f"dflash: {path}:{line}: target.path: {tmp_path / 'no-model'} does not exist "
                                        "(a local Hugging Face model directory)")
 
 
@@ -279,7 +352,8 @@ def test_fresh_with_a_bad_config_deletes_no_checkpoint_and_keeps_the_events(
     path = _write(tmp_path, _merge(tiny_run_yaml(), bad), "bad.yaml")
     capsys.readouterr()
     assert main(["train", "--config", str(path), "--out", str(out), "--fresh"]) == 2
-    assert _one_line_error(capsys).startswith(f"dflash: {path}: ")
+    line = _field_line(path.read_text(), next(iter(bad)) + "." + next(iter(next(iter(bad.values())))))
+    assert _one_line_error(capsys).startswith(f"dflash: {path}:{line}: ")
     assert before == {"step-1", "step-2"} and {p.name for p in (out / "checkpoints").iterdir()} == before
     assert (out / "events.jsonl").read_bytes() == events
 
@@ -313,6 +387,7 @@ def test_mask_token_outside_a_tokenizer_directory_vocab_exits_2_writing_nothing(
     path = _write(tmp_path, tiny_run_yaml(data={"tokenizer": str(hf)}, drafter={"mask_token_id": 600}))
     out = tmp_path / "out"
     assert main(["train", "--config", str(path), "--out", str(out)]) == 2
-    assert _one_line_error(capsys) == (f"dflash: {path}: drafter.mask_token_id: must be < the vocabulary of "
+    line = _field_line(path.read_text(), "drafter.mask_token_id")
+    assert _one_line_error(capsys) == (f"dflash: {path}:{line}: drafter.mask_token_id: must be < the vocabulary of "
                                        f"data.tokenizer ({tok.vocab_size}), got 600")
     assert not out.exists()

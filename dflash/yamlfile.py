@@ -1,0 +1,175 @@
+"""The one YAML reader of both config loaders (dflash run configs, opsctl hosts.yaml): data plus the line of every key.
+
+Stdlib + PyYAML only, so opsctl can import it without torch; every problem it raises is `FILE:LINE: field.path: what`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+Loc = tuple[str, ...]
+
+
+class YamlFileError(ValueError):
+    """Problems with one file; str() is one `FILE:LINE: field.path: message` line per problem."""
+
+    def __init__(self, file: str, problems: list[tuple[int | None, str, str]]) -> None:
+        self.file = file
+        self.problems = problems  # (line or None, dotted field path or "", message)
+        super().__init__("\n".join(format_problem(file, *p) for p in problems))
+
+
+def format_problem(file: str, line: int | None, path: str, msg: str) -> str:
+    """The single spelling of a config problem, shared so both CLIs print the same shape."""
+    where = f"{file}:{line}" if line is not None else file
+    return f"{where}: {path}: {msg}" if path else f"{where}: {msg}"
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats: YAML 1.1 reads `3e-4` and `1e6` (no dot) as strings, ML configs do not."""
+
+
+_FLOAT = "tag:yaml.org,2002:float"
+_Loader.yaml_implicit_resolvers = {
+    first: [r for r in resolvers if r[0] != _FLOAT] for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:
+     [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+
+
+@dataclass
+class YamlDoc:
+    """A parsed file: `data` as plain Python values, `lines` maps key paths ("a", "b", "0") to 1-based lines."""
+
+    file: str
+    data: Any
+    lines: dict[Loc, int]
+
+    def line_for(self, loc: Iterable[Any]) -> int | None:
+        """The line of `loc`, or of its nearest ancestor that is in the file (a missing key points at its parent)."""
+        return line_for(self.lines, tuple(str(p) for p in loc))
+
+    def error(self, problems: list[tuple[Loc | str, str]]) -> YamlFileError:
+        """A YamlFileError for (location, message) pairs; a location is a key path tuple or a dotted string."""
+        out = []
+        for loc, msg in problems:
+            parts = tuple(loc.split(".")) if isinstance(loc, str) and loc else tuple(loc) if loc else ()
+            out.append((self.line_for(parts), ".".join(parts), msg))
+        return YamlFileError(self.file, out)
+
+
+def line_for(lines: Mapping[Loc, int], loc: Loc) -> int | None:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in lines:
+            return lines[loc[:n]]
+    return None
+
+
+def decode(raw: bytes, file: str) -> str:
+    """UTF-8 text of a config file's bytes; anything else is one YamlFileError line (with its line), never a traceback.
+
+    Reading is left to the callers: each CLI phrases a missing file in its own words.
+    """
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise YamlFileError(file, [(line, "", f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                                              "save the file as UTF-8")]) from None
+
+
+def parse(text: str, file: str) -> YamlDoc:
+    """Parse one YAML document from a single node tree, so data and line numbers can never disagree."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as exc:
+        raise YamlFileError(file, [(_error_line(text, exc), "", f"not valid YAML: {_error_text(exc)}")]) from None
+    finally:
+        loader.dispose()
+    lines: dict[Loc, int] = {}
+    dups: list[tuple[int | None, str, str]] = []
+
+    def walk(n: yaml.Node, path: Loc) -> None:
+        if isinstance(n, yaml.MappingNode):
+            seen: set[str] = set()
+            for k, v in n.value:
+                key = str(k.value)
+                if key in seen:
+                    dups.append((k.start_mark.line + 1, ".".join((*path, key)), "duplicate key"))
+                seen.add(key)
+                lines[(*path, key)] = k.start_mark.line + 1
+                walk(v, (*path, key))
+        elif isinstance(n, yaml.SequenceNode):
+            for i, item in enumerate(n.value):
+                lines[(*path, str(i))] = item.start_mark.line + 1
+                walk(item, (*path, str(i)))
+
+    if node is not None:
+        lines[()] = node.start_mark.line + 1
+        walk(node, ())
+    if dups:
+        raise YamlFileError(file, dups)
+    return YamlDoc(file=file, data=data, lines=lines)
+
+
+_UNCLOSED = {"while parsing a flow sequence": "a '[' list", "while parsing a flow mapping": "a '{' mapping",
+             "while scanning a quoted scalar": "a quoted string"}
+
+
+def _error_text(exc: yaml.YAMLError) -> str:
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    if context in _UNCLOSED:
+        return f"{problem} ({_UNCLOSED[context]} opened on this line is not closed)"
+    return str(problem)
+
+
+def _error_line(text: str, exc: yaml.YAMLError) -> int | None:
+    """The line a person has to fix. PyYAML reports where it noticed the problem, which is often the line after it:
+    an unclosed bracket or quote is noticed at the next line or at the end; a key missing its ':' runs into the next
+    line's key, whose ':' is then reported."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None:
+        return None
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context in _UNCLOSED and context_mark is not None:
+        return context_mark.line + 1
+    if getattr(exc, "problem", None) == "mapping values are not allowed here":
+        start = _last_scalar_start(text)
+        if start is not None and start < mark.line:
+            return start + 1
+    if not text[mark.index:].strip(" \t\r\n") or _only_comments(text[mark.index:]):
+        # the file ended inside something unfinished: the problem is on the last line with content
+        content = [i for i, ln in enumerate(text[: mark.index].splitlines()) if ln.strip() and
+                   not ln.strip().startswith("#")]
+        if content:
+            return content[-1] + 1
+    return mark.line + 1
+
+
+def _only_comments(rest: str) -> bool:
+    return all(not ln.strip() or ln.strip().startswith("#") for ln in rest.splitlines())
+
+
+def _last_scalar_start(text: str) -> int | None:
+    """0-based line where the last scalar token before a scanner error starts (PyYAML scans lazily, so the tokens
+    before the error come out before it is raised)."""
+    start = None
+    try:
+        for tok in yaml.scan(text, Loader=_Loader):
+            if isinstance(tok, yaml.ScalarToken):
+                start = tok.start_mark.line
+    except yaml.YAMLError:
+        pass
+    return start
