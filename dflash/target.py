@@ -270,7 +270,12 @@ class Target:
         missing = wanted - captured.keys()
         if missing:
             raise RuntimeError(f"tapped layers {sorted(missing)} produced no output")
-        # Output of decoder layer i is hidden_states[i + 1] in HF's convention (index 0 is the embedding output).
+        # Output of decoder layer i is hidden_states[i + 1] in HF's convention (index 0 is the embedding output),
+        # except the last layer's, which HF reports after the final norm: consumers of the export read it so.
+        last = self.num_layers - 1
+        if last in captured and hasattr(self.decoder, "norm"):
+            with torch.inference_mode():
+                captured[last] = self.decoder.norm(captured[last])
         return torch.cat([captured[i] for i in self.tap_layers], dim=-1)
 
     def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
