@@ -143,8 +143,8 @@ def _error_line(text: str, exc: yaml.YAMLError) -> int | None:
     if mark is None:
         return None
     context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context in _UNCLOSED and context_mark is not None:
-        return context_mark.line + 1
+    if (context in _UNCLOSED or context == "while scanning a simple key") and context_mark is not None:
+        return context_mark.line + 1  # where the unclosed thing, or the key without its ':', starts
     if getattr(exc, "problem", None) == "mapping values are not allowed here":
         start = _last_scalar_start(text)
         if start is not None and start < mark.line:

@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dflash import yamlfile
 
 PYTHON_PLACEHOLDER = "{python}"
 DEFAULT_HOSTS_FILE = "hosts.yaml"
@@ -306,45 +307,18 @@ class Inventory(BaseModel):
 # YAML with line numbers
 
 
-def _line_map(text: str, file: str) -> dict[tuple[str, ...], int]:
-    """Map every mapping key path (and sequence index path) to its 1-based line; reject duplicate keys."""
+def _parse_yaml(text: str, file: str) -> tuple[Any, dict[tuple[str, ...], int]]:
+    """hosts.yaml through the YAML reader dflash's run configs use too: YAML 1.2 numbers (`1e3`), the line of every
+    key, duplicate keys refused, syntax errors at the line to fix."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        raise InventoryError([(file, line, "", f"not valid YAML: {getattr(e, 'problem', None) or e}")]) from None
-    lines: dict[tuple[str, ...], int] = {}
-    dups: list[tuple[str, int | None, str, str]] = []
-
-    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
-        if isinstance(node, yaml.MappingNode):
-            seen: set[str] = set()
-            for k, v in node.value:
-                key = str(k.value)
-                if key in seen:
-                    dups.append((file, k.start_mark.line + 1, ".".join((*path, key)), "duplicate key"))
-                seen.add(key)
-                lines[(*path, key)] = k.start_mark.line + 1
-                walk(v, (*path, key))
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                lines[(*path, str(i))] = item.start_mark.line + 1
-                walk(item, (*path, str(i)))
-
-    if root is not None:
-        lines[()] = root.start_mark.line + 1
-        walk(root, ())
-    if dups:
-        raise InventoryError(dups)
-    return lines
+        doc = yamlfile.parse(text, file)
+    except yamlfile.YamlFileError as e:
+        raise InventoryError([(file, *p) for p in e.problems]) from None
+    return doc.data, doc.lines
 
 
 def _line_for(lines: dict[tuple[str, ...], int], loc: tuple[str, ...]) -> int | None:
-    for n in range(len(loc), -1, -1):
-        if loc[:n] in lines:
-            return lines[loc[:n]]
-    return None
+    return yamlfile.line_for(lines, loc)
 
 
 def _problems_from(err: ValidationError, lines: dict[tuple[str, ...], int], file: str) -> list[tuple[str, int | None, str, str]]:
@@ -492,11 +466,7 @@ def _finish_host(h: _HostFile, file: str, base_dir: Path) -> HostConfig:
 def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | Path | None = None) -> Inventory:
     """Validate hosts.yaml text; `file` is the name used in messages, `base_dir` anchors relative paths."""
     base = Path(base_dir) if base_dir is not None else Path.cwd()
-    lines = _line_map(text, file)
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:  # pragma: no cover - compose already parsed it
-        raise InventoryError([(file, None, "", f"not valid YAML: {e}")]) from None
+    raw, lines = _parse_yaml(text, file)
     if not isinstance(raw, dict):
         raise InventoryError([(file, 1, "", "the top level must be a mapping with a `hosts:` key")])
     hosts_raw = raw.get("hosts")

@@ -203,7 +203,26 @@ def test_duplicate_keys_and_bad_yaml_name_their_line() -> None:
     (err,) = errors_of(text)
     assert err == f"hosts.yaml:{line_of(text, 'user: root')}: hosts.gpu1.ssh.user: duplicate key"
     (err,) = errors_of("hosts:\n  a: [unclosed\n")
-    assert err.startswith("hosts.yaml:3: not valid YAML")
+    assert err.startswith("hosts.yaml:2: not valid YAML")  # the line with the open '[', not the one after it
+
+
+def test_yaml_syntax_errors_name_the_line_to_fix() -> None:
+    text = GOOD_SSH.replace("user: ml", "user: [ml")
+    (err,) = errors_of(text)
+    assert err.startswith(f"hosts.yaml:{line_of(text, 'user: [ml')}: not valid YAML: ")
+    assert "(a '[' list opened on this line is not closed)" in err
+    text = GOOD_SSH.replace("user: ml", "user ml")  # the missing ':' is noticed on the next key's line
+    (err,) = errors_of(text)
+    assert err.startswith(f"hosts.yaml:{line_of(text, 'user ml')}: not valid YAML: could not find expected ':'")
+
+
+def test_exponent_numbers_without_a_dot_are_numbers() -> None:
+    """YAML 1.1 reads `1e3` as a string; hosts.yaml accepts it as a number, like the dflash configs do."""
+    text = GOOD_SSH.replace("user: ml", "user: ml\n      connect_timeout: 3e1").replace(
+        "log: runs/a/train.log", "log: runs/a/train.log\n        ready_timeout: 1e3")
+    inv = parse_inventory(text)
+    assert inv.hosts["gpu1"].ssh is not None and inv.hosts["gpu1"].ssh.connect_timeout == 30.0
+    assert inv.runs["gpu1"]["train"].ready_timeout == 1000.0
 
 
 def test_hostile_names_and_env_keys_are_refused() -> None:
