@@ -3,6 +3,8 @@
 The layout is the one z-lab/dflash and SpecForge load: a qwen3-style `config.json` with `dflash_config`
 (`target_layer_ids`, `mask_token_id`, `block_size`) and `num_target_layers`, and `model.safetensors` holding `fc`,
 `hidden_norm`, `layers.N.*` (qwen3 decoder-layer names) and `norm`; the embedding and LM head stay the target's.
+This project's own modeling file ships alongside (`modeling_dflash.py`, registered in `auto_map`), so
+`AutoModel.from_pretrained(dir, trust_remote_code=True)` builds the drafter itself rather than a plain Qwen3Model.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ _LAYER_KEYS = (
 )
 
 
+# Shipped next to the weights; written here (dflash/modeling_dflash.py), self-contained so consumers need no dflash.
+MODELING_FILE = "modeling_dflash.py"
+
+
 class ExportError(RuntimeError):
     """The checkpoint cannot be expressed in the DFlashDraftModel format, or the output dir is unusable."""
 
@@ -41,12 +47,16 @@ def draft_config(meta: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[s
     intermediate = int(state["layers.0.mlp.gate_proj.weight"].shape[0])
     windows = d.get("layer_sliding_windows") or [d.get("sliding_window")] * n_layers
     layer_types = ["sliding_attention" if w else "full_attention" for w in windows]
-    sliding = max((w for w in windows if w), default=None)
+    sizes = sorted({int(w) for w in windows if w})
+    if len(sizes) > 1:  # the qwen3 config format has one `sliding_window` for every sliding layer
+        raise ExportError(f"drafter layers use different sliding windows {sizes}; the export format holds one")
+    sliding = sizes[0] if sizes else None
     dtype = str(state["fc.weight"].dtype).replace("torch.", "")
     if d.get("mask_token_id") is None:
         raise ExportError("checkpoint meta.json has no drafter.mask_token_id")
     return {
         "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.DFlashDraftModel"},
         "model_type": "qwen3",
         "hidden_size": hidden,
         "intermediate_size": intermediate,
@@ -112,6 +122,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
         tensors = {k: state[k].detach().contiguous().cpu() for k in wanted}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        shutil.copyfile(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
         (tmp / "dflash_export.json").write_text(json.dumps({
             "source": str(src.resolve()), "step": int(manifest["step"]), "run_id": meta.get("run_id"),
             "target": meta["target"]}, indent=2) + "\n")

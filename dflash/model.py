@@ -393,6 +393,35 @@ class DFlashDrafter(nn.Module):
                 cache[w] = self._flex_attend(block_mask, compiled=backend == "flex-compiled")
         return [cache[w] for w in self.windows]
 
+    def block_states(self, batch: DraftBatch, embed_tokens: nn.Embedding, anchors: Tensor) -> Tensor:
+        """[A*B, H] final-normed states of every block (anchor + B-1 mask tokens); logits are `lm_head` of these.
+
+        The exported HF model (dflash/modeling_dflash.py) computes the same states for one block at serving time.
+        """
+        cfg, b = self.cfg, self.cfg.block_size
+        ids, pos, docs = batch.input_ids, batch.position_ids, batch.doc_ids
+        a = anchors.shape[0]
+        m = a * b
+        dtype = self.fc.weight.dtype
+        # Context features: the concatenated taps, fused to H and normalised, once for all layers.
+        ctx = self.hidden_norm(self.fc(batch.hidden.to(dtype)))
+        # Blocks: [anchor token, mask x (B-1)], embedded with the target's frozen embedding.
+        offs = torch.arange(b, device=ids.device)
+        block_ids = torch.full((a, b), cfg.mask_token_id, dtype=ids.dtype, device=ids.device)
+        block_ids[:, 0] = ids[anchors]
+        x = embed_tokens(block_ids.reshape(m)).to(dtype)
+        # Positions: context at its own document positions, block position k at anchor position + k.
+        block_pos = (pos[anchors][:, None] + offs[None, :]).reshape(m)
+        rope_q = rope_cos_sin(block_pos, self.head_dim, cfg.rope_theta, x.dtype)
+        rope_kv = rope_cos_sin(torch.cat([pos, block_pos]), self.head_dim, cfg.rope_theta, x.dtype)
+
+        for layer, attend in zip(self.layers, self._attenders(anchors, docs, m), strict=True):
+            if cfg.grad_checkpoint and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, ctx, rope_q, rope_kv, attend, use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_q, rope_kv, attend)
+        return self.norm(x)
+
     def forward(
         self,
         batch: DraftBatch,
@@ -416,29 +445,11 @@ class DFlashDrafter(nn.Module):
         elif keep is None:
             keep = torch.ones_like(anchors, dtype=torch.bool)
         assert keep is not None
-        ids, pos, docs = batch.input_ids, batch.position_ids, batch.doc_ids
+        ids, docs = batch.input_ids, batch.doc_ids
         n, a = ids.shape[0], anchors.shape[0]
         m = a * b
-        dtype = self.fc.weight.dtype
-
-        # Context features: the concatenated taps, fused to H and normalised, once for all layers.
-        ctx = self.hidden_norm(self.fc(batch.hidden.to(dtype)))
-        # Blocks: [anchor token, mask x (B-1)], embedded with the target's frozen embedding.
         offs = torch.arange(b, device=ids.device)
-        block_ids = torch.full((a, b), cfg.mask_token_id, dtype=ids.dtype, device=ids.device)
-        block_ids[:, 0] = ids[anchors]
-        x = embed_tokens(block_ids.reshape(m)).to(dtype)
-        # Positions: context at its own document positions, block position k at anchor position + k.
-        block_pos = (pos[anchors][:, None] + offs[None, :]).reshape(m)
-        rope_q = rope_cos_sin(block_pos, self.head_dim, cfg.rope_theta, x.dtype)
-        rope_kv = rope_cos_sin(torch.cat([pos, block_pos]), self.head_dim, cfg.rope_theta, x.dtype)
-
-        for layer, attend in zip(self.layers, self._attenders(anchors, docs, m), strict=True):
-            if cfg.grad_checkpoint and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, ctx, rope_q, rope_kv, attend, use_reentrant=False)
-            else:
-                x = layer(x, ctx, rope_q, rope_kv, attend)
-        x = self.norm(x)
+        x = self.block_states(batch, embed_tokens, anchors)
 
         # Labels: block position k predicts ids[a + k] if that token is in the anchor's document and supervised.
         tgt = anchors[:, None] + offs[None, :]

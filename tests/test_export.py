@@ -1,6 +1,8 @@
 """Tests of `dflash export`: a trained tiny checkpoint becomes a loadable DFlashDraftModel-format HF directory.
 
-The weights must load strictly into transformers' own Qwen3 decoder layer, proving the qwen3-style names and shapes.
+The weights must load strictly into transformers' own Qwen3 decoder layer, proving the qwen3-style names and shapes;
+and `AutoModel.from_pretrained(dir, trust_remote_code=True)` must build the shipped drafter with every weight and
+give the logits dflash/model.py gives.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dflash.train import train
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("run")
     cfg = run_config(train={"max_steps": 2, "checkpoint_every": 0},
-                     drafter={"num_layers": 2, "layer_sliding_windows": [16, None]},
+                     drafter={"num_layers": 2, "layer_sliding_windows": [3, None]},
                      target={"tap_layers": [0, 2]})
     assert train(cfg, out).exit_code == 0
     return out / "checkpoints" / "step-2"
@@ -36,11 +38,12 @@ def test_export_writes_dflash_config_and_qwen3_weights(trained: Path, tmp_path: 
     cfg = json.loads((dst / "config.json").read_text())
     meta = load_file(trained, "meta.json")
     assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"} and (dst / "modeling_dflash.py").is_file()
     assert cfg["dflash_config"]["target_layer_ids"] == [0, 2]
     assert cfg["dflash_config"]["mask_token_id"] == meta["drafter"]["mask_token_id"]
     assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 4
     assert cfg["num_target_layers"] == 4 and cfg["num_hidden_layers"] == 2
-    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 16
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 3
 
     weights = load_safetensors(str(dst / "model.safetensors"))
     state = load_file(trained, "drafter.pt")
@@ -73,3 +76,45 @@ def test_export_refuses_corrupt_checkpoint_and_non_empty_out(trained: Path, tmp_
     with pytest.raises(CheckpointError, match=r"drafter\.pt: sha256"):
         export_checkpoint(broken, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_automodel_with_remote_code_loads_the_drafter_and_matches_dflash_model(trained: Path, tmp_path: Path) -> None:
+    from transformers import AutoModel
+
+    from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig
+
+    dst = export_checkpoint(trained, tmp_path / "hf")
+    hf, info = AutoModel.from_pretrained(str(dst), trust_remote_code=True, output_loading_info=True)
+    assert type(hf).__name__ == "DFlashDraftModel"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    state = load_file(trained, "drafter.pt")
+    assert set(hf.state_dict()) == set(state)
+    assert all(torch.equal(hf.state_dict()[k], state[k]) for k in state)
+
+    meta = load_file(trained, "meta.json")
+    dcfg = DrafterConfig(**meta["drafter"])
+    ours = DFlashDrafter(dcfg, target_hidden_size=32, num_taps=2)
+    ours.load_state_dict(state)
+    ours.eval()
+    hf.eval()
+    vocab, b = int(meta["target"]["vocab_size"]), dcfg.block_size
+    g = torch.Generator().manual_seed(0)
+    emb = torch.nn.Embedding(vocab, 32)
+    head = torch.nn.Linear(32, vocab, bias=False)
+    # a packed buffer: doc 0 = 0..29, doc 1 = 30..49, padding after; anchors near a doc start (less context than the
+    # window of 3), deep inside (the window binds, differently per block row) and in the second document
+    n = 64
+    doc = torch.tensor([0] * 30 + [1] * 20 + [-1] * 14)
+    pos = torch.cat([torch.arange(30), torch.arange(20), torch.zeros(14, dtype=torch.long)])
+    batch = DraftBatch(hidden=torch.randn(n, 64, generator=g), input_ids=torch.randint(0, vocab - 1, (n,), generator=g),
+                       loss_mask=doc >= 0, position_ids=pos, doc_ids=doc)
+    anchors = torch.tensor([0, 1, 17, 33, 45])
+    with torch.no_grad():
+        want = head(ours.block_states(batch, emb, anchors)).view(len(anchors), b, vocab)
+        for j, a in enumerate(anchors.tolist()):
+            start = 0 if a < 30 else 30  # the anchor's document: its context is every earlier position in it
+            block = torch.full((b,), int(dcfg.mask_token_id))
+            block[0] = batch.input_ids[a]
+            got = hf(position_ids=torch.arange(0, a - start + b)[None], noise_embedding=emb(block)[None],
+                     target_hidden=batch.hidden[start:a][None])
+            torch.testing.assert_close(head(got[0]), want[j], rtol=1e-5, atol=1e-5)
