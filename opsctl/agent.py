@@ -258,6 +258,22 @@ def traceback_from_lines(lines: list[str]) -> str | None:
     return None
 
 
+def crash_line(log: str, window: int = 256 << 10) -> str | None:
+    """The exception line of the last traceback in the log's last `window` bytes (None when there is none)."""
+    try:
+        with open(log, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            fh.seek(max(0, size - window))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    tb = traceback_from_lines(text.splitlines())
+    if not tb:
+        return None
+    last = tb.splitlines()[-1]
+    return last if not last[:1].isspace() and not last.startswith("Traceback") else None
+
+
 # -- output -------------------------------------------------------------------------------------------------
 _out_lock = threading.Lock()
 
@@ -398,6 +414,11 @@ class Run:
         self.kill_grace = (float(grace[0]), float(grace[1]))
         self.clean_roots = [str(r) for r in (a.get("clean_roots") or [])]
         self.inductor_cache_dir = a.get("inductor_cache_dir")
+        self.cache_policy = str(a.get("inductor_cache_policy") or "clear")
+        if self.cache_policy not in ("clear", "keyed"):
+            raise AgentError(f"inductor_cache_policy must be clear or keyed, got {self.cache_policy!r}")
+        self.cache_key_paths = [str(x) for x in (a.get("cache_key_paths") or [])]
+        self.keep_logs = max(1, int(a.get("keep_logs") or 10))
 
     def path(self, p: str) -> str:
         return os.path.normpath(os.path.join(self.workdir, os.path.expanduser(str(p))))
@@ -424,12 +445,32 @@ class Run:
         return os.path.join(d, digest + ".sock")
 
     def cache_dir(self) -> tuple[str | None, bool]:
-        """The inductor cache dir and whether it is torch's default location (allowed without a root)."""
-        if self.inductor_cache_dir:
+        """The inductor cache dir and whether it is the run's own default (STATE_DIR/inductor, allowed without
+        a root). A configured value is taken as given, even "" or ".": validation must see it and refuse it."""
+        if self.inductor_cache_dir is not None:
             return str(self.inductor_cache_dir), False
         if self.env.get("TORCHINDUCTOR_CACHE_DIR"):
             return self.env["TORCHINDUCTOR_CACHE_DIR"], False
-        return default_inductor_dir(), True
+        return self.default_cache_dir(), True
+
+    def default_cache_dir(self) -> str:
+        return os.path.join(self.state_dir, "inductor")
+
+    def protected(self) -> list[tuple[str, str]]:
+        """The run's own paths that an emptied cache dir must never be or contain (same rule as opsctl/config.py)."""
+        out = [("workdir", self.workdir), ("state_dir", self.state_dir), ("log", self.log)]
+        if self.events:
+            out.append(("events", self.events))
+        for key in ("model_dir", "checkpoint_dir"):
+            if self.args.get(key):
+                out.append((key, self.path(self.args[key])))
+        return out
+
+    def validated_cache(self) -> str:
+        """The real path of this run's cache dir after every check (roots, system dirs, the run's own paths)."""
+        cache, default_ok = self.cache_dir()
+        return validate_clean_dir(cache, self.clean_roots, default_ok, protected=self.protected(),
+                                  default_dir=self.default_cache_dir())
 
 
 def default_inductor_dir() -> str:
@@ -535,6 +576,25 @@ class ProcWatch:
         self.run = run
         self.last: tuple[Any, ...] | None = None
         self.gone_since: float | None = None
+        self._exception: tuple[Any, str | None] | None = None  # ((pid, exit code), exception line)
+        self._left: tuple[float, list[int]] = (0.0, [])  # (when scanned, leftover pids)
+
+    def exception(self, pid: Any, code: int | None) -> str | None:
+        """The exception line of the last traceback in the log of an attempt that exited non-zero (once per exit)."""
+        if code in (0, None):
+            return None
+        if self._exception is None or self._exception[0] != (pid, code):
+            self._exception = ((pid, code), crash_line(self.run.log))
+        return self._exception[1]
+
+    def leftovers(self, info: dict[str, Any]) -> list[int]:
+        """Processes the exited run left alive: the wrapper stays while any exists, so only then scan (<= 1/s)."""
+        if wrapper_of(info) is None:
+            return []
+        now = time.monotonic()
+        if now - self._left[0] >= 1.0:
+            self._left = (now, leftovers(self.run))
+        return self._left[1]
 
     def snapshot(self) -> dict[str, Any]:
         info = read_json(self.run.sf("pid")) or {}
@@ -558,12 +618,16 @@ class ProcWatch:
             state = "absent"
         # The `killed` marker (written by `kill`, removed by `launch`) rides on every `proc` message, so a stream
         # that did not see the kill (a separate `opsctl kill` while `watch` follows) still reports `killed`.
+        exited = state == "exited"
         return {"state": state, "pid": pid, "pgid": pgid, "exit_code": code, "session": self.run.session,
-                "killed_by_opsctl": os.path.exists(self.run.sf("killed"))}
+                "killed_by_opsctl": os.path.exists(self.run.sf("killed")),
+                "exception": self.exception(pid, code) if exited else None,
+                "leftovers": self.leftovers(info) if exited else []}
 
     def poll(self, force: bool = False) -> dict[str, Any]:
         snap = self.snapshot()
-        key = (snap["state"], snap["pid"], snap["exit_code"], snap["killed_by_opsctl"])
+        key = (snap["state"], snap["pid"], snap["exit_code"], snap["killed_by_opsctl"], tuple(snap["leftovers"]),
+               snap["exception"])
         if force or key != self.last:
             self.last = key
             emit("proc", **snap)
@@ -791,12 +855,18 @@ SYSTEM_DIRS = {
 }
 
 
-def validate_clean_dir(path: Any, roots: list[str], default_ok: bool) -> str:
+def validate_clean_dir(path: Any, roots: list[str], default_ok: bool,
+                       protected: list[tuple[str, str]] | None = None, default_dir: str | None = None) -> str:
     """Return the real path of a directory that is safe to empty, or raise AgentError saying why not.
 
-    Symlinks are resolved on this host before the root check, so a link pointing out of a root is refused."""
+    Symlinks are resolved on this host before the root check, so a link pointing out of a root is refused.
+    `protected` are the run's own paths (workdir, state dir, log, ...): the client refuses a cache dir that is
+    or contains one of them, and so does this, again, after resolving links here (the remote never trusts the
+    client). `default_ok` allows `default_dir` (torch's /tmp/torchinductor_<user> when not given) without a root."""
     if not isinstance(path, str) or not path.strip():
         raise AgentError("refusing to clean an empty path")
+    if path.strip() in (".", "./"):
+        raise AgentError(f"refusing to clean {path!r}: it is the working directory")
     if path.startswith("~"):
         raise AgentError(f"refusing to clean {path!r}: paths starting with ~ are not allowed, give an absolute path")
     if not os.path.isabs(path):
@@ -809,6 +879,11 @@ def validate_clean_dir(path: Any, roots: list[str], default_ok: bool) -> str:
         raise AgentError(f"refusing to clean {path!r}: it is the home directory or contains it")
     if real in SYSTEM_DIRS or real.count("/") < 2:
         raise AgentError(f"refusing to clean {path!r} (resolves to {real!r}): a system or top-level directory")
+    for name, p in protected or []:
+        rp = os.path.realpath(p)
+        if rp == real or rp.startswith(real.rstrip("/") + "/"):
+            raise AgentError(f"refusing to clean {path!r} (resolves to {real!r}): it is or contains the run's "
+                             f"{name} {p}")
     lex = os.path.normpath(path)
     is_link = os.path.islink(lex)
     allowed: list[str] = []
@@ -827,7 +902,7 @@ def validate_clean_dir(path: Any, roots: list[str], default_ok: bool) -> str:
             continue  # a root that resolves to / or a system dir allows nothing
         allowed.append(rr)
     if default_ok:
-        allowed.append(os.path.realpath(default_inductor_dir()))
+        allowed.append(os.path.realpath(default_dir or default_inductor_dir()))
     for root in allowed:
         if real == root or real.startswith(root.rstrip("/") + "/"):
             return real
@@ -839,8 +914,9 @@ def validate_clean_dir(path: Any, roots: list[str], default_ok: bool) -> str:
                      f"{allowed or '(none configured: set clean_roots)'}")
 
 
-def empty_dir(real: str, dry_run: bool) -> tuple[int, int]:
-    """Remove the contents of a validated directory without following symlinks; emits `removed` per entry."""
+def empty_dir(real: str, dry_run: bool, quiet: bool = False) -> tuple[int, int]:
+    """Remove the contents of a validated directory without following symlinks; emits `removed` per entry
+    (unless `quiet`: launch reports one summary line instead)."""
     count = total = 0
     try:
         entries = sorted(os.listdir(real))
@@ -849,7 +925,8 @@ def empty_dir(real: str, dry_run: bool) -> tuple[int, int]:
     for name in entries:
         p = os.path.join(real, name)
         size = _tree_size(p)
-        emit("removed", path=p, bytes=size, dry_run=dry_run)
+        if not quiet:
+            emit("removed", path=p, bytes=size, dry_run=dry_run)
         count += 1
         total += size
         if dry_run:
@@ -937,6 +1014,315 @@ def session_info(run: Run) -> dict[str, Any]:
     return {"exists": True, "pane_dead": cp.stdout.strip().splitlines()[:1] == ["1"]}
 
 
+# -- inductor cache: who uses it, and its key ----------------------------------------------------------------
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def _environ(pid: int) -> dict[str, str] | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None  # gone, or another user's process (those cannot write our cache dir's files either)
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            env[k.decode(errors="replace")] = v.decode(errors="replace")
+    return env
+
+
+def _uses_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as fh:
+            return b"libtorch" in fh.read()
+    except OSError:
+        return False
+
+
+def cache_users(real: str) -> list[tuple[str, int]]:
+    """Live processes on this host whose inductor/triton cache lies in or over `real`: (run name, pid).
+
+    Found through each process's environment (the launch wrapper sets TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR
+    and OPSCTL_RUN for every run), so another run's cache is never emptied under it; for torch's shared default
+    dir, any process that loaded libtorch without its own TORCHINDUCTOR_CACHE_DIR counts too."""
+    is_default = real == os.path.realpath(default_inductor_dir())
+    me = os.getpid()
+    out: list[tuple[str, int]] = []
+    for pid, st in all_procs().items():
+        if pid == me or st[0] in ("Z", "X"):
+            continue
+        env = _environ(pid)
+        if env is None:
+            continue
+        hit = False
+        for key in CACHE_ENV:
+            v = env.get(key)
+            if v and os.path.isabs(v):
+                rv = os.path.realpath(v)
+                if rv == real or rv.startswith(real.rstrip("/") + "/") or real.startswith(rv.rstrip("/") + "/"):
+                    hit = True
+        if not hit and is_default and "TORCHINDUCTOR_CACHE_DIR" not in env and _uses_torch(pid):
+            hit = True
+        if hit:
+            out.append((env.get("OPSCTL_RUN") or "(not an opsctl run)", pid))
+    return sorted(out, key=lambda x: (x[0], x[1]))
+
+
+def describe_users(users: list[tuple[str, int]]) -> str:
+    by_run: dict[str, list[int]] = {}
+    for name, pid in users:
+        by_run.setdefault(name, []).append(pid)
+    return "; ".join("run {} (pid {})".format(n, ", ".join(str(p) for p in pids[:8]) + (", ..." if len(pids) > 8 else ""))
+                     for n, pids in by_run.items())
+
+
+def _python_of(run: Run) -> str:
+    """The interpreter the run uses when its argv starts with one (python3, .venv/bin/python), else this one."""
+    argv = run.command if isinstance(run.command, list) else []
+    if argv and re.match(r"python[\d.]*$", os.path.basename(str(argv[0]))):
+        return str(argv[0]) if os.path.isabs(str(argv[0])) else (shutil.which(str(argv[0])) or sys.executable)
+    return sys.executable
+
+
+_VERSIONS_CODE = (
+    "import json, sys\n"
+    "from importlib import metadata\n"
+    "def v(n):\n"
+    "    try:\n"
+    "        return metadata.version(n)\n"
+    "    except Exception:\n"
+    "        return 'none'\n"
+    "print(json.dumps({'python': sys.version.split()[0], 'torch': v('torch'),"
+    " 'triton': v('triton') if v('triton') != 'none' else v('pytorch-triton')}))\n"
+)
+
+
+def _git(workdir: str, *args: str) -> bytes | None:
+    exe = shutil.which("git")
+    if exe is None:
+        return None
+    try:
+        cp = subprocess.run([exe, "-C", workdir, *args], stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return cp.stdout if cp.returncode == 0 else None
+
+
+def _hash_tree(h: Any, root: str) -> int:
+    """Hash every file under `root` (names and contents, in sorted order; bytecode and .git skipped)."""
+    if os.path.isfile(root):
+        files = [root]
+    else:
+        files = []
+        for dirpath, dirs, names in os.walk(root):
+            dirs[:] = [d for d in dirs if d not in ("__pycache__", ".git")]
+            files += [os.path.join(dirpath, f) for f in names if not f.endswith((".pyc", ".pyo"))]
+    n = 0
+    for p in sorted(files):
+        try:
+            with open(p, "rb") as fh:
+                data = fh.read()
+        except OSError:
+            continue
+        h.update(p.encode(errors="surrogateescape") + b"\0" + data + b"\0")
+        n += 1
+    return n
+
+
+def code_fingerprint(run: Run) -> str:
+    """The code the run executes: `git <commit>[+dirty <hash of the diff and untracked files>]` for a git
+    checkout, else `files <hash>` of cache_key_paths (default: the workdir's Python package dirs)."""
+    head = _git(run.workdir, "rev-parse", "HEAD")
+    if head:
+        commit = head.decode().strip()[:12]
+        diff = _git(run.workdir, "diff", "HEAD", "--binary") or b""
+        untracked = _git(run.workdir, "ls-files", "--others", "--exclude-standard", "-z") or b""
+        if not diff and not untracked:
+            return f"git {commit}"
+        h = hashlib.sha256(diff)
+        for name in sorted(x for x in untracked.split(b"\0") if x):
+            h.update(b"\0" + name + b"\0")
+            try:
+                with open(os.path.join(run.workdir, name.decode(errors="surrogateescape")), "rb") as fh:
+                    h.update(fh.read(16 << 20))
+            except OSError:
+                pass
+        return f"git {commit}+dirty {h.hexdigest()[:12]}"
+    paths = [run.path(p) for p in run.cache_key_paths]
+    if not paths:
+        try:
+            names = sorted(os.listdir(run.workdir))
+        except OSError:
+            names = []
+        paths = [os.path.join(run.workdir, n) for n in names
+                 if os.path.isfile(os.path.join(run.workdir, n, "__init__.py"))]
+    h = hashlib.sha256()
+    n = sum(_hash_tree(h, p) for p in paths)
+    return f"files {h.hexdigest()[:12]} ({n} files)"
+
+
+def cache_key(run: Run) -> dict[str, str]:
+    """torch, triton and python versions of the run's interpreter plus the code fingerprint."""
+    env = dict(os.environ)
+    env.update(run.env)
+    key: dict[str, str]
+    try:
+        cp = subprocess.run([_python_of(run), "-c", _VERSIONS_CODE], cwd=run.workdir, env=env,
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+        key = {k: str(v) for k, v in json.loads(cp.stdout.strip().splitlines()[-1]).items()}
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
+        key = {"python": "unknown", "torch": "unknown", "triton": "unknown", "error": f"{exc.__class__.__name__}"}
+    key["code"] = code_fingerprint(run)
+    return key
+
+
+def previous_attempt(run: Run) -> dict[str, Any]:
+    """What the last launch of this run came to: exit code, last phase, steps, its run_end, and its argv.
+
+    Read from STATE_DIR (launch.json, exit_code, spec.json) and the events written since that launch."""
+    launch = read_json(run.sf("launch.json")) or {}
+    since = float(launch.get("ts", 0)) - 1.0
+    out: dict[str, Any] = {"launched": bool(launch), "exit_code": read_exit_code(run.sf("exit_code")),
+                           "phase": None, "step": None, "total_steps": None, "run_end": None, "run_start": None,
+                           "error": None, "argv": (read_json(run.sf("spec.json")) or {}).get("argv")}
+    if run.events and os.path.exists(run.events):
+        with open(run.events, "rb") as fh:
+            for raw in fh:
+                if not raw.endswith(b"\n"):
+                    break
+                try:
+                    ev = json.loads(raw)
+                except ValueError:
+                    continue
+                if not isinstance(ev, dict) or (isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since):
+                    continue
+                kind = ev.get("kind")
+                if kind == "run_start":
+                    out.update(phase="starting", run_end=None, error=None, run_start=ev,
+                               total_steps=ev.get("total_steps"), step=ev.get("resumed_from"))
+                elif kind == "phase":
+                    out["phase"] = ev.get("phase")
+                elif kind == "step":
+                    out["phase"] = "training"
+                    out["step"] = ev.get("step")
+                    if ev.get("total_steps"):
+                        out["total_steps"] = ev["total_steps"]
+                elif kind == "error" and ev.get("fatal"):
+                    out["error"] = ev
+                elif kind == "run_end":
+                    out["run_end"] = ev
+    return out
+
+
+def finished_refusal(run: Run, prev: dict[str, Any], argv: list[str]) -> str | None:
+    """Why launching again would only break a run that already completed its last step (None: go ahead).
+
+    The same command over unchanged files would be told `already at step N of N` by the training core and
+    end as an error, hiding the result; a changed argv or a file named in it edited since lets it through."""
+    end = prev.get("run_end")
+    total = prev.get("total_steps")
+    if not end or end.get("reason") != "completed" or end.get("exit_code") not in (0, None):
+        return None
+    step = end.get("step")
+    if not (isinstance(step, int) and isinstance(total, int) and total > 0 and step >= total):
+        return None
+    if prev.get("argv") is not None and prev["argv"] != argv:
+        return None
+    ended = float(end.get("ts") or 0)
+    for a in argv:
+        p = run.path(a) if not a.startswith("-") else None
+        try:
+            if p and os.path.isfile(p) and os.path.getmtime(p) > ended:
+                return None  # a config named in the command changed since it finished (e.g. more steps)
+        except OSError:
+            pass
+    return (f"run {run.name} already finished: step {step} of {total} (run_end completed, exit 0); launching "
+            f"it again would change nothing but its state. To train again: add --fresh to its command (a new "
+            f"run in the same --out), raise the step count (train.max_steps in its config, or --max-steps), "
+            f"or give it another --out")
+
+
+def rotate_logs(run: Run) -> str:
+    """Keep earlier attempts' logs: LOG -> LOG.1 -> ... -> LOG.keep_logs (the oldest beyond it goes).
+
+    Every launch used to truncate the log, so the traceback that made the user relaunch was gone."""
+    log = run.log
+    try:
+        size = os.path.getsize(log)
+    except OSError:
+        return "no earlier log"
+    if size == 0:
+        return "earlier log was empty"
+    n = run.keep_logs
+    dropped = os.path.exists(f"{log}.{n}")
+    for i in range(n - 1, 0, -1):
+        if os.path.exists(f"{log}.{i}"):
+            os.replace(f"{log}.{i}", f"{log}.{i + 1}")
+    os.replace(log, log + ".1")
+    return "earlier attempt's log kept as {}.1{}".format(
+        os.path.basename(log), f" (the oldest, {os.path.basename(log)}.{n}, dropped: keep_logs {n})" if dropped else "")
+
+
+def old_logs(run: Run) -> list[str]:
+    """Earlier attempts' logs, oldest first (LOG.N ... LOG.1)."""
+    d, base = os.path.split(run.log)
+    try:
+        names = os.listdir(d or ".")
+    except OSError:
+        return []
+    nums = sorted((int(m.group(1)) for m in (re.fullmatch(re.escape(base) + r"\.(\d+)", n) for n in names) if m),
+                  reverse=True)
+    return [f"{run.log}.{i}" for i in nums]
+
+
+def prepare_cache(run: Run, real: str, prev: dict[str, Any], fresh: bool) -> str:
+    """Clear or keep the run's cache dir by its policy; returns what was done and why (launch prints it)."""
+    reasons: list[str] = []
+    key_file = run.sf("inductor_key.json")
+    if fresh:
+        reasons.append("--fresh-cache")
+    if prev.get("phase") == "compiling" and (prev.get("exit_code") not in (0, None) or prev.get("error")
+                                             or (prev.get("run_end") or {}).get("reason") in ("error", "signal")):
+        reasons.append("the previous attempt died in phase compiling (exit {})".format(prev.get("exit_code")))
+    key: dict[str, str] | None = None
+    if run.cache_policy == "clear":
+        reasons.append("inductor_cache_policy clear")
+    else:
+        key = cache_key(run)
+        old = read_json(key_file)
+        if old is None or old.get("cache") != real or not isinstance(old.get("key"), dict):
+            reasons.append("no key recorded for it yet")
+        else:
+            diff = [f"{k} {old['key'].get(k, 'none')} -> {key.get(k, 'none')}" for k in sorted(set(key) | set(old["key"]))
+                    if key.get(k) != old["key"].get(k)]
+            reasons += diff
+        if key.get("error"):
+            reasons.append(f"versions unknown ({key['error']})")
+    os.makedirs(real, exist_ok=True)
+    if reasons:
+        n, size = empty_dir(real, dry_run=False, quiet=True)
+        what = f"inductor cache cleared: {'; '.join(reasons)} ({real}: {n} entries, {size / 2**20:.1f} MiB)"
+    else:
+        n, size = _count_tree(real)
+        what = (f"inductor cache kept: key unchanged (torch {key['torch']}, triton {key['triton']}, python "  # type: ignore[index]
+                f"{key['python']}, {key['code']}) ({real}: {n} entries, {size / 2**20:.1f} MiB)")  # type: ignore[index]
+    if key is not None:
+        tmp = key_file + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"cache": real, "key": key, "ts": time.time()}, fh)
+        os.replace(tmp, key_file)
+    return what
+
+
+def _count_tree(real: str) -> tuple[int, int]:
+    try:
+        names = os.listdir(real)
+    except OSError:
+        return 0, 0
+    return len(names), sum(_tree_size(os.path.join(real, n)) for n in names)
+
+
 # -- verbs --------------------------------------------------------------------------------------------------
 def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     force = bool(opts.get("force"))
@@ -966,6 +1352,11 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
              detail=f"the previous run exited but left processes alive (pids {left}); kill them first (opsctl kill)")
         return EXIT_CODES["refused"]
     emit("check", name="not_running", ok=True, detail=f"no live process recorded in {run.state_dir}")
+    prev = previous_attempt(run)
+    why = finished_refusal(run, prev, argv)
+    if why:  # before anything is touched: the finished run's files and state stay exactly as they are
+        emit("check", name="not_finished", ok=False, detail=why)
+        return EXIT_CODES["refused"]
 
     ok = True
     if nvml.ok:
@@ -1003,14 +1394,20 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("check", name="preflight", ok=good, detail=detail)
         ok = ok and good
 
-    cache, default_ok = run.cache_dir()
+    real = ""
     try:
-        real = validate_clean_dir(cache, run.clean_roots, default_ok)
-        if ok:
-            n, size = empty_dir(real, dry_run=False)
-            emit("check", name="inductor_cache", ok=True, detail=f"cleared {real} ({n} entries, {size / 2**20:.1f} MiB)")
+        real = run.validated_cache()
+        users = cache_users(real)
+        if users:
+            emit("check", name="inductor_cache", ok=False,
+                 detail=f"{real} is in use by {describe_users(users)}: not cleared, not shared; give this run "
+                        f"its own inductor_cache_dir (the default is <state_dir>/inductor)")
+            ok = False
+        elif ok:
+            emit("check", name="inductor_cache", ok=True,
+                 detail=prepare_cache(run, real, prev, bool(opts.get("fresh_cache"))))
         else:
-            emit("check", name="inductor_cache", ok=True, detail=f"{real} is valid; not cleared (launch refused)")
+            emit("check", name="inductor_cache", ok=True, detail=f"{real} is valid; not touched (launch refused)")
     except (AgentError, OSError) as exc:
         emit("check", name="inductor_cache", ok=False, detail=str(exc))
         ok = False
@@ -1027,11 +1424,15 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     if info["exists"]:
         tmux(run, "kill-session", "-t", "=" + run.session)
     os.makedirs(os.path.dirname(run.log), exist_ok=True)
+    emit("check", name="log", ok=True, detail=rotate_logs(run))
     with open(run.log, "wb"):
-        pass  # a new run gets a new log; offsets start at 0
+        pass  # this attempt's log starts empty (the earlier ones were rotated, never truncated); offsets at 0
     env = dict(run.env)
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", real)
+    env.setdefault("TRITON_CACHE_DIR", os.path.join(env["TORCHINDUCTOR_CACHE_DIR"], "triton"))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env["OPSCTL_RUN"] = run.name  # how cache_users() names the run that holds a cache dir
+    env["OPSCTL_STATE_DIR"] = run.state_dir
     spec = {"argv": argv, "env": env, "workdir": run.workdir, "log": run.log, "state_dir": run.state_dir}
     with open(run.sf("spec.json"), "w") as fh:
         json.dump(spec, fh)
@@ -1100,6 +1501,15 @@ def follow_loop(fol: Follower, run: Run, ready_deadline: float | None, keep_foll
 def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     if opts.get("no_events"):
         run.events = None  # `logs` wants the human log only
+    if opts.get("all_logs"):
+        # `logs --all`: every earlier attempt's log (rotated at launch), oldest first, then the current one.
+        olds = old_logs(run)
+        for i, path in enumerate(olds):
+            emit("attempt", file=path, attempt=i + 1, attempts=len(olds) + 1, current=False)
+            with open(path, "rb") as fh:
+                for raw in fh:
+                    emit("old_log", file=path, line=raw.rstrip(b"\n").decode("utf-8", errors="replace"))
+        emit("attempt", file=run.log, attempt=len(olds) + 1, attempts=len(olds) + 1, current=True)
     fol = Follower(run, nvml, int(opts.get("log_offset", 0)), int(opts.get("events_offset", 0)),
                    int(opts.get("tail", 10)), float(opts.get("gpu_interval", 1.0)))
     if opts.get("once"):
@@ -1304,7 +1714,6 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     dry = bool(opts.get("dry_run"))
     snap = ProcWatch(run).snapshot()
     rc = EXIT_CODES["ok"]
-    cache, default_ok = run.cache_dir()
     left = leftovers(run) if snap["state"] != "running" else []
     if snap["state"] == "running":
         emit("check", name="inductor_cache", ok=False,
@@ -1317,13 +1726,22 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         rc = EXIT_CODES["refused"]
     else:
         try:
-            real = validate_clean_dir(cache, run.clean_roots, default_ok)
+            real = run.validated_cache()
+            users = cache_users(real)
+            if users:
+                raise AgentError(f"{real} is in use by {describe_users(users)}: not cleaned")
             n, size = empty_dir(real, dry)
             emit("check", name="inductor_cache", ok=True,
                  detail=("would empty" if dry else "emptied") + f" {real}: {n} entries, {size / 2**20:.1f} MiB")
         except AgentError as exc:
             emit("check", name="inductor_cache", ok=False, detail=str(exc))
             rc = EXIT_CODES["refused"]
+    if opts.get("logs"):
+        # Earlier attempts' logs go only when asked (clean --logs); the current attempt's log always stays.
+        for old in old_logs(run):
+            emit("removed", path=old, bytes=_tree_size(old), dry_run=dry)
+            if not dry:
+                os.unlink(old)
     sess = session_info(run)
     if sess["exists"] and sess["pane_dead"]:
         emit("removed", path=f"tmux:{run.session}", bytes=0, dry_run=dry)

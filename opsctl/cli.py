@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("launch", formatter_class=fmt, help="preflight, start in tmux, stream until ready",
                        description="Preflight (container running, GPUs free, model dir vs manifest, the run's "
-                       "preflight command), clear the inductor cache, start the run in tmux (exit status "
+                       "preflight command), clear or keep the run's own inductor cache (inductor_cache_policy "
+                       "clear | keyed, --fresh-cache; it says what it did and why), keep the previous attempt's "
+                       "log as LOG.1, start the run in tmux (exit status "
                        "captured, log teed, pid and process group recorded), then stream its log until it "
                        "reports ready (first `step` event or ready_pattern). Exits non-zero within 1 s if it "
                        "dies first, printing the traceback; after ready_timeout it names the phase it is stuck "
@@ -66,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="start even if other processes hold the GPUs")
     s.add_argument("--follow", action="store_true",
                    help="after ready, keep streaming the log until the run ends; exit with its status")
+    s.add_argument("--fresh-cache", action="store_true",
+                   help="empty the run's inductor cache first, whatever inductor_cache_policy says")
 
     s = sub.add_parser("status", formatter_class=fmt, help="state, phase, step, loss, tokens/s, GPUs",
                        description="One snapshot per run: state (starting, loading, compiling, training, "
@@ -77,12 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("logs", formatter_class=fmt, help="print or follow a run's log",
                        description="Print the last N lines, or follow (-f) with reconnect: after an SSH drop "
-                       "it reconnects with back-off and resumes at the last byte offset, so no line is lost or "
-                       "repeated. -f ends when the run ends, with exit 0 if its status was 0.")
+                       "it reconnects with back-off and jitter, each retry said on stderr, for up to the host's "
+                       "reconnect_timeout (default 300 s, 0 = forever), and resumes at the last byte offset, so "
+                       "no line is lost or repeated; a host key, authentication or unknown-host error exits 3 at "
+                       "once. -f ends when the run ends, with exit 0 if its status was 0. Shows the current "
+                       "attempt; --all every kept attempt.")
     s.add_argument("host")
     s.add_argument("run")
     s.add_argument("-f", "--follow", action="store_true")
     s.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines of history (default 50)")
+    s.add_argument("--all", action="store_true",
+                   help="every kept attempt's log (LOG.N ... LOG.1, then the current LOG), each under a header")
 
     s = sub.add_parser("kill", formatter_class=fmt, help="stop a run: SIGINT, SIGTERM, SIGKILL",
                        description="Signal the recorded process group and every descendant (also those that "
@@ -100,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("host")
     s.add_argument("run", nargs="?")
     s.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    s.add_argument("--logs", action="store_true",
+                   help="also remove earlier attempts' logs (LOG.1 ... LOG.N); the current log always stays")
 
     s = sub.add_parser("watch", formatter_class=fmt, help="live dashboard (Textual) of one or many runs",
                        epilog="""examples:
@@ -126,17 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     ctx = c.Ctx(hosts_file=args.hosts, accept_new_host_key=args.accept_new_host_key)
     try:
         if args.verb == "launch":
-            return c.cmd_launch(ctx, args.host, args.run, force=args.force, follow=args.follow)
+            return c.cmd_launch(ctx, args.host, args.run, force=args.force, follow=args.follow,
+                                fresh_cache=args.fresh_cache)
         if args.verb == "status":
             return c.cmd_status(ctx, args.host, args.run, as_json=args.json)
         if args.verb == "logs":
             if args.lines < 0:
                 raise c.OpsError("-n must be >= 0", c.EXIT_USAGE)
-            return c.cmd_logs(ctx, args.host, args.run, follow=args.follow, lines=args.lines)
+            return c.cmd_logs(ctx, args.host, args.run, follow=args.follow, lines=args.lines, all_attempts=args.all)
         if args.verb == "kill":
             return c.cmd_kill(ctx, args.host, args.run)
         if args.verb == "clean":
-            return c.cmd_clean(ctx, args.host, args.run, dry_run=args.dry_run)
+            return c.cmd_clean(ctx, args.host, args.run, dry_run=args.dry_run, logs=args.logs)
         if args.verb == "watch":
             from opsctl.tui import watch_main
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import re
 import sys
 import time
@@ -22,8 +23,8 @@ from rich.text import Text
 
 from opsctl import agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
-from opsctl.runstate import RunState, RunView
-from opsctl.transport import PctTransport, Transport, TransportError, transport_for
+from opsctl.runstate import RunState, RunView, unreachable_view
+from opsctl.transport import PctTransport, PermanentTransportError, Transport, TransportError, transport_for
 
 EXIT_OK = 0  # done / the run is ready / the run finished with status 0
 EXIT_FAILED = 1  # the run crashed or failed, or kill left survivors
@@ -32,7 +33,8 @@ EXIT_TRANSPORT = 3  # host unreachable, host key refused, channel lost
 EXIT_TIMEOUT = 4  # the run did not become ready within ready_timeout (it was left running)
 EXIT_REFUSED = 5  # preflight refused the launch (container stopped, GPUs busy, model dir, preflight command)
 
-RECONNECT_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)  # waits between reconnect attempts of `logs -f` (not polling)
+RECONNECT_BASE_S = 0.2  # first wait before reconnecting `logs -f` / `launch --follow` (doubling, with jitter)
+RECONNECT_CAP_S = 10.0  # the longest wait between two reconnect attempts
 
 
 class OpsError(Exception):
@@ -174,7 +176,8 @@ def _print_verdict_failure(ctx: Ctx, m: dict[str, Any]) -> None:
 
 
 # -- launch -------------------------------------------------------------------------------------------------
-def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, follow: bool = False) -> int:
+def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, follow: bool = False,
+               fresh_cache: bool = False) -> int:
     host, run = ctx.resolve(host_name, run_name)
     assert run is not None
     t = ctx.transport(host)
@@ -186,7 +189,8 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
         launched_at: float | None = None
         offsets = {"log_offset": 0, "events_offset": 0}
         try:
-            for m in stream_agent(t, host, "launch", run_args(run, force=force, follow=follow, gpus=host.gpus)):
+            for m in stream_agent(t, host, "launch", run_args(run, force=force, follow=follow, gpus=host.gpus,
+                                                               fresh_cache=fresh_cache)):
                 kind = m.get("t")
                 state.apply(m)
                 if kind == "check":
@@ -271,20 +275,36 @@ def _resume_until_ready(ctx: Ctx, host: HostConfig, run: RunConfig, t: Transport
 
 
 # -- logs ---------------------------------------------------------------------------------------------------
+def reconnect_delay(attempt: int, rng: random.Random | None = None) -> float:
+    """Exponential back-off with jitter for reconnect `attempt` (1, 2, ...): many followers of one host that
+    lost its link must not all knock again in the same instant."""
+    base = min(RECONNECT_CAP_S, RECONNECT_BASE_S * 2 ** (attempt - 1))
+    return base * (rng or random).uniform(0.5, 1.0)
+
+
 def _follow_reconnecting(ctx: Ctx, host: HostConfig, run: RunConfig, offsets: dict[str, int],
                          events: bool) -> Iterator[dict[str, Any]]:
     """Messages of `follow` across channel drops: reconnect with back-off and resume at the last offsets.
 
-    `offsets` is updated in place from every message's `end`, so a resume neither loses nor repeats a line."""
+    `offsets` is updated in place from every message's `end`, so a resume neither loses nor repeats a line.
+    A permanent error (host key, authentication, a name that never resolved) raises OpsError(3) at once; a lost
+    link is retried, each retry said on stderr, for up to the host's reconnect_timeout (0: forever)."""
     attempt = 0
+    connected_once = False
+    lost_since: float | None = None
+    limit = host.reconnect_timeout
     while True:
         t = ctx.transport(host)
         try:
             args = run_args(run, log_offset=offsets["log_offset"], events_offset=offsets["events_offset"],
-                            tail=offsets.get("tail", 0), no_events=not events, gpu_interval=1.0 if events else 0)
-            offsets.pop("tail", None)
+                            tail=offsets.get("tail", 0), no_events=not events, gpu_interval=1.0 if events else 0,
+                            all_logs=bool(offsets.get("all_logs")))
             for m in stream_agent(t, host, "follow", args):
+                offsets.pop("tail", None)  # only the first connection asks for history; resumes use offsets
+                offsets.pop("all_logs", None)
+                connected_once = True
                 attempt = 0
+                lost_since = None
                 kind = m.get("t")
                 if kind == "log":
                     offsets["log_offset"] = m["end"]
@@ -295,39 +315,73 @@ def _follow_reconnecting(ctx: Ctx, host: HostConfig, run: RunConfig, offsets: di
                 yield m
                 if kind == "bye":
                     return
+        except PermanentTransportError as exc:
+            if exc.kind != "dns" or not connected_once:
+                raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
+            lost_since = _retry_wait(ctx, host, exc, attempt := attempt + 1, lost_since, limit)
         except (ChannelLost, TransportError) as exc:
-            wait = RECONNECT_BACKOFF_S[min(attempt, len(RECONNECT_BACKOFF_S) - 1)]
-            attempt += 1
-            ctx.err.print(f"[yellow]{host.name}: link lost ({str(exc).splitlines()[0][:200]}); "
-                          f"reconnecting in {wait:g} s (attempt {attempt})[/]")
-            time.sleep(wait)  # back-off between reconnects, not a poll of the run
+            lost_since = _retry_wait(ctx, host, exc, attempt := attempt + 1, lost_since, limit)
         finally:
             t.close()
 
 
+def _retry_wait(ctx: Ctx, host: HostConfig, exc: Exception, attempt: int, lost_since: float | None,
+                limit: float) -> float:
+    """Say the link is lost and wait before retry `attempt`, or give up (OpsError 3) past `limit` seconds."""
+    now = time.monotonic()
+    since = lost_since if lost_since is not None else now
+    tried = now - since
+    why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    if limit > 0 and tried >= limit:
+        raise OpsError(f"{host.name}: link lost and not back after trying for {tried:.0f} s ({attempt - 1} "
+                       f"reconnect attempts, reconnect_timeout {limit:g} s): {why}", EXIT_TRANSPORT)
+    wait = reconnect_delay(attempt)
+    if limit > 0:
+        wait = max(0.0, min(wait, since + limit - now))
+    budget = "" if limit <= 0 else f", giving up {max(0.0, since + limit - now):.0f} s from now"
+    ctx.err.print(Text(f"{host.name}: link lost ({why}); reconnecting in {wait:.1f} s "
+                       f"(attempt {attempt}{budget})", style="yellow"))
+    time.sleep(wait)  # back-off between reconnects, not a poll of the run
+    return since
+
+
+def _attempt_header(m: dict[str, Any]) -> str:
+    """The line `logs --all` prints before each attempt's log (they are kept as LOG.N ... LOG.1, LOG)."""
+    which = "current attempt" if m.get("current") else "earlier attempt"
+    return f"=== attempt {m.get('attempt')} of {m.get('attempts')} ({which}): {m.get('file')} ==="
+
+
 def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, lines: int = 50,
-             _offsets: dict[str, int] | None = None) -> int:
+             _offsets: dict[str, int] | None = None, all_attempts: bool = False) -> int:
+    """The current attempt's log (last `lines`, or follow); `all_attempts`: every kept attempt, oldest first."""
     host, run = ctx.resolve(host_name, run_name)
     assert run is not None
     if not follow:
         t = ctx.transport(host)
         try:
             check_container(ctx, host, t) if isinstance(t, PctTransport) else None
-            for m in stream_agent(t, host, "follow", run_args(run, log_offset=-1, tail=lines, once=True,
-                                                              no_events=True, gpu_interval=0)):
-                if m.get("t") == "log":
+            args = (run_args(run, log_offset=0, once=True, no_events=True, gpu_interval=0, all_logs=True)
+                    if all_attempts else
+                    run_args(run, log_offset=-1, tail=lines, once=True, no_events=True, gpu_interval=0))
+            for m in stream_agent(t, host, "follow", args):
+                if m.get("t") in ("log", "old_log"):
                     ctx.line(m["line"])
+                elif m.get("t") == "attempt":
+                    ctx.line(_attempt_header(m))
         except ChannelLost as exc:
             raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
         finally:
             t.close()
         return EXIT_OK
-    offsets = _offsets or {"log_offset": -1, "events_offset": 0, "tail": lines}
+    offsets: dict[str, Any] = _offsets or ({"log_offset": 0, "events_offset": 0, "all_logs": True} if all_attempts
+                                           else {"log_offset": -1, "events_offset": 0, "tail": lines})
     rc = EXIT_OK
     for m in _follow_reconnecting(ctx, host, run, offsets, events=False):
         kind = m.get("t")
-        if kind == "log":
+        if kind in ("log", "old_log"):
             ctx.line(m["line"])
+        elif kind == "attempt":
+            ctx.line(_attempt_header(m))
         elif kind == "log_reset":
             ctx.err.print(f"[yellow]-- log {m.get('reason')}; reading it again from the start --[/]")
         elif kind == "verdict":
@@ -353,38 +407,60 @@ def run_status(ctx: Ctx, host: HostConfig, run: RunConfig, t: Transport) -> tupl
 
 def cmd_status(ctx: Ctx, host_name: str, run_name: str | None, as_json: bool = False) -> int:
     host, runs = ctx.runs_of(host_name, run_name)
-    t = ctx.transport(host)
     rows: list[dict[str, Any]] = []
+    unreachable: str | None = None
     try:
-        check_container(ctx, host, t) if isinstance(t, PctTransport) and not as_json else None
+        t = ctx.transport(host)
+    except OpsError as exc:
+        unreachable, t = str(exc), None
+    try:
+        if t is not None and isinstance(t, PctTransport) and not as_json:
+            check_container(ctx, host, t)
         for run in runs:
-            try:
-                view, st = run_status(ctx, host, run, t)
-            except ChannelLost as exc:
-                raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
-            rows.append({"host": host.name, "run": run.name, **view.to_dict(), "session": st.get("session"),
-                         "session_exists": st.get("session_exists"), "log": st.get("log")})
+            if unreachable is None:
+                try:
+                    view, st = run_status(ctx, host, run, t)  # type: ignore[arg-type]
+                    rows.append({"host": host.name, "run": run.name, **view.to_dict(), "session": st.get("session"),
+                                 "session_exists": st.get("session_exists"), "log": st.get("log")})
+                    continue
+                except TransportError as exc:  # ChannelLost included: the host did not answer
+                    unreachable = str(exc)
+            # Not `absent` (that says the host answered and has no such run): the host could not be asked.
+            rows.append({"host": host.name, "run": run.name, **unreachable_view(unreachable).to_dict(),
+                         "session": None, "session_exists": None, "log": run.log})
+    except OpsError as exc:
+        if exc.code != EXIT_TRANSPORT:
+            raise
+        unreachable = str(exc)
+        done = {r["run"] for r in rows}
+        rows += [{"host": host.name, "run": r.name, **unreachable_view(unreachable).to_dict(), "session": None,
+                  "session_exists": None, "log": r.log} for r in runs if r.name not in done]
     finally:
-        t.close()
+        if t is not None:
+            t.close()
+    rc = EXIT_TRANSPORT if unreachable is not None else EXIT_OK
     if as_json:
         ctx.raw.write(json.dumps(rows if run_name is None else rows[0], default=str) + "\n")
         ctx.raw.flush()
-        return EXIT_OK
+        return rc
     table = Table(title=f"{host.name}", show_lines=False)
     show_gpus = any(r["gpus"] for r in rows)
     for col in ("run", "state", "phase", "step", "loss", "tok/s", "heartbeat", "pid", "exit"):
-        table.add_column(col, no_wrap=col in ("run", "state", "phase", "step"))
+        table.add_column(col, no_wrap=col in ("run", "phase", "step"))
     if show_gpus:
         table.add_column("GPUs")
     colors = {"training": "green", "finished": "green", "crashed": "red", "killed": "yellow", "stalled": "red",
-              "loading": "cyan", "compiling": "cyan", "starting": "cyan", "absent": "dim"}
+              "loading": "cyan", "compiling": "cyan", "starting": "cyan", "absent": "dim", "unreachable": "magenta"}
     for r in rows:
         phase = r["phase"] or "-"
         if r.get("phase_i") is not None and r.get("phase_n") is not None:
             phase += f" {r['phase_i']}/{r['phase_n']}"
         step = f"{r['step']}" + (f"/{r['total_steps']}" if r.get("total_steps") else "")
         gpus = ", ".join(f"{g['index']}: {g.get('util')}% {int(g.get('mem_used_mb') or 0)} MiB" for g in r["gpus"])
-        cells = [r["run"], f"[{colors.get(r['state'], 'white')}]{r['state']}[/]", phase, step,
+        state = Text(r["state"], style=colors.get(r["state"], "white"))
+        if r.get("reason"):  # the crash's exception line + exit code, the host's error, leftover processes
+            state.append(f" ({r['reason']})")
+        cells = [r["run"], state, phase, step,
                  "-" if r["loss"] is None else f"{r['loss']:.4g}",
                  "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
                  "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
@@ -399,7 +475,9 @@ def cmd_status(ctx: Ctx, host_name: str, run_name: str | None, as_json: bool = F
     for r in rows:
         for e in r["errors"][-3:]:
             ctx.out.print(f"[red]{r['run']}: {e.get('class')}: {e.get('message')}[/]")
-    return EXIT_OK
+    if unreachable is not None:
+        ctx.err.print(Text(f"{host.name}: unreachable: {unreachable}", style="red"))
+    return rc
 
 
 # -- kill ---------------------------------------------------------------------------------------------------
@@ -444,7 +522,7 @@ def cmd_kill(ctx: Ctx, host_name: str, run_name: str) -> int:
 
 
 # -- clean --------------------------------------------------------------------------------------------------
-def cmd_clean(ctx: Ctx, host_name: str, run_name: str | None, dry_run: bool = False) -> int:
+def cmd_clean(ctx: Ctx, host_name: str, run_name: str | None, dry_run: bool = False, logs: bool = False) -> int:
     host, runs = ctx.runs_of(host_name, run_name)
     t = ctx.transport(host)
     worst = EXIT_OK
@@ -452,7 +530,7 @@ def cmd_clean(ctx: Ctx, host_name: str, run_name: str | None, dry_run: bool = Fa
         check_container(ctx, host, t)
         for run in runs:
             n = total = 0
-            for m in stream_agent(t, host, "clean", run_args(run, dry_run=dry_run)):
+            for m in stream_agent(t, host, "clean", run_args(run, dry_run=dry_run, logs=logs)):
                 kind = m.get("t")
                 if kind == "removed":
                     n += 1

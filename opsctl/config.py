@@ -12,7 +12,7 @@ import posixpath
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -93,6 +93,20 @@ def path_is_within(path: str, root: str) -> bool:
     return p == r or p.startswith(r.rstrip("/") + "/")
 
 
+def protected_paths(run: dict[str, Any]) -> list[tuple[str, str]]:
+    """The run's own paths that an emptied cache dir must never be, nor contain: (field name, path)."""
+    return [(k, run[k]) for k in ("workdir", "state_dir", "log", "events", "model_dir", "checkpoint_dir")
+            if isinstance(run.get(k), str) and run[k]]
+
+
+def cache_overlap(cache: str, protected: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """The first protected (name, path) that `cache` is equal to or an ancestor of; None when there is none."""
+    for name, p in protected:
+        if path_is_within(p, cache):
+            return name, p
+    return None
+
+
 def _scalar_to_str(v: Any) -> Any:
     # YAML turns `OMP_NUM_THREADS: 4` into an int; an env value is text, so accept numbers as their text.
     if isinstance(v, bool):
@@ -143,6 +157,9 @@ class HostConfig(_Strict):
     pct: int | None = None  # Proxmox container VMID: commands run as `pct exec VMID -- argv...` on that host
     python: str = "python3"  # interpreter used for the remote agent and for `{python}` in commands
     gpus: list[int] | None = None
+    # `logs -f` / `launch --follow`: how long to keep retrying a lost link (seconds; 0 = forever). Permanent
+    # errors (host key unknown or changed, authentication refused, unknown host) never retry.
+    reconnect_timeout: float = Field(300.0, ge=0)
 
     @field_validator("pct")
     @classmethod
@@ -195,6 +212,12 @@ class RunConfig(_Strict):
     log: str
     events: str | None = None
     inductor_cache_dir: str | None = None
+    # clear: the run's cache dir is emptied at every launch (a crashed compile once left broken artifacts);
+    # keyed: kept while its key (torch/triton/python versions + code fingerprint) is unchanged.
+    inductor_cache_policy: Literal["clear", "keyed"] = "clear"
+    cache_key_paths: list[str] | None = None  # non-git workdirs: files/dirs hashed into the key (default: packages)
+    checkpoint_dir: str | None = None  # where the run writes checkpoints (only used to refuse a cache dir above it)
+    keep_logs: int = Field(10, ge=1)  # earlier attempts' logs kept as LOG.1 .. LOG.N (LOG.1 the latest)
     tmux_session: str | None = None
     state_dir: str | None = None
     model_dir: str | None = None
@@ -262,7 +285,7 @@ class RunConfig(_Strict):
     def _no_nul(self) -> RunConfig:
         # No exec or file system can carry a NUL byte; refuse it here rather than fail on the remote host.
         for key in ("workdir", "log", "events", "inductor_cache_dir", "tmux_session", "state_dir", "model_dir",
-                    "model_manifest", "ready_pattern"):
+                    "model_manifest", "ready_pattern", "checkpoint_dir"):
             v = getattr(self, key)
             if isinstance(v, str) and "\x00" in v:
                 raise ValueError(f"{key} contains a NUL byte")

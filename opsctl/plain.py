@@ -68,6 +68,9 @@ def snapshot_once(sources: Sequence[WatchSource], settle_s: float = SETTLE_S, ti
     finally:
         for w in workers:
             w.stop()
+    for w, m in zip(workers, models, strict=True):
+        if not w.received or not m.heard:
+            m.mark_unreachable(f"no answer within {timeout_s:g} s ({m.link})")
     return [m.snapshot() for m in models]
 
 
@@ -78,6 +81,8 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
     head = Text()
     head.append(model.label + "  ", style="bold")
     head.append_text(state_badge(view))
+    if view.reason:
+        head.append(f" {view.reason}", style="bold red" if view.state in ("crashed", "unreachable") else "yellow")
     total = f"/{view.total_steps:,}" if view.total_steps else ""
     head.append(f"  step {view.step:,}{total}  epoch {'-' if view.epoch is None else view.epoch}"
                 f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(view.tokens_per_s, 0)}"

@@ -12,7 +12,9 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-STATES = ("starting", "loading", "compiling", "training", "stalled", "finished", "crashed", "killed", "absent")
+# absent: the host was reached and has no such run; unreachable: the host could not be asked at all.
+STATES = ("starting", "loading", "compiling", "training", "stalled", "finished", "crashed", "killed", "absent",
+          "unreachable")
 LOADING_PHASES = {"loading_target", "building_drafter", "preparing_data"}
 STALL_FLOOR_S = 60.0
 STALL_FACTOR = 10.0
@@ -51,9 +53,23 @@ class RunView:
     last_checkpoint: str | None = None
     gpus: list[dict[str, Any]] = field(default_factory=list)
     nvml: str | None = None
+    exception: str | None = None  # the exception line of the last traceback of an attempt that exited non-zero
+    leftover_pids: list[int] = field(default_factory=list)  # processes an exited run left alive
+    link_error: str | None = None  # why the host could not be reached (state `unreachable`)
+    reason: str | None = None  # one line saying why the state is what it is: `RuntimeError: boom (exit 1)`
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def state_text(self) -> str:
+        """`crashed (RuntimeError: boom (exit 1))`, `finished (leftover processes: PID 12)`: state and reason."""
+        return f"{self.state} ({self.reason})" if self.reason else self.state
+
+
+def unreachable_view(error: str) -> RunView:
+    """The view of a run whose host could not be reached: never `absent`, which says the host answered."""
+    first = error.strip().splitlines()[0] if error.strip() else "unreachable"
+    return RunView(state="unreachable", link_error=first, reason=first)
 
 
 class RunState:
@@ -86,6 +102,8 @@ class RunState:
                 v.proc_exit_code = msg["exit_code"]
             if msg.get("killed_by_opsctl"):
                 self.killed_by_us = True
+            v.exception = msg.get("exception")
+            v.leftover_pids = [int(p) for p in msg.get("leftovers") or []]
         elif t == "gpu":
             self._v.gpus = list(msg.get("gpus") or [])
         elif t == "hello":
@@ -157,11 +175,26 @@ class RunState:
         if v.end_reason is None:  # no run_end (yet): the process's own code is all there is
             v.exit_code = v.proc_exit_code
         v.state = self._derive_state(v)
+        v.reason = self._reason(v)
         if v.total_steps and v.step and self._step_times and v.state == "training":
             v.eta_s = (v.total_steps - v.step) * statistics.median(self._step_times)
         else:
             v.eta_s = None
         return v
+
+    @staticmethod
+    def _reason(v: RunView) -> str | None:
+        if v.state == "unreachable":
+            return v.link_error
+        parts: list[str] = []
+        if v.state == "crashed":
+            fatal = next((e for e in reversed(v.errors) if e.get("fatal")), None)
+            what = v.exception or (f"{fatal.get('class')}: {fatal.get('message')}" if fatal else None)
+            code = v.exit_code if v.exit_code is not None else v.proc_exit_code
+            parts.append(f"{what} (exit {code})" if what else f"exit {code}")
+        if v.leftover_pids and v.state in ("finished", "crashed", "killed"):
+            parts.append("leftover processes: PID " + ", ".join(str(p) for p in v.leftover_pids))
+        return "; ".join(parts) or None
 
     def _derive_state(self, v: RunView) -> str:
         alive = v.proc_state == "running"

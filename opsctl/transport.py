@@ -36,6 +36,18 @@ class TransportTimeout(TransportError, TimeoutError):
     """A command or a wait did not finish within its timeout."""
 
 
+class PermanentTransportError(TransportError):
+    """Retrying cannot help until a person acts: host key unknown or changed, authentication refused, a host
+    name that does not resolve. `logs -f` and `launch --follow` exit 3 on it at once instead of retrying.
+
+    `kind` is `host_key`, `auth` or `dns`; a `dns` failure after the link once worked may be a resolver
+    outage, so followers treat only a first-connection `dns` failure as permanent."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class Completed(NamedTuple):
     """A finished command: exit code and its raw output bytes (unpacks as `rc, out, err`)."""
 
@@ -531,26 +543,28 @@ class SSHTransport:
         try:
             hop.open()  # type: ignore[attr-defined]
         except paramiko.BadHostKeyException as e:
-            raise TransportError(
+            raise PermanentTransportError(
                 f"{label}: HOST KEY MISMATCH: the server presented {e.key.get_name()} "
                 f"{e.key.fingerprint} but {kh} has a different key for it. This may be an attack or a "
                 f"reinstalled host; if you know it was reinstalled, remove the old entry with "
-                f"`ssh-keygen -R '{kh_name}' -f {kh}` and connect again.") from None
+                f"`ssh-keygen -R '{kh_name}' -f {kh}` and connect again.", "host_key") from None
         except paramiko.AuthenticationException as e:
             key = self.settings.identity_file or "your ssh agent / default keys"
-            raise TransportError(f"{label}: authentication failed ({e}); tried {key}. Check `user:` and "
-                                 f"`identity_file:` in hosts.yaml and the server's authorized_keys.") from None
+            raise PermanentTransportError(f"{label}: authentication failed ({e}); tried {key}. Check `user:` and "
+                                          f"`identity_file:` in hosts.yaml and the server's authorized_keys.",
+                                          "auth") from None
         except paramiko.SSHException as e:
             if "not found in known_hosts" in str(e):
-                raise TransportError(
+                raise PermanentTransportError(
                     f"{label}: host key not in known_hosts ({kh}); verify the host, then re-run with "
-                    f"--accept-new-host-key to trust and save it.") from None
+                    f"--accept-new-host-key to trust and save it.", "host_key") from None
             raise TransportError(f"{label}: SSH error: {e}") from None
         except TimeoutError:
             raise TransportTimeout(f"{label}: no answer within connect_timeout={self.settings.connect_timeout}s "
                                    f"(host down, firewalled, or wrong port?)") from None
         except socket.gaierror as e:
-            raise TransportError(f"{label}: cannot resolve host name {hop.host!r} ({e.strerror})") from None  # type: ignore[attr-defined]
+            raise PermanentTransportError(f"{label}: cannot resolve host name {hop.host!r} ({e.strerror})",  # type: ignore[attr-defined]
+                                          "dns") from None
         except (paramiko.ssh_exception.NoValidConnectionsError, OSError) as e:
             raise TransportError(f"{label}: unreachable ({e}); is sshd running and the port right?") from None
 

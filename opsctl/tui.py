@@ -5,6 +5,7 @@ Each source is followed on its own thread and handed to the UI in batches, so a 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import threading
@@ -278,6 +279,8 @@ class RunModel:
         self.gpu_hist: dict[int, dict[str, deque[float]]] = {}
         self._history = history
         self.link = "connecting"
+        self.heard = False  # an agent message arrived since the link was last lost (else: unreachable)
+        self.link_error: str | None = None
         self.version = 0  # any change
         self.chart_version = 0  # a step arrived
         self.gpu_version = 0  # a GPU sample arrived
@@ -291,6 +294,8 @@ class RunModel:
             self.lines_total += 1
             self.tracker.observe_log(line)
             return
+        if t != "link":
+            self.heard = True
         if t in STATE_TYPES:
             self.state.apply(msg)
         self.tracker.observe(msg)
@@ -317,6 +322,9 @@ class RunModel:
         elif t == "link":
             detail = msg.get("detail")
             self.link = str(msg.get("state")) + (f" ({detail})" if detail else "")
+            if msg.get("state") == "lost":
+                self.heard = False
+                self.link_error = str(detail or "link lost")
         elif t == "log_reset":
             self.log.append(LogLine(self.lines_total, f"--- log {msg.get('reason', 'reset')} ---", 1))
             self.lines_total += 1
@@ -341,7 +349,17 @@ class RunModel:
             self.version += 1
 
     def view(self) -> RunView:
-        return self.state.view(self.clock() if self.clock is not None else None)
+        view = self.state.view(self.clock() if self.clock is not None else None)
+        if not self.heard and self.link_error is not None:
+            # The host did not answer since the link was lost: say so, never `absent` ("reached, no such run").
+            view = dataclasses.replace(view, state="unreachable", link_error=self.link_error, reason=self.link_error)
+        return view
+
+    def mark_unreachable(self, error: str) -> None:
+        """No answer at all (e.g. `--once` gave up while still connecting): unreachable, with why."""
+        if not self.heard and self.link_error is None:
+            self.link_error = error
+            self.version += 1
 
     def alerts(self, view: RunView) -> list[Alert]:
         return self.tracker.evaluate(view, self.clock() if self.clock is not None else time.time())

@@ -41,6 +41,7 @@ STATE_STYLES: dict[str, str] = {
     "finished": "bold white on blue",
     "crashed": "bold white on red",
     "killed": "bold white on dark_orange3",
+    "unreachable": "bold white on purple",
 }
 
 # Log lines a person must not miss; the first matching pattern decides the highlight.
@@ -172,6 +173,8 @@ class RunSummary(_Quiet):
         t = Text()
         t.append(f"{label}  ", style="bold")
         t.append_text(state_badge(view))
+        if view.reason:  # why: the crash's exception line and exit code, the unreachable host's error, leftovers
+            t.append(f"  {view.reason}", style="bold red" if view.state in ("crashed", "unreachable") else "yellow")
         phase = view.phase or "-"
         if view.phase_i is not None and view.phase_n is not None:
             phase += f" {view.phase_i}/{view.phase_n}"

@@ -590,7 +590,9 @@ def test_once_json_gives_up_on_a_hanging_host_within_the_timeout() -> None:
     start = time.monotonic()
     snaps = snapshot_once([hanging, recorded("loading")], settle_s=0.2, timeout_s=1.0)
     assert time.monotonic() - start < 3
-    assert snaps[0]["link"] == "connecting" and snaps[0]["view"]["state"] == "absent"
+    # never `absent` (that says the host answered and has no such run): it is unreachable, and says why
+    assert snaps[0]["link"] == "connecting" and snaps[0]["view"]["state"] == "unreachable"
+    assert "no answer within 1 s" in snaps[0]["view"]["reason"]
     assert snaps[1]["view"]["state"] in ("loading", "stalled")
     hanging.release.set()
 
