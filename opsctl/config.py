@@ -6,7 +6,6 @@ Errors name the file, the line and the field path, so a typo in hosts.yaml is fi
 from __future__ import annotations
 
 import difflib
-import getpass
 import os
 import posixpath
 import re
@@ -377,28 +376,6 @@ def _suggest_key(loc: tuple[str, ...], lines: dict[tuple[str, ...], int]) -> str
 # defaults and path resolution
 
 
-def _default_user(host: HostConfig) -> str:
-    """The user a command runs as on `host` (for TORCHINDUCTOR_CACHE_DIR's /tmp/torchinductor_<user> default)."""
-    if host.pct is not None:
-        return "root"  # `pct exec` (lxc-attach) runs commands as root inside the container
-    if host.local or host.ssh is None:
-        return getpass.getuser()
-    if host.ssh.user:
-        return host.ssh.user
-    if host.ssh.use_ssh_config:
-        try:
-            import paramiko
-
-            cfg_path = Path("~/.ssh/config").expanduser()
-            if cfg_path.is_file():
-                user = paramiko.SSHConfig.from_path(str(cfg_path)).lookup(host.ssh.host).get("user")
-                if user:
-                    return str(user)
-        except Exception:  # an unreadable ssh config must not break loading hosts.yaml
-            pass
-    return getpass.getuser()  # what ssh itself would use
-
-
 def _resolve_local_path(p: str, base: Path) -> str:
     q = Path(p).expanduser()
     return str(q if q.is_absolute() else (base / q).resolve())
@@ -434,7 +411,7 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
     for key in ("log", "events", "state_dir", "model_dir", "inductor_cache_dir", "model_manifest"):
         if remote and isinstance(data[key], str) and data[key].startswith("~"):
             bad(key, f"{data[key]!r}: '~' cannot be resolved for a remote host; write an absolute path")
-    for key in ("log", "events", "state_dir", "model_dir", "inductor_cache_dir"):
+    for key in ("log", "events", "state_dir", "model_dir", "inductor_cache_dir", "checkpoint_dir"):
         data[key] = under_workdir(data[key])
     if data["model_manifest"] is not None:
         base = data["model_dir"] or workdir
@@ -447,9 +424,10 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
     if data["state_dir"] is None:
         data["state_dir"] = posixpath.join(workdir, ".opsctl", run.name)
     if data["inductor_cache_dir"] is None:
-        # torch's rule: $TORCHINDUCTOR_CACHE_DIR if set for the run, else <tempdir>/torchinductor_<user>.
+        # Per run, never torch's shared /tmp/torchinductor_<user>: clearing that one at launch would pull the
+        # cache from under every other live run (and torch job) of the user on the host.
         env_dir = run.env.get("TORCHINDUCTOR_CACHE_DIR")
-        data["inductor_cache_dir"] = under_workdir(env_dir) if env_dir else f"/tmp/torchinductor_{_default_user(host)}"
+        data["inductor_cache_dir"] = under_workdir(env_dir) if env_dir else posixpath.join(data["state_dir"], "inductor")
     explicit_roots = data["clean_roots"] is not None
     if not explicit_roots:
         data["clean_roots"] = [data["inductor_cache_dir"]]
@@ -460,8 +438,16 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
                              f"refusing clean root: {why}"))
     cache = data["inductor_cache_dir"]
     why = dangerous_path_reason(cache)
-    if why:
+    raw_cache = run.inductor_cache_dir
+    if raw_cache is not None and raw_cache.strip() in ("", ".", "./"):
+        # "" and "." resolve to the workdir: emptying it would delete the sources and the run's state.
+        bad("inductor_cache_dir", f"refusing inductor cache dir {raw_cache!r} (it is emptied by launch/clean): "
+                                  f"it resolves to the workdir {workdir!r}; name a dedicated directory")
+    elif why:
         bad("inductor_cache_dir", f"refusing inductor cache dir (it is emptied by launch/clean): {why}")
+    elif (hit := cache_overlap(cache, protected_paths(data))) is not None:
+        bad("inductor_cache_dir", f"refusing inductor cache dir {cache!r} (it is emptied by launch/clean): "
+                                  f"it is or contains the run's {hit[0]} {hit[1]!r}")
     elif not any(path_is_within(cache, r) for r in data["clean_roots"]):
         bad("inductor_cache_dir", f"{cache!r} is not inside any of clean_roots {data['clean_roots']}")
     if isinstance(run.command, list):
