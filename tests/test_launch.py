@@ -201,3 +201,83 @@ def test_launch_waits_for_ready_across_ssh_drop(tmp_path: Path, sshd, ct: int, d
     assert proc.returncode == 0, err
     assert "reconnecting" in err and "READY ok: first step event (after a reconnect)" in err
     assert "loading model" not in out  # resumed at the offset: the line is not shown twice
+
+
+def _local_hosts(path: Path, runs: dict[str, dict]) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump({"hosts": {"local": {"local": True, "runs": runs}}}, sort_keys=False))
+    return path
+
+
+COUNTING_CRASH = ("import pathlib; p = pathlib.Path('n'); n = int(p.read_text()) + 1 if p.exists() else 1; "
+                  "p.write_text(str(n)); print(f'attempt {n}', flush=True); raise RuntimeError(f'boom {n}')")
+
+
+def test_relaunch_keeps_every_attempts_log_and_logs_all_shows_them(tmp_path: Path) -> None:
+    """Launch rotates the log (LOG.1 ... LOG.keep_logs) instead of truncating it: the traceback that made the
+    user relaunch survives; `logs` shows the current attempt, `logs --all` every one; `clean --logs` removes them."""
+    hosts = _local_hosts(tmp_path / "hosts.yaml", {"r": {
+        "workdir": str(tmp_path), "command": ["{python}", "-c", COUNTING_CRASH], "log": "run.log",
+        "inductor_cache_dir": "cache", "keep_logs": 2, "tmux_session": "rotate-logs", "ready_timeout": 30}})
+    log = tmp_path / "run.log"
+    try:
+        for _ in range(2):
+            r = opsctl(hosts, "launch", "local", "r")
+            assert r.returncode == commands.EXIT_FAILED, r.stderr
+        assert "attempt 2" in log.read_text() and "attempt 1" not in log.read_text()
+        first = (tmp_path / "run.log.1").read_text()
+        assert "attempt 1" in first and "RuntimeError: boom 1" in first  # the earlier traceback is kept
+        assert "earlier attempt's log kept as run.log.1" in " ".join(r.stderr.split())
+        r = opsctl(hosts, "logs", "local", "r")
+        assert r.returncode == 0 and "attempt 2" in r.stdout and "attempt 1" not in r.stdout
+        r = opsctl(hosts, "logs", "local", "r", "--all")
+        out = r.stdout.splitlines()
+        h1 = out.index(f"=== attempt 1 of 2 (earlier attempt): {log}.1 ===")
+        h2 = out.index(f"=== attempt 2 of 2 (current attempt): {log} ===")
+        assert h1 < out.index("attempt 1") < h2 < out.index("attempt 2")
+        assert "RuntimeError: boom 1" in out[h1:h2] and "RuntimeError: boom 2" in out[h2:]
+        for _ in range(2):
+            r = opsctl(hosts, "launch", "local", "r")
+        assert "(the oldest, run.log.2, dropped: keep_logs 2)" in " ".join(r.stderr.split())
+        assert [p.name for p in sorted(tmp_path.glob("run.log*"))] == ["run.log", "run.log.1", "run.log.2"]
+        assert "attempt 4" in log.read_text() and "attempt 2" in (tmp_path / "run.log.2").read_text()
+        r = opsctl(hosts, "clean", "local", "r")
+        assert r.returncode == 0 and (tmp_path / "run.log.1").exists()  # only removed when asked
+        r = opsctl(hosts, "clean", "local", "r", "--logs")
+        assert r.returncode == 0 and f"removed {log}.2" in r.stdout and f"removed {log}.1" in r.stdout
+        assert [p.name for p in tmp_path.glob("run.log*")] == ["run.log"] and "attempt 4" in log.read_text()
+    finally:
+        kill_tmux(tmp_path, "r")
+
+
+def _files(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "hosts.yaml"}
+
+
+def test_relaunch_of_a_finished_run_is_refused_and_leaves_it_finished(tmp_path: Path) -> None:
+    run = script_run(tmp_path, "ok_run.py", "--steps", "2", "--step-time", "0.05", "--load-time", "0",
+                     tmux_session="finished-twice")
+    hosts = _local_hosts(tmp_path / "hosts.yaml", {"done": run})
+    try:
+        assert opsctl(hosts, "launch", "local", "done", "--follow").returncode == 0
+        st = json.loads(opsctl(hosts, "status", "local", "done", "--json").stdout)
+        assert (st["state"], st["step"], st["total_steps"]) == ("finished", 2, 2)
+        before = _files(tmp_path)
+        r = opsctl(hosts, "launch", "local", "done")
+        flat = " ".join(r.stderr.split())
+        assert r.returncode == commands.EXIT_REFUSED, r.stderr
+        assert "already finished: step 2 of 2" in flat and "--fresh" in flat and "raise the step count" in flat
+        assert _files(tmp_path) == before  # log, events, state files: not one byte or mtime changed
+        st = json.loads(opsctl(hosts, "status", "local", "done", "--json").stdout)
+        assert (st["state"], st["step"], st["total_steps"], st["exit_code"]) == ("finished", 2, 2, 0)
+        # raising the step count (a changed command) trains again
+        run["command"] = [a if a != "2" else "3" for a in run["command"]]
+        hosts = _local_hosts(tmp_path / "hosts.yaml", {"done": run})
+        r = opsctl(hosts, "launch", "local", "done", "--follow")
+        assert r.returncode == 0, r.stderr
+        st = json.loads(opsctl(hosts, "status", "local", "done", "--json").stdout)
+        assert (st["state"], st["step"], st["total_steps"]) == ("finished", 3, 3)
+    finally:
+        kill_tmux(tmp_path, "done")
