@@ -120,3 +120,96 @@ def test_watch_source_resumes_at_offsets(tmp_path: Path, sshd) -> None:
         assert src.last_rc == 0 and ("killed" in src.last_output or "not running" in src.last_output)
     finally:
         kill_tmux(tmp_path, "c")
+
+
+def _follow_err(hosts: Path, *argv: str, timeout: float = 60) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "opsctl", "--hosts", str(hosts), *argv], cwd=str(REPO),
+                       capture_output=True, text=True, timeout=timeout, env=dict(os.environ, NO_COLOR="1", COLUMNS="200"))
+    return r.returncode, " ".join(r.stderr.split()), time.monotonic() - t0
+
+
+def test_follow_exits_3_at_once_on_permanent_errors(tmp_path: Path, sshd) -> None:
+    """Host key unknown or changed, authentication refused, unknown host: `logs -f` and `launch --follow` exit 3
+    with the message on the first try; retrying cannot help until a person acts."""
+    from harness.sshd import keygen  # tests/ is on sys.path (conftest.py)
+
+    run = {"r": script_run(tmp_path, "ok_run.py")}
+    empty_kh = tmp_path / "empty_known_hosts"
+    empty_kh.write_text("")
+    other = keygen(tmp_path / "other_key", "other")
+    changed_kh = tmp_path / "changed_known_hosts"
+    changed_kh.write_text(f"[127.0.0.1]:{sshd.port} {' '.join(other.split()[:2])}\n")
+    cases = [
+        ({"known_hosts": str(empty_kh)}, "host key not in known_hosts"),
+        ({"known_hosts": str(changed_kh)}, "HOST KEY MISMATCH"),
+        ({"identity_file": str(tmp_path / "other_key")}, "authentication failed"),
+        ({"host": "no-such-host.invalid"}, "cannot resolve host name 'no-such-host.invalid'"),
+    ]
+    for over, expect in cases:
+        hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs=run, **over)
+        for argv in (["logs", "box", "r", "-f"], ["launch", "box", "r", "--follow"]):
+            rc, err, took = _follow_err(hosts, *argv)
+            assert rc == 3 and expect in err, (over, argv, rc, err)
+            assert "reconnecting" not in err and took < 30, (over, argv, took, err)
+
+
+def test_follow_gives_up_after_reconnect_timeout_saying_each_retry(tmp_path: Path, sshd) -> None:
+    """A link that stays lost (nothing listens on the port): retries with back-off, each on stderr, then exit 3
+    after reconnect_timeout saying how long it tried."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]  # closed again: connections are refused
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={"r": script_run(tmp_path, "ok_run.py")},
+                                  port=dead_port)
+    raw = (tmp_path / "hosts.yaml").read_text().replace("  box:\n", "  box:\n    reconnect_timeout: 2\n", 1)
+    hosts.write_text(raw)
+    rc, err, took = _follow_err(hosts, "logs", "box", "r", "-f")
+    assert rc == 3, err
+    assert 2 <= took < 30, took
+    assert "attempt 1" in err and "attempt 2" in err and err.count("reconnecting in") >= 2, err
+    assert "Connection refused" in err or "unreachable" in err, err
+    assert "link lost and not back after trying for 2 s" in err and "reconnect_timeout 2 s" in err, err
+
+
+def test_follow_with_reconnect_timeout_0_keeps_retrying(tmp_path: Path, sshd) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={"r": script_run(tmp_path, "ok_run.py")},
+                                  port=dead_port)
+    hosts.write_text(hosts.read_text().replace("  box:\n", "  box:\n    reconnect_timeout: 0\n", 1))
+    proc = subprocess.Popen([sys.executable, "-m", "opsctl", "--hosts", str(hosts), "logs", "box", "r", "-f"],
+                            cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, NO_COLOR="1", COLUMNS="300"))
+    assert proc.stderr is not None
+    seen: list[str] = []
+    try:
+        for line in proc.stderr:  # back-off 0.2, 0.4, 0.8, 1.6 s (x jitter): attempt 5 comes within seconds
+            seen.append(line)
+            if "(attempt 5)" in line:
+                break
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert any("(attempt 5)" in ln for ln in seen), seen
+    assert not any("giving up" in ln or "not back after" in ln for ln in seen), seen
+
+
+def test_reconnect_delay_backs_off_with_jitter() -> None:
+    import random
+
+    from opsctl import commands
+
+    rng = random.Random(1)
+    delays = [[commands.reconnect_delay(a, rng) for a in range(1, 9)] for _ in range(50)]
+    for row in delays:
+        for a, d in enumerate(row, start=1):
+            base = min(commands.RECONNECT_CAP_S, commands.RECONNECT_BASE_S * 2 ** (a - 1))
+            assert 0.5 * base <= d <= base
+    assert len({row[3] for row in delays}) > 10  # jitter: followers of one host do not retry in lockstep
+    assert max(row[-1] for row in delays) <= commands.RECONNECT_CAP_S
