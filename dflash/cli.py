@@ -53,7 +53,40 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="checkpoint -> Hugging Face DFlashDraftModel directory")
     e.add_argument("--checkpoint", required=True, help="a checkpoints/step-N directory")
     e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    _eval_parser(sub)
     return p
+
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    """`dflash eval`: greedy speculative decoding with the target verifying each block (dflash/eval.py)."""
+    v = sub.add_parser("eval", help="acceptance length tau of a drafter on its target (lossless-checked), vs n-gram",
+                       description="Greedy speculative decoding on held-out prompts: tau, acceptance per block "
+                                   "position next to the training-time accuracy, speed, lossless check. Exit 1 "
+                                   "if any output differs from the target's own greedy decoding.")
+    src = v.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a RUN/checkpoints/step-N directory")
+    src.add_argument("--drafter", help="a `dflash export` directory")
+    v.add_argument("--config", help="the run's config YAML (default: the one saved in the checkpoint)")
+    v.add_argument("--target", help="a local Hugging Face target directory (default: the run's target)")
+    v.add_argument("--prompts", help=".jsonl with text/messages per line, or a text file with one prompt per line "
+                                     "(default: held-out documents of the run's corpus)")
+    v.add_argument("--num-prompts", type=int, default=8)
+    v.add_argument("--prompt-tokens", type=int, default=32, help="prompt length for held-out documents")
+    v.add_argument("--max-new-tokens", type=int, default=64)
+    v.add_argument("--block-size", type=int, default=None, help="draft block size B (default: the drafter's)")
+    v.add_argument("--baseline", choices=["ngram"], default=None, help="also run prompt-lookup drafting")
+    v.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    v.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")
+    v.add_argument("--tie-tol", type=float, default=None,
+                   help="relative logit gap counted as a numerical tie, not a lossless failure "
+                        "(default 1e-4 for fp32 targets, 3e-2 for bf16/fp16)")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from dflash.eval import run
+
+    return run(args)
 
 
 def _fail(msg: str) -> int:
@@ -134,7 +167,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"train": _train, "preflight": _preflight, "export": _export}[args.cmd](args)
+    return {"train": _train, "preflight": _preflight, "export": _export, "eval": _eval}[args.cmd](args)
 
 
 if __name__ == "__main__":

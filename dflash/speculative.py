@@ -1,0 +1,405 @@
+"""Greedy speculative decoding against a frozen Hugging Face causal LM: DFlash block drafts or prompt-lookup drafts.
+
+One target forward verifies each drafted block; attention caches are cropped and Gated DeltaNet states rolled back.
+
+The target is a plain `transformers` CausalLM plus the list of tapped layers (whatever builds it), so the same code
+serves the hybrid `qwen3_5` family and full-attention families. Taps follow Hugging Face's `hidden_states[id + 1]`
+(index 0 is the embedding output, the last entry is after the final norm), which is what exported drafters are read
+with by every consumer.
+
+Rollback of a partly rejected block: attention layers drop the rejected positions from their KV cache (`crop`). A
+linear-attention layer's recurrent state is a running sum that cannot be cropped, so its conv and recurrent states are
+snapshotted before the verify forward; after a partial acceptance they are restored and re-advanced over the accepted
+tokens only (one more target forward over those tokens, whose KV the attention layers recompute identically).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash.model import DFlashDrafter, dense_mask, rope_cos_sin
+
+
+class LosslessError(RuntimeError):
+    """Speculative output differs from the target's own greedy decoding (names the first differing position)."""
+
+
+# ----------------------------------------------------------------------------- the target
+
+
+@dataclass
+class _Snapshot:
+    attn_len: int
+    linear: list[tuple[int, dict[int, Tensor], dict[int, Tensor]]]  # (layer index, conv states, recurrent states)
+
+
+class TargetLM:
+    """A frozen HF causal LM with tapped layers: cached forwards that return logits and taps, and cache rollback."""
+
+    def __init__(self, model: nn.Module, tap_layers: Sequence[int]) -> None:
+        self.model = model
+        self.tap_layers = [int(t) for t in tap_layers]
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = cfg
+        self.num_layers = int(cfg.num_hidden_layers)
+        for t in self.tap_layers:
+            if not 0 <= t < self.num_layers:
+                raise ValueError(f"tap layer {t} is outside 0..{self.num_layers - 1}")
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.x renamed past_key_values to cache; take whichever this model's forward accepts.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Linear = model.get_output_embeddings()
+        self.device = next(model.parameters()).device
+        self.forwards = 0  # target forward passes run (prefill, verify and re-advance)
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def forward(self, ids: Sequence[int] | Tensor, start: int, cache: Any | None, keep: int,
+                taps: bool = True) -> tuple[Tensor, Tensor | None]:
+        """Feed `ids` at absolute positions start.. (the cache, when given, holds exactly positions 0..start-1).
+
+        Returns the logits of the last `keep` positions [keep, V] (fp32) and the taps of every fed position [T, K*H]
+        (None when `taps` is False).
+        """
+        x = torch.as_tensor(list(ids) if not isinstance(ids, Tensor) else ids, dtype=torch.long,
+                            device=self.device).reshape(1, -1)
+        t = x.shape[1]
+        pos = torch.arange(start, start + t, device=self.device).unsqueeze(0)
+        kwargs: dict[str, Any] = {"input_ids": x, "position_ids": pos, "logits_to_keep": max(keep, 1)}
+        if cache is not None:
+            kwargs[self._cache_kw] = cache
+            kwargs["use_cache"] = True
+        else:
+            kwargs["use_cache"] = False
+        if taps:
+            kwargs["output_hidden_states"] = True
+        with torch.no_grad():
+            out = self.model(**kwargs)
+        self.forwards += 1
+        logits = out.logits[0, -keep:].float() if keep > 0 else out.logits[0, :0].float()
+        if not taps:
+            return logits, None
+        hs = out.hidden_states  # L + 1 entries; [id + 1] is the output of decoder layer id (last one after the norm)
+        return logits, torch.cat([hs[i + 1][0] for i in self.tap_layers], dim=-1)
+
+    # -- rollback
+    def snapshot(self, cache: Any) -> _Snapshot:
+        """Everything a partly rejected verify forward overwrites in place: linear-attention states (cloned) and the
+        attention cache length (attention layers are cropped back to it)."""
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+        linear = []
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                conv = {k: v.clone() for k, v in layer.conv_states.items() if v is not None}
+                rec = {k: v.clone() for k, v in layer.recurrent_states.items() if v is not None}
+                linear.append((i, conv, rec))
+        return _Snapshot(attn_len=self.cache_length(cache), linear=linear)
+
+    @staticmethod
+    def has_linear_layers(cache: Any) -> bool:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+        return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
+
+    @staticmethod
+    def cache_length(cache: Any) -> int:
+        from transformers.cache_utils import DynamicLayer
+
+        lengths = {layer.get_seq_length() for layer in cache.layers if isinstance(layer, DynamicLayer)}
+        if len(lengths) > 1:
+            raise RuntimeError(f"attention cache layers disagree on their length: {sorted(lengths)}")
+        return lengths.pop() if lengths else -1
+
+    def crop_attention(self, cache: Any, length: int) -> None:
+        """Cut every attention layer's KV back to positions 0..length-1 (linear-attention layers untouched)."""
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        for layer in cache.layers:
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                raise NotImplementedError("speculative rollback of sliding-window target layers is not supported")
+            if isinstance(layer, DynamicLayer) and layer.is_initialized:
+                extra = layer.get_seq_length() - length
+                if extra < 0:
+                    raise RuntimeError(f"cannot crop an attention cache of {layer.get_seq_length()} to {length}")
+                DynamicLayer.crop(layer, -extra)
+
+    def restore(self, cache: Any, snap: _Snapshot) -> None:
+        """Put the cache back exactly as it was when `snap` was taken (in place: static addresses are kept)."""
+        self.crop_attention(cache, snap.attn_len)
+        for i, conv, rec in snap.linear:
+            layer = cache.layers[i]
+            for k, v in conv.items():
+                layer.conv_states[k].copy_(v)
+            for k, v in rec.items():
+                layer.recurrent_states[k].copy_(v)
+
+
+# ----------------------------------------------------------------------------- proposers
+
+
+class Proposer(Protocol):
+    """Where draft tokens come from. `start` sees the prompt's taps, `commit` the taps of the newly committed tokens
+    (the anchor and the accepted drafts), `propose` returns up to `k` tokens to follow `seq`."""
+
+    name: str
+
+    def start(self, prompt: Sequence[int], taps: Tensor) -> None: ...
+
+    def propose(self, seq: Sequence[int], k: int) -> list[int]: ...
+
+    def commit(self, taps: Tensor) -> None: ...
+
+
+class DFlashProposer:
+    """DFlash block drafting: block = [anchor, mask x (B-1)] at positions a..a+B-1, keys/values from the fused taps of
+    every committed position < a (the training mask rule, `dflash.model.dense_mask`, with a single anchor)."""
+
+    name = "dflash"
+
+    def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        if drafter.cfg.mask_token_id is None:
+            raise ValueError("the drafter has no mask_token_id")
+        self.drafter = drafter.eval()
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.block_size = drafter.cfg.block_size
+        self.ctx: Tensor | None = None  # [n_ctx, H] fused, normalised context features (position-independent)
+
+    def _fuse(self, taps: Tensor) -> Tensor:
+        d = self.drafter
+        with torch.no_grad():
+            return d.hidden_norm(d.fc(taps.to(d.fc.weight.dtype)))
+
+    def start(self, prompt: Sequence[int], taps: Tensor) -> None:
+        self.ctx = self._fuse(taps)
+
+    def commit(self, taps: Tensor) -> None:
+        assert self.ctx is not None
+        self.ctx = torch.cat([self.ctx, self._fuse(taps)], dim=0)
+
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+        return draft_block(self.drafter, self.embed_tokens, self.lm_head, self._ctx(len(seq)), int(seq[-1]))[:k]
+
+    def _ctx(self, n: int) -> Tensor:
+        if self.ctx is None or self.ctx.shape[0] != n - 1:
+            got = None if self.ctx is None else self.ctx.shape[0]
+            raise RuntimeError(f"context covers {got} positions, the anchor is at position {n - 1}")
+        return self.ctx
+
+
+def draft_block(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Linear, ctx: Tensor,
+                anchor: int) -> list[int]:
+    """The drafter's greedy tokens for block positions 1..B-1 after `anchor` at position a = len(ctx).
+
+    Laid out as in training (`DFlashDrafter.block_states` over a buffer holding positions 0..a): keys are the context
+    slots 0..a, then the block; slot a (the anchor's own target state) is never read (`p < a` in the mask rule), so it
+    holds zeros here, where that state does not exist yet.
+    """
+    cfg, b = drafter.cfg, drafter.cfg.block_size
+    a = ctx.shape[0]
+    dev = ctx.device
+    with torch.no_grad():
+        block = torch.full((b,), int(cfg.mask_token_id), dtype=torch.long, device=dev)  # type: ignore[arg-type]
+        block[0] = anchor
+        dtype = drafter.fc.weight.dtype
+        x = embed_tokens(block).to(dtype)
+        slots = torch.cat([ctx.to(dtype), ctx.new_zeros((1, ctx.shape[1]), dtype=dtype)])
+        block_pos = torch.arange(a, a + b, device=dev)
+        rope_q = rope_cos_sin(block_pos, drafter.head_dim, cfg.rope_theta, x.dtype)
+        rope_kv = rope_cos_sin(torch.cat([torch.arange(a + 1, device=dev), block_pos]), drafter.head_dim,
+                               cfg.rope_theta, x.dtype)
+        anchors = torch.tensor([a], device=dev)
+        docs = torch.zeros(a + 1, dtype=torch.long, device=dev)
+        masks: dict[int | None, Tensor] = {}
+        for layer, w in zip(drafter.layers, drafter.windows, strict=True):
+            if w not in masks:
+                masks[w] = dense_mask(anchors, docs, b, w)  # [B, a + 1 + B]
+            x = layer(x, slots, rope_q, rope_kv, _dense_attend(masks[w]))
+        x = drafter.norm(x)
+        logits = F.linear(x[1:].to(lm_head.weight.dtype), lm_head.weight, lm_head.bias)
+        return [int(t) for t in logits.argmax(-1).tolist()]
+
+
+def _dense_attend(mask: Tensor) -> Any:
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        rep = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None])[0]
+
+    return attend
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = max_ngram down to 1) in everything
+    committed so far and propose what followed it. Training-free; strong on repetitive or copy-heavy text."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3) -> None:
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+
+    def start(self, prompt: Sequence[int], taps: Tensor) -> None:
+        pass
+
+    def commit(self, taps: Tensor) -> None:
+        pass
+
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+        s = list(seq)
+        n_tok = len(s)
+        for n in range(min(self.max_ngram, n_tok - 1), 0, -1):
+            tail = s[n_tok - n:]
+            for start in range(n_tok - n - 1, -1, -1):  # latest match first, never the tail itself
+                if s[start:start + n] == tail:
+                    return s[start + n:start + n + k]
+        return []
+
+
+# ----------------------------------------------------------------------------- decoding loops
+
+
+@dataclass
+class Generation:
+    """One prompt's speculative decoding: the new tokens and, per verify step, what was drafted and accepted."""
+
+    tokens: list[int]
+    anchor_pos: list[int] = field(default_factory=list)  # absolute position of each step's anchor
+    drafts: list[list[int]] = field(default_factory=list)  # drafted tokens per step
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per step (tau = accepted + 1)
+    seconds: float = 0.0
+    target_forwards: int = 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stop_at(tokens: list[int], stop_ids: set[int]) -> int | None:
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return i
+    return None
+
+
+def target_greedy(target: TargetLM, prompt: Sequence[int], max_new_tokens: int,
+                  stop_ids: Sequence[int] = ()) -> Generation:
+    """The target's own greedy decoding, one token per cached forward: the reference output and the baseline speed."""
+    stops = set(stop_ids)
+    _sync(target.device)
+    t0 = time.perf_counter()
+    f0 = target.forwards
+    cache = target.new_cache()
+    logits, _ = target.forward(prompt, 0, cache, keep=1, taps=False)
+    out = [int(logits[-1].argmax())]
+    while len(out) < max_new_tokens and out[-1] not in stops:
+        logits, _ = target.forward([out[-1]], len(prompt) + len(out) - 1, cache, keep=1, taps=False)
+        out.append(int(logits[-1].argmax()))
+    _sync(target.device)
+    return Generation(tokens=out, seconds=time.perf_counter() - t0, target_forwards=target.forwards - f0)
+
+
+def speculative_generate(target: TargetLM, proposer: Proposer, prompt: Sequence[int], max_new_tokens: int,
+                         block_size: int, stop_ids: Sequence[int] = ()) -> Generation:
+    """Greedy speculative decoding; the output is the target's greedy output whatever the proposer drafts.
+
+    Per step: the anchor is the last committed token (position n-1), the proposer drafts up to B-1 tokens, one target
+    forward over [anchor, drafts] yields the target's token at every block position, the longest matching draft
+    prefix (k tokens) plus the target's token after it are committed. The recorded `accepted` is k as verified,
+    before the output is cut at `max_new_tokens` or a stop token.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if not prompt:
+        raise ValueError("empty prompt")
+    stops = set(stop_ids)
+    _sync(target.device)
+    t0 = time.perf_counter()
+    f0 = target.forwards
+    cache = target.new_cache()
+    logits, taps = target.forward(prompt, 0, cache, keep=1)
+    assert taps is not None
+    proposer.start(prompt, taps)
+    seq = [int(t) for t in prompt] + [int(logits[-1].argmax())]
+    gen = Generation(tokens=[seq[-1]])
+    linear = TargetLM.has_linear_layers(cache)
+    while len(gen.tokens) < max_new_tokens and gen.tokens[-1] not in stops:
+        n = len(seq)
+        drafts = [int(t) for t in proposer.propose(seq, block_size - 1)][: block_size - 1]
+        feed = [seq[-1], *drafts]
+        snap = target.snapshot(cache) if linear and drafts else None
+        logits, taps = target.forward(feed, n - 1, cache, keep=len(feed))
+        assert taps is not None
+        verified = [int(t) for t in logits.argmax(-1).tolist()]  # verified[j]: the target's token at position n + j
+        k = 0
+        while k < len(drafts) and drafts[k] == verified[k]:
+            k += 1
+        gen.anchor_pos.append(n - 1)
+        gen.drafts.append(drafts)
+        gen.accepted.append(k)
+        new = [*drafts[:k], verified[k]]
+        room = max_new_tokens - len(gen.tokens)
+        cut = _stop_at(new, stops)
+        new = new[: min(room, len(new) if cut is None else cut + 1)]
+        gen.tokens += new
+        seq += new
+        if len(new) < k + 1:
+            break  # the output is complete; nothing after this step reads the cache
+        proposer.commit(taps[: k + 1])  # the anchor and the accepted drafts: positions n-1 .. n-1+k
+        if k < len(drafts):
+            if snap is not None:  # linear-attention states advanced over rejected tokens: roll back, re-advance
+                target.restore(cache, snap)
+                target.forward(feed[: k + 1], n - 1, cache, keep=0, taps=False)
+            else:
+                target.crop_attention(cache, n + k)
+    _sync(target.device)
+    gen.seconds = time.perf_counter() - t0
+    gen.target_forwards = target.forwards - f0
+    return gen
+
+
+def first_difference(expected: Sequence[int], got: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts at the shorter length), or None."""
+    for i, (a, b) in enumerate(zip(expected, got, strict=False)):
+        if a != b:
+            return i
+    return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
+def check_lossless(expected: Sequence[int], got: Sequence[int], what: str) -> None:
+    i = first_difference(expected, got)
+    if i is not None:
+        e = expected[i] if i < len(expected) else "<end>"
+        g = got[i] if i < len(got) else "<end>"
+        raise LosslessError(f"{what}: output differs from the target's greedy decoding at new token {i} "
+                            f"(target {e}, speculative {g})")
+
+
+__all__ = [
+    "DFlashProposer",
+    "Generation",
+    "LosslessError",
+    "NgramProposer",
+    "Proposer",
+    "TargetLM",
+    "check_lossless",
+    "draft_block",
+    "first_difference",
+    "speculative_generate",
+    "target_greedy",
+]
