@@ -566,7 +566,11 @@ class SSHTransport:
             raise PermanentTransportError(f"{label}: cannot resolve host name {hop.host!r} ({e.strerror})",  # type: ignore[attr-defined]
                                           "dns") from None
         except (paramiko.ssh_exception.NoValidConnectionsError, OSError) as e:
-            raise TransportError(f"{label}: unreachable ({e}); is sshd running and the port right?") from None
+            # paramiko's NoValidConnectionsError says "[Errno None] Unable to connect"; the errno text per
+            # address ("Connection refused", "No route to host") is what a person needs to see.
+            errs = getattr(e, "errors", None)
+            why = "; ".join(sorted({x.strerror or str(x) for x in errs.values()})) if errs else str(e)
+            raise TransportError(f"{label}: unreachable ({why}); is sshd running and the port right?") from None
 
     def _open(self) -> object:
         gateway = None

@@ -47,3 +47,108 @@ def test_status_of_finished_crashed_killed_and_never_started(tmp_path: Path, ssh
     assert "crashed" in lines["boom"] and "loading_target 2/4" in lines["boom"]
     assert "killed" in lines["stop"]
     assert "GPUs: nvml unavailable" in table.stdout
+
+
+def _once(hosts: Path, *targets: str) -> list[dict]:
+    r = opsctl(hosts, "watch", "--once", *targets, timeout=120)
+    return json.loads(r.stdout)
+
+
+def test_crash_reason_exception_line_and_exit_code_in_status_and_watch(tmp_path: Path, sshd) -> None:
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={
+        "boom": script_run(tmp_path, "crash_loading.py", "--delay", "0", tmux_session="st-reason")})
+    try:
+        assert opsctl(hosts, "launch", "box", "boom").returncode == 1
+        exc = "FileNotFoundError: /dev/shm/model/shard-2.safetensors: no such file (test crash)"
+        st = json.loads(opsctl(hosts, "status", "box", "boom", "--json").stdout)
+        assert st["state"] == "crashed" and st["exception"] == exc and st["reason"] == f"{exc} (exit 1)", st
+        table = opsctl(hosts, "status", "box", "boom")
+        assert "crashed (FileNotFoundError: /dev/shm/model/shard-2.safetensors" in " ".join(table.stdout.split())
+        assert "(exit 1))" in " ".join(table.stdout.split())
+        (snap,) = _once(hosts, "box:boom")
+        assert snap["view"]["state"] == "crashed" and snap["view"]["reason"] == f"{exc} (exit 1)", snap["view"]
+    finally:
+        opsctl(hosts, "clean", "box", "boom")
+
+
+def test_unreachable_host_is_unreachable_with_its_error_never_absent(tmp_path: Path, sshd) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]  # closed again: connections are refused
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", port=dead_port, runs={
+        "a": script_run(tmp_path, "ok_run.py"), "b": script_run(tmp_path, "ok_run.py")})
+    r = opsctl(hosts, "status", "box", "--json")
+    assert r.returncode == 3, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["run"] for row in rows] == ["a", "b"]
+    for row in rows:
+        assert row["state"] == "unreachable" and "Connection refused" in row["link_error"], row
+        assert row["reason"] == row["link_error"]
+    r = opsctl(hosts, "status", "box", "a", "--json")
+    assert r.returncode == 3 and json.loads(r.stdout)["state"] == "unreachable"
+    table = opsctl(hosts, "status", "box")
+    flat = " ".join(table.stdout.split())
+    assert table.returncode == 3 and "unreachable (" in flat and "absent" not in flat, flat
+    assert "Connection refused" in " ".join(table.stderr.split())
+    for snap in _once(hosts):
+        assert snap["view"]["state"] == "unreachable", snap
+        assert "Connection refused" in snap["view"]["reason"], snap["view"]
+
+
+def test_unreachable_in_the_watch_model_fed_by_a_real_source(tmp_path: Path, sshd) -> None:
+    """The dashboard's own RunModel + SourceWorker over the real AgentSource: a dead host reads `unreachable`."""
+    import socket
+    import time
+
+    from opsctl import commands
+    from opsctl.tui import RunModel, SourceWorker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", port=dead_port, runs={"a": script_run(tmp_path, "ok_run.py")})
+    (src,) = commands.watch_sources(commands.Ctx(hosts_file=str(hosts)), ["box:a"])
+    model = RunModel(src.label)
+    worker = SourceWorker(src, backoff=(0.2,)).start()
+    try:
+        deadline = time.monotonic() + 30
+        while model.view().state != "unreachable" and time.monotonic() < deadline:
+            other, logs, _ = worker.drain()
+            for m in other:
+                model.ingest(m)
+            time.sleep(0.05)
+    finally:
+        worker.stop()
+    view = model.view()
+    assert view.state == "unreachable" and "Connection refused" in (view.reason or ""), view
+
+
+def test_status_says_finished_with_leftover_processes(tmp_path: Path, sshd) -> None:
+    import time
+
+    marker = tmp_path / "daemon"
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={"d": script_run(
+        tmp_path, "daemonizer.py", "--marker", str(marker), "--exit-after", "0.3", kill_grace=[0.5, 0.5],
+        tmux_session="st-leftover", ready_pattern=".")})
+    try:
+        opsctl(hosts, "launch", "box", "d")
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        daemon = int(marker.read_text().split()[0])
+        deadline = time.monotonic() + 30
+        st = json.loads(opsctl(hosts, "status", "box", "d", "--json").stdout)
+        while st["state"] != "finished" and time.monotonic() < deadline:
+            st = json.loads(opsctl(hosts, "status", "box", "d", "--json").stdout)
+        assert st["state"] == "finished" and st["leftover_pids"] == [daemon], st
+        assert st["reason"] == f"leftover processes: PID {daemon}"
+        table = " ".join(opsctl(hosts, "status", "box", "d").stdout.split())
+        assert f"finished (leftover processes: PID {daemon})" in table, table
+        assert opsctl(hosts, "kill", "box", "d").returncode == 0
+        st = json.loads(opsctl(hosts, "status", "box", "d", "--json").stdout)
+        assert st["leftover_pids"] == [] and "leftover" not in (st["reason"] or ""), st
+    finally:
+        opsctl(hosts, "kill", "box", "d")
+        opsctl(hosts, "clean", "box", "d")
