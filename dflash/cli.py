@@ -139,10 +139,10 @@ def _preflight(args: argparse.Namespace) -> int:
         check_run(cfg, device.type)
     except ConfigError as exc:
         return _fail(str(exc))
-    from dflash.train import probe_kernels
+    from dflash.target import probe_kernels
 
-    vocab = int(cfg.target.arch.get("vocab_size", cfg.data.vocab_size))
-    kernels = {**probe_kernels(cfg, vocab), "attention": resolve_attention(cfg.drafter.attention, device)}
+    kernels = {**probe_kernels(cfg.target, cfg.data.vocab_size),
+               "attention": resolve_attention(cfg.drafter.attention, device)}
     print(f"device: {device}")
     for op, impl in kernels.items():
         print(f"  {op:34s} {impl}")

@@ -1,33 +1,140 @@
-"""The run configuration of `dflash train`: dataclasses loaded from YAML with strict checking.
+"""The run configuration of `dflash train`: pydantic models loaded from YAML, every field and invariant checked once.
 
-A typo or a wrong type fails at once with `ConfigError` naming the file and the field path, before anything is written.
+A typo or a wrong value fails at once with `ConfigError` (`FILE:LINE: field.path: what`) before anything is written.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
 from dflash import yamlfile
 from dflash.model import DrafterConfig
-from dflash.target import TargetConfig
+from dflash.target import (
+    DEFAULT_FAMILY,
+    DTYPES,
+    FAMILIES,
+    PACKINGS,
+    TargetConfig,
+    check_arch,
+    resolve_tap_layers,
+    target_shape,
+)
+
+EMPTY_HINT = "empty config (see configs/tiny.yaml for a complete one)"
+_ATTENTION = ("auto", "flex", "dense", "flex-eager")
 
 
 class ConfigError(ValueError):
     """A config problem, already phrased as the one line the CLI prints (`FILE:LINE: a.b: what is wrong`)."""
 
 
-EMPTY_HINT = "empty config (see configs/tiny.yaml for a complete one)"
+class FieldProblem(ValueError):
+    """Raised by a validator that knows the full field path (cross-field rules): the error names that field."""
+
+    def __init__(self, path: str, msg: str) -> None:
+        super().__init__(msg)
+        self.path = path
 
 
-@dataclass
-class DataConfig:
+# ---------------------------------------------------------------------------------------------- field rules
+def _describe(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
+
+
+def _kinds(annotation: Any) -> set[Any]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return {a for a in typing.get_args(annotation) if a is not type(None)}
+    return {annotation}
+
+
+def _strict_scalar(value: Any, annotation: Any) -> Any:
+    """Pydantic's lax mode would read `"3"` or `true` as numbers and `1` as true; a config typo must not pass like
+    that. An integral float is an integer (`max_chars: 1e6`)."""
+    kinds = _kinds(annotation)
+    if value is None:
+        return value
+    if bool in kinds:
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {_describe(value)}")
+    elif int in kinds and float not in kinds:
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer, got {_describe(value)}")
+    elif float in kinds:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"expected a number, got {_describe(value)}")
+    elif str in kinds and not isinstance(value, str):
+        raise ValueError(f"expected a string, got {_describe(value)}")
+    elif typing.get_origin(annotation) is list or list in {typing.get_origin(k) for k in kinds}:
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, got {_describe(value)}")
+    elif typing.get_origin(annotation) is dict or dict in {typing.get_origin(k) for k in kinds}:
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a mapping, got {_describe(value)}")
+    return value
+
+
+def _strict_field(cls: Any, value: Any, info: ValidationInfo) -> Any:
+    field = cls.__pydantic_fields__.get(info.field_name)
+    return value if field is None else _strict_scalar(value, field.annotation)
+
+
+def _at_least(n: int | float, what: str = "at least") -> Any:
+    def check(v: Any) -> Any:
+        if v is not None and not v >= n:
+            raise ValueError(f"must be {what} {n}, got {v}")
+        return v
+
+    return check
+
+
+def _positive(v: Any) -> Any:
+    if not v > 0:
+        raise ValueError(f"must be positive, got {v}")
+    return v
+
+
+def _one_of(*options: str) -> Any:
+    def check(v: Any) -> Any:
+        if v not in options:
+            raise ValueError(f"expected one of {', '.join(options)}, got {_describe(v)}")
+        return v
+
+    return check
+
+
+def _v(fn: Any, *fields: str) -> Any:
+    """A field validator from a plain check function (the rules above are shared by several fields)."""
+    return field_validator(*fields)(lambda cls, v: fn(v))
+
+
+_STRICT = field_validator("*", mode="before")(_strict_field)
+
+
+# ---------------------------------------------------------------------------------------------- sections
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=False)
+    _strict = _STRICT
+
+
+class DataConfig(_Section):
     # Files or directories of `.txt` / `.jsonl`; empty = the embedded default corpus (Python's own stdlib sources).
-    paths: list[str] = field(default_factory=list)
+    paths: list[str] = []
     format: str = "auto"  # auto | text | chat
     # A local Hugging Face tokenizer directory, or None for the tiny byte-level BPE trained on the corpus.
     tokenizer: str | None = None
@@ -40,14 +147,17 @@ class DataConfig:
     reservoir: int = 4  # drafter-side buffers mixed at random
     max_chars: int = 1_500_000  # cap of the embedded corpus (keeps the tiny run fast)
 
+    _format = _v(_one_of("auto", "text", "chat"), "format")
+    _max_len = _v(_at_least(2), "max_len")
+    _counts = _v(_at_least(1), "reservoir", "num_buckets")
 
-@dataclass
-class TrainConfig:
+
+class TrainConfig(_Section):
     lr: float = 6e-4
     warmup_frac: float = 0.04
     min_lr_ratio: float = 0.1  # cosine ends at lr * min_lr_ratio
     weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = [0.9, 0.95]
     grad_clip: float = 1.0
     epochs: int = 1
     max_steps: int | None = None  # when set, the run length (more epochs are scheduled if one is not enough)
@@ -59,214 +169,197 @@ class TrainConfig:
     compile: str = "auto"  # auto (GPU only) | true | false
     compile_backend: str = "inductor"  # torch.compile backend ("eager"/"aot_eager" check tracing without codegen)
 
+    _positive = _v(_positive, "lr", "heartbeat_s")
+    _counts = _v(_at_least(1), "epochs", "max_steps", "keep_last", "log_every")
+    _every = _v(_at_least(0, ">="), "checkpoint_every")
 
-@dataclass
-class DistConfig:
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_bool(cls, v: Any) -> Any:
+        return str(v).lower() if isinstance(v, bool) else v  # YAML reads `compile: true` as a bool
+
+    _compile = _v(_one_of("auto", "true", "false"), "compile")
+
+    @field_validator("warmup_frac")
+    @classmethod
+    def _warmup(cls, v: float) -> float:
+        if not 0 <= v < 1:
+            raise ValueError(f"must be in [0, 1), got {v}")
+        return v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: list[float]) -> list[float]:
+        if len(v) != 2:
+            raise ValueError(f"must be two numbers, got {v}")
+        return v
+
+
+class DistConfig(_Section):
     # colocated: every rank runs target + drafter. split: the last `target_ranks` ranks run the target,
     # the first ones train the drafter (DDP among them), so rank 0 always has the loss.
     roles: str = "colocated"
     target_ranks: int = 1
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
 
+    _roles = _v(_one_of("colocated", "split"), "roles")
+    _backend = _v(_one_of("auto", "gloo", "nccl"), "backend")
+    _ranks = _v(_at_least(1), "target_ranks")
 
-@dataclass
-class RunConfig:
-    target: TargetConfig = field(default_factory=TargetConfig)
-    drafter: DrafterConfig = field(default_factory=DrafterConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    source: str | None = None  # the file it was loaded from (not a YAML key)
-    # key path -> 1-based line in `source` (not a YAML key), so errors found after loading still name the line
-    lines: dict[tuple[str, ...], int] = field(default_factory=dict, repr=False, compare=False)
+
+@pydantic_dataclass(config=ConfigDict(extra="forbid"))
+class TargetSection(TargetConfig):
+    """target.* as loaded from YAML; a TargetConfig, so dflash/target.py takes it as it is."""
+
+    _strict = _STRICT
+    _dtype = _v(_one_of("auto", *DTYPES), "dtype")
+    _packing = _v(_one_of(*PACKINGS), "packing")
+
+    _family = _v(_one_of(*FAMILIES), "family")
+
+    @field_validator("arch")
+    @classmethod
+    def _arch(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        try:
+            check_arch(info.data.get("family", DEFAULT_FAMILY), v)
+        except ValueError as exc:  # `target.arch.KEY: what`
+            path, _, msg = str(exc).partition(": ")
+            raise FieldProblem(path, msg) from None
+        return v
+
+
+@pydantic_dataclass(config=ConfigDict(extra="forbid"))
+class DrafterSection(DrafterConfig):
+    """drafter.* as loaded from YAML; a DrafterConfig, so dflash/model.py takes it as it is."""
+
+    _strict = _STRICT
+    _attention = _v(_one_of(*_ATTENTION), "attention")
+    _counts = _v(_at_least(1, ">="), "num_layers", "num_heads", "num_kv_heads", "ce_chunk", "hidden_size", "head_dim",
+                 "intermediate_size", "sliding_window")
+    _block = _v(_at_least(2, ">="), "block_size")
+    _mask = _v(_at_least(0, ">="), "mask_token_id")
+
+    @field_validator("loss_gamma")
+    @classmethod
+    def _gamma(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
+
+
+class RunConfig(BaseModel):
+    """The whole run. `source` (the file) and `lines` (key path -> line) are not YAML keys: errors found after
+    loading still name the line."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: TargetSection = TargetSection()
+    drafter: DrafterSection = DrafterSection()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    dist: DistConfig = DistConfig()
+    _source: str | None = PrivateAttr(None)
+    _lines: dict[tuple[str, ...], int] = PrivateAttr(default_factory=dict)
+    _checked: str | None = PrivateAttr(None)  # what check_run last passed (see there)
+
+    @property
+    def source(self) -> str | None:
+        return self._source
+
+    @property
+    def lines(self) -> dict[tuple[str, ...], int]:
+        return self._lines
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> RunConfig:
+        """The rules that relate two fields; each is here and nowhere else."""
+
+        def need(ok: bool, path: str, msg: str) -> None:
+            if not ok:
+                raise FieldProblem(path, msg)
+
+        d, r = self.data, self.drafter
+        need(d.token_budget >= d.max_len, "data.token_budget",
+             f"must be at least data.max_len ({d.max_len}), got {d.token_budget}")
+        need(1 <= d.min_len <= d.max_len, "data.min_len", f"must be in 1..data.max_len ({d.max_len}), got {d.min_len}")
+        need(r.num_heads % r.num_kv_heads == 0, "drafter.num_heads",
+             f"must be a multiple of drafter.num_kv_heads ({r.num_kv_heads}), got {r.num_heads}")
+        # Anchors are drawn without replacement from the token_budget positions of one fixed-shape buffer.
+        need(1 <= r.num_anchors <= d.token_budget, "drafter.num_anchors",
+             f"must be in 1..data.token_budget ({d.token_budget}), got {r.num_anchors}")
+        if r.layer_sliding_windows is not None:
+            need(len(r.layer_sliding_windows) == r.num_layers, "drafter.layer_sliding_windows",
+                 f"needs drafter.num_layers ({r.num_layers}) entries, got {len(r.layer_sliding_windows)}")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out.pop("source", None)
-        out.pop("lines", None)
-        return out
+        return self.model_dump(mode="python")
 
     def error(self, exc_or_msg: Exception | str) -> ConfigError:
         """`FIELD: message` -> a ConfigError `FILE:LINE: FIELD: message`, the line looked up in the loaded file."""
-        return ConfigError(_located(str(exc_or_msg), self.source or "<config>", self.lines))
+        msg = str(exc_or_msg)
+        path, _, what = msg.partition(": ")
+        return _error(self.source or "<config>", self.lines, path, what) if what and " " not in path else \
+            ConfigError(f"{self.source or '<config>'}: {msg}")
 
 
-def _located(msg: str, source: str, lines: dict[tuple[str, ...], int]) -> str:
-    """Prefix `field.path: what` with the file and the field's line (or its nearest ancestor's)."""
-    head = msg.split(": ", 1)[0] if ": " in msg else ""
-    loc = tuple(p for p in head.replace("[", ".").replace("]", "").split(".") if p) if head and " " not in head else ()
-    line = yamlfile.line_for(lines, loc) if loc and lines else None
-    return f"{source}:{line}: {msg}" if line is not None else f"{source}: {msg}"
+def _error(source: str, lines: dict[tuple[str, ...], int], path: str, msg: str) -> ConfigError:
+    loc = tuple(p for p in path.replace("[", ".").replace("]", "").split(".") if p)
+    line = yamlfile.line_for(lines, loc) if loc else None
+    return ConfigError(yamlfile.format_problem(source, line, path, msg))
 
 
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "data.format": ("auto", "text", "chat"),
-    "train.compile": ("auto", "true", "false"),
-    "dist.roles": ("colocated", "split"),
-    "dist.backend": ("auto", "gloo", "nccl"),
-    "drafter.attention": ("auto", "flex", "dense", "flex-eager"),
-    "target.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "target.packing": ("auto", "pad", "varlen"),
-}
+_TYPE_MESSAGES = {"int": "expected an integer", "float": "expected a number", "bool": "expected true or false",
+                  "string": "expected a string", "list": "expected a list", "dict": "expected a mapping",
+                  "model": "expected a mapping", "dataclass": "expected a mapping"}
 
 
-def _describe(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
+def _first_problem(err: ValidationError) -> tuple[str, str]:
+    """(dotted field path, message) of the first pydantic error, phrased as the rest of this module phrases them."""
+    e = err.errors()[0]
+    loc = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+    path = ""
+    for p in loc:
+        path += f"[{p}]" if isinstance(p, int) else (f".{p}" if path else str(p))
+    cause = (e.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldProblem):
+        return cause.path, str(cause)
+    if e["type"] == "extra_forbidden":
+        return path, "unknown field"
+    if e["type"] == "value_error":
+        return path, str(cause) if cause is not None else e["msg"]
+    kind = e["type"].split("_")[0]
+    if kind in _TYPE_MESSAGES and e["type"].endswith(("_type", "_parsing", "_from_float")):
+        return path, f"{_TYPE_MESSAGES[kind]}, got {_describe(e['input'])}"
+    return path, e["msg"]
 
 
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    """Check one YAML value against a type hint; return it converted (int -> float where a float is wanted)."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: got {_describe(value)}, expected {tp}")
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {_describe(value)}")
-        (inner,) = typing.get_args(tp) or (Any,)
-        return [_convert(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {_describe(value)}")
-        return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {_describe(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
-            return int(value)  # `max_chars: 1e6`: YAML reads it as a float; its value is an integer
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {_describe(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {_describe(value)}")
-        return float(value)
-    if tp is str:
-        if isinstance(value, bool) and where in _CHOICES and str(value).lower() in _CHOICES[where]:
-            return str(value).lower()  # YAML reads `compile: true` as a bool
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {_describe(value)}")
-        return value
-    raise ConfigError(f"{where}: unsupported field type {tp}")
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    """Build dataclass `cls` from a mapping, refusing unknown keys (a typo must not be silently ignored)."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {_describe(data)}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init and f.name != "source"}
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{where}.{key}" if where else str(key)
-        if key not in names:
-            raise ConfigError(f"{path}: unknown field (known: {', '.join(sorted(names))})")
-        converted = _convert(value, hints[key], path)
-        if path in _CHOICES and converted not in _CHOICES[path]:
-            raise ConfigError(f"{path}: expected one of {', '.join(_CHOICES[path])}, got {_describe(value)}")
-        kwargs[key] = converted
-    return cls(**kwargs)
-
-
-def _check_ranges(cfg: RunConfig) -> None:
-    def need(ok: bool, path: str, msg: str) -> None:
-        if not ok:
-            raise ConfigError(f"{path}: {msg}")
-
-    d, t = cfg.data, cfg.train
-    need(d.max_len >= 2, "data.max_len", f"must be at least 2, got {d.max_len}")
-    need(d.token_budget >= d.max_len, "data.token_budget",
-         f"must be at least data.max_len ({d.max_len}), got {d.token_budget}")
-    need(d.reservoir >= 1, "data.reservoir", f"must be at least 1, got {d.reservoir}")
-    need(d.num_buckets >= 1, "data.num_buckets", f"must be at least 1, got {d.num_buckets}")
-    need(t.lr > 0, "train.lr", f"must be positive, got {t.lr}")
-    need(0 <= t.warmup_frac < 1, "train.warmup_frac", f"must be in [0, 1), got {t.warmup_frac}")
-    need(t.epochs >= 1, "train.epochs", f"must be at least 1, got {t.epochs}")
-    need(t.max_steps is None or t.max_steps >= 1, "train.max_steps", f"must be at least 1, got {t.max_steps}")
-    need(t.keep_last >= 1, "train.keep_last", f"must be at least 1, got {t.keep_last}")
-    need(t.checkpoint_every >= 0, "train.checkpoint_every", f"must be >= 0, got {t.checkpoint_every}")
-    need(len(t.betas) == 2, "train.betas", f"must be two numbers, got {t.betas}")
-    need(t.heartbeat_s > 0, "train.heartbeat_s", f"must be positive, got {t.heartbeat_s}")
-    need(t.log_every >= 1, "train.log_every", f"must be at least 1, got {t.log_every}")
-    need(cfg.dist.target_ranks >= 1, "dist.target_ranks", f"must be at least 1, got {cfg.dist.target_ranks}")
-    need(1 <= d.min_len <= d.max_len, "data.min_len", f"must be in 1..data.max_len ({d.max_len}), got {d.min_len}")
-
-    r = cfg.drafter
-    need(r.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {r.num_layers}")
-    need(r.num_heads >= 1, "drafter.num_heads", f"must be >= 1, got {r.num_heads}")
-    need(r.num_kv_heads >= 1, "drafter.num_kv_heads", f"must be >= 1, got {r.num_kv_heads}")
-    need(r.num_heads % r.num_kv_heads == 0, "drafter.num_heads",
-         f"must be a multiple of drafter.num_kv_heads ({r.num_kv_heads}), got {r.num_heads}")
-    need(r.block_size >= 2, "drafter.block_size", f"must be >= 2, got {r.block_size}")
-    # Anchors are drawn without replacement from the token_budget positions of one fixed-shape buffer.
-    need(1 <= r.num_anchors <= d.token_budget, "drafter.num_anchors",
-         f"must be in 1..data.token_budget ({d.token_budget}), got {r.num_anchors}")
-    need(r.loss_gamma > 0, "drafter.loss_gamma", f"must be > 0, got {r.loss_gamma}")
-    need(r.ce_chunk >= 1, "drafter.ce_chunk", f"must be >= 1, got {r.ce_chunk}")
-    for key in ("hidden_size", "head_dim", "intermediate_size", "sliding_window"):
-        v = getattr(r, key)
-        need(v is None or v >= 1, f"drafter.{key}", f"must be >= 1, got {v}")
-    if r.layer_sliding_windows is not None:
-        need(len(r.layer_sliding_windows) == r.num_layers, "drafter.layer_sliding_windows",
-             f"needs drafter.num_layers ({r.num_layers}) entries, got {len(r.layer_sliding_windows)}")
-    if r.mask_token_id is not None:
-        need(r.mask_token_id >= 0, "drafter.mask_token_id", f"must be >= 0, got {r.mask_token_id}")
-        if d.tokenizer is None:  # the tiny BPE: its vocabulary is data.vocab_size at most
-            need(r.mask_token_id < d.vocab_size, "drafter.mask_token_id",
-                 f"must be < data.vocab_size ({d.vocab_size}), got {r.mask_token_id}")
-    _check_arch(cfg)
-
-
-def _check_arch(cfg: RunConfig) -> None:
-    """target.arch keys are Qwen3_5TextConfig kwargs; that class accepts any kwarg, so a typo would pass silently."""
-    arch = cfg.target.arch
-    if not arch:
-        return
-    import inspect
-
-    from transformers import Qwen3_5TextConfig
-
-    known = set(Qwen3_5TextConfig().to_dict()) | set(inspect.signature(Qwen3_5TextConfig.__init__).parameters)
-    known -= {"self", "kwargs", "_name_or_path", "transformers_version", "model_type"}
-    for key in arch:
-        if key not in known:
-            raise ConfigError(f"target.arch.{key}: unknown Qwen3_5TextConfig field (known: {', '.join(sorted(known))})")
-    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "vocab_size"):
-        if key in arch:
-            v = arch[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"target.arch.{key}: must be an integer >= 1, got {_describe(v)}")
+def _known_fields(path: str) -> str:
+    section = {"target": TargetSection, "drafter": DrafterSection, "data": DataConfig, "train": TrainConfig,
+               "dist": DistConfig}.get(path.split(".")[0]) if "." in path else RunConfig
+    names = sorted(section.__pydantic_fields__) if section is not None else []
+    return f" (known: {', '.join(names)})" if names else ""
 
 
 def config_from_dict(data: Any, source: str = "<dict>",
                      lines: dict[tuple[str, ...], int] | None = None) -> RunConfig:
-    """Build and check a RunConfig; errors are prefixed with `source` and, when `lines` is given, the field's line."""
+    """Build and check a RunConfig; errors name `source`, the field's line (when `lines` is given) and the field."""
+    lines = dict(lines or {})
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise _error(source, lines, "", f"expected a mapping of sections, got {_describe(data)}")
     try:
-        cfg = _build(RunConfig, data, "")
-        _check_ranges(cfg)
-    except ConfigError as exc:
-        raise ConfigError(_located(str(exc), source, lines or {})) from None
-    cfg.source = source
-    cfg.lines = dict(lines or {})
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as err:
+        path, msg = _first_problem(err)
+        if msg == "unknown field":
+            msg += _known_fields(path)
+        raise _error(source, lines, path, msg) from None
+    except FieldProblem as exc:  # pragma: no cover - pydantic wraps ValueErrors; kept for direct raises
+        raise _error(source, lines, exc.path, str(exc)) from None
+    cfg._source = source
+    cfg._lines = lines
     return cfg
 
 
@@ -294,66 +387,45 @@ def load_config(path: str | Path) -> RunConfig:
     return cfg  # target.path is checked by check_run: a shipped config names a path on the training box
 
 
-def _check_target_path(cfg: RunConfig) -> None:
-    p = cfg.target.path
-    if p is not None and not Path(p).is_dir():
-        what = "does not exist" if not Path(p).exists() else "is not a directory"
-        raise ConfigError(f"target.path: {p} {what} (a local Hugging Face model directory)")
+def check_mask_token_id(cfg: RunConfig, rows: int, what: str) -> None:
+    """The drafter's mask token is a row of the target's embedding: the one rule for drafter.mask_token_id.
 
-
-def _target_shape(cfg: RunConfig) -> tuple[int, int]:
-    """(num_layers, hidden_size) of the target from its config alone: no weights, no model built."""
-    if cfg.target.path is not None:
-        from transformers import AutoConfig
-
-        try:
-            hf = AutoConfig.from_pretrained(cfg.target.path, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"target.path: {cfg.target.path}: cannot read its config.json ({first})") from None
-        text = hf.get_text_config()
-        return int(text.num_hidden_layers), int(text.hidden_size)
-    from dflash.target import TINY_ARCH
-
-    arch = {**TINY_ARCH, **cfg.target.arch}
-    if "layer_types" in cfg.target.arch and len(arch["layer_types"]) != arch["num_hidden_layers"]:
-        raise ConfigError(f"target.arch.layer_types: has {len(arch['layer_types'])} entries for "
-                          f"target.arch.num_hidden_layers={arch['num_hidden_layers']}")
-    return int(arch["num_hidden_layers"]), int(arch["hidden_size"])
-
-
-def check_run(cfg: RunConfig, device_type: str) -> None:
-    """The checks that need the target's shape or the device, done before a run touches its directory.
-
-    They would otherwise fail only when the target or drafter is built, after `--fresh` has deleted checkpoints and
-    events.jsonl has been truncated. Raises ConfigError (`FILE: field: what`).
+    Not the tokenizer's length: real targets reserve the mask id past the tokenizer's last token (Qwen3 drafters use
+    151669), so what bounds it is the embedding's row count, `what` names where that number came from.
     """
-    from dflash.target import default_tap_layers
+    m = cfg.drafter.mask_token_id
+    if m is not None and m >= rows:
+        raise cfg.error(f"drafter.mask_token_id: must be < the target's embedding rows ({rows}, {what}), got {m}")
 
+
+def check_run(cfg: RunConfig, device_type: str, vocab: int | None = None) -> None:
+    """Every check of a run, done once before it touches its directory: the fields again (a RunConfig changed in
+    code has not been through validation), then what needs the target's shape or the device.
+
+    These would otherwise fail only when the target or drafter is built, after `--fresh` has deleted checkpoints and
+    events.jsonl has been truncated. `vocab` is the tokenizer's size when already known. Raises ConfigError.
+    """
+    key = repr((cfg.to_dict(), device_type, vocab))
+    if cfg._checked == key:
+        return  # the CLI checked it before its own steps (target.pretrain); train() would check it again
+    config_from_dict(cfg.to_dict(), cfg.source or "<config>", cfg.lines)
     try:
-        _check_ranges(cfg)  # again: a RunConfig built or changed in code has not been through config_from_dict
-        _check_target_path(cfg)
-        n_layers, hidden = _target_shape(cfg)
-        r = cfg.drafter
-        if cfg.target.tap_layers is not None:
-            if not cfg.target.tap_layers:
-                raise ConfigError("target.tap_layers: must name at least one layer")
-            for t in cfg.target.tap_layers:
-                if not 0 <= t < n_layers:
-                    raise ConfigError(f"target.tap_layers: layer {t} is outside 0..{n_layers - 1}")
-        else:
-            try:
-                default_tap_layers(n_layers, r.num_layers)
-            except ValueError as exc:
-                raise ConfigError(f"target.tap_layers: {exc}; set target.tap_layers") from None
-        if r.hidden_size is not None and r.hidden_size != hidden:
-            raise ConfigError(f"drafter.hidden_size: must equal the target hidden size {hidden} (the drafter "
-                              f"reads the target's embedding and LM head), got {r.hidden_size}")
-        if device_type != "cuda" and r.attention in ("flex", "flex-eager"):
-            raise ConfigError(f"drafter.attention: {r.attention} needs a CUDA device (flex-attention has no CPU "
-                              "backward); use auto or dense on CPU")
-    except ConfigError as exc:
+        shape = target_shape(cfg.target, vocab)
+        resolve_tap_layers(cfg.target.tap_layers, shape.num_layers, cfg.drafter.num_layers)
+    except ValueError as exc:  # target.py names the field (target.path, target.tap_layers, target.arch...)
         raise cfg.error(exc) from None
+    r = cfg.drafter
+    if r.hidden_size is not None and r.hidden_size != shape.hidden_size:
+        raise cfg.error(f"drafter.hidden_size: must equal the target hidden size {shape.hidden_size} (the drafter "
+                        f"reads the target's embedding and LM head), got {r.hidden_size}")
+    if shape.vocab_size is not None:
+        check_mask_token_id(cfg, shape.vocab_size, shape.vocab_from)
+    elif cfg.data.tokenizer is None:  # the tiny BPE: the embedding gets its vocabulary, at most data.vocab_size
+        check_mask_token_id(cfg, cfg.data.vocab_size, "the tiny tokenizer's data.vocab_size")
+    if device_type != "cuda" and r.attention in ("flex", "flex-eager"):
+        raise cfg.error(f"drafter.attention: {r.attention} needs a CUDA device (flex-attention has no CPU "
+                        "backward); use auto or dense on CPU")
+    cfg._checked = key
 
 
 def _resolve(base: Path, value: str) -> Path:

@@ -1,15 +1,19 @@
-"""The frozen target model: load (or randomly build) a transformers causal LM and tap its hidden states.
+"""The frozen target: its architecture (a registry of families), building or loading it, and tapping hidden states.
 
-The drafter only ever sees the concatenation of a few tapped layers, so this module hides padding, packing and kernels.
+The drafter only ever sees the concatenation of a few tapped layers, so this module hides padding, packing and kernels;
+every rule about the target's shape (arch merge, layer count, taps, vocabulary) lives here and nowhere else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import importlib.util
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,14 +42,55 @@ TINY_ARCH: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_PACKINGS = ("auto", "pad", "varlen")
+# A tiny full-attention Qwen3 (Qwen3ForCausalLM): the plain KV-cache path, for tests and drafter evaluation.
+TINY_QWEN3_ARCH: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True)
+class TargetFamily:
+    """What random-initialising one architecture family takes. Adding a family is one entry in FAMILIES.
+
+    `config_class` is a transformers class name (imported on use: transformers is slow to import); the causal LM is
+    whatever AutoModelForCausalLM maps that config to. `layer_pattern` is repeated when only the depth is changed.
+    """
+
+    name: str
+    config_class: str
+    tiny: dict[str, Any]
+    hybrid: bool  # linear-attention (Gated DeltaNet) layers: needs fla kernels to be fast, and state rollback in eval
+    layer_pattern: tuple[str, ...] = ()
+
+    def hf_config_class(self) -> type:
+        return getattr(importlib.import_module("transformers"), self.config_class)
+
+
+FAMILIES: dict[str, TargetFamily] = {f.name: f for f in (
+    TargetFamily("qwen3_5", "Qwen3_5TextConfig", TINY_ARCH, hybrid=True,
+                 layer_pattern=("linear_attention", "linear_attention", "full_attention")),
+    TargetFamily("qwen3", "Qwen3Config", TINY_QWEN3_ARCH, hybrid=False),
+)}
+DEFAULT_FAMILY = "qwen3_5"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PACKINGS = ("auto", "pad", "varlen")
+_ARCH_POSITIVE = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size")
 
 
 @dataclass
 class TargetConfig:
     path: str | None = None  # local HF directory (from_pretrained, local_files_only); None -> random init from `arch`
-    arch: dict[str, Any] = field(default_factory=dict)  # Qwen3_5TextConfig kwargs for random init, over TINY_ARCH
+    family: str = DEFAULT_FAMILY  # random init: a key of FAMILIES (qwen3_5 hybrid, qwen3 full attention)
+    arch: dict[str, Any] = field(default_factory=dict)  # the family's HF config kwargs, over its tiny default
     tap_layers: list[int] | None = None  # None -> default_tap_layers(num_layers, num_draft_layers)
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU; or float32 | bfloat16 | float16
     packing: str = "auto"  # auto: varlen only if fla (+ causal-conv1d) is really bound, else pad; "pad" | "varlen"
@@ -73,13 +118,169 @@ def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> list[in
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+def resolve_tap_layers(tap_layers: list[int] | None, num_layers: int, num_draft_layers: int) -> list[int]:
+    """The layers to tap: the configured ones (checked against the depth) or the DFlash default."""
+    if tap_layers is None:
+        try:
+            return default_tap_layers(num_layers, num_draft_layers)
+        except ValueError as exc:
+            raise ValueError(f"target.tap_layers: {exc}; set target.tap_layers") from None
+    if not tap_layers:
+        raise ValueError("target.tap_layers: must name at least one layer")
+    for t in tap_layers:
+        if not 0 <= t < num_layers:
+            raise ValueError(f"target.tap_layers: layer {t} is outside 0..{num_layers - 1}")
+    return list(tap_layers)
+
+
+def family_of(cfg: TargetConfig) -> TargetFamily:
+    if cfg.family not in FAMILIES:
+        raise ValueError(f"target.family: expected one of {', '.join(FAMILIES)}, got {cfg.family!r}")
+    return FAMILIES[cfg.family]
+
+
+def check_arch(family: str, arch: dict[str, Any]) -> None:
+    """target.arch keys are HF config kwargs; those classes accept any kwarg, so a typo would pass silently."""
+    if family not in FAMILIES:
+        return  # target.family names the problem
+    cls = FAMILIES[family].hf_config_class()
+    known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters)
+    known -= {"self", "kwargs", "_name_or_path", "transformers_version", "model_type"}
+    for key in arch:
+        if key not in known:
+            raise ValueError(f"target.arch.{key}: unknown {cls.__name__} field (known: {', '.join(sorted(known))})")
+    for key in _ARCH_POSITIVE:
+        v = arch.get(key, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            shown = repr(v) if isinstance(v, str) else f"{v!r} ({type(v).__name__})"
+            raise ValueError(f"target.arch.{key}: must be an integer >= 1, got {shown}")
+
+
+def target_arch(cfg: TargetConfig, vocab: int | None = None) -> dict[str, Any]:
+    """The random-init architecture: the family's tiny default, overridden by target.arch.
+
+    The embedding gets `vocab` rows (the tokenizer's size) unless target.arch.vocab_size says more: a real target
+    reserves ids past the tokenizer's last token (a drafter's mask token). A changed depth alone repeats the family's
+    layer pattern to fit.
+    """
+    fam = family_of(cfg)
+    arch = {**copy.deepcopy(fam.tiny), **copy.deepcopy(cfg.arch)}
+    if vocab is not None and "vocab_size" not in cfg.arch:
+        arch["vocab_size"] = vocab
+    n = arch["num_hidden_layers"]
+    if "layer_types" in arch and len(arch["layer_types"]) != n:
+        if "layer_types" in cfg.arch or not fam.layer_pattern:
+            raise ValueError(f"target.arch.layer_types: has {len(arch['layer_types'])} entries for "
+                             f"target.arch.num_hidden_layers={n}")
+        arch["layer_types"] = [fam.layer_pattern[i % len(fam.layer_pattern)] for i in range(n)]
+    return arch
+
+
+def target_hf_config(cfg: TargetConfig, vocab: int | None = None) -> Any:
+    """The target's transformers config, from TARGET/config.json or built from target_arch; no weights."""
+    if cfg.path is not None:
+        p = Path(cfg.path)
+        if not p.is_dir():
+            what = "does not exist" if not p.exists() else "is not a directory"
+            raise ValueError(f"target.path: {p} {what} (a local Hugging Face model directory)")
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"target.path: {cfg.path}: cannot read its config.json ({first})") from None
+    try:
+        return family_of(cfg).hf_config_class()(**target_arch(cfg, vocab))
+    except TypeError as exc:
+        raise ValueError(f"target.arch: {exc}") from None
+
+
+@dataclass
+class TargetShape:
+    """The target's size from its config alone; vocab_size (embedding rows) is None while it is not known yet."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int | None
+    vocab_from: str  # where vocab_size came from, for messages
+
+
+def target_shape(cfg: TargetConfig, vocab: int | None = None) -> TargetShape:
+    """(layers, hidden size, embedding rows) without building anything, for checks before a run writes a file."""
+    hf = target_hf_config(cfg, vocab)
+    text = hf.get_text_config()
+    if cfg.path is not None:
+        return TargetShape(int(text.num_hidden_layers), int(text.hidden_size), int(text.vocab_size),
+                           f"vocab_size in {cfg.path}/config.json")
+    known = "vocab_size" in cfg.arch or vocab is not None
+    where = "target.arch.vocab_size" if "vocab_size" in cfg.arch else "the tokenizer's vocabulary"
+    return TargetShape(int(text.num_hidden_layers), int(text.hidden_size), int(text.vocab_size) if known else None,
+                       where)
+
+
+def _placement(device: torch.device) -> dict[str, Any]:
+    """Load weights straight onto the GPU when accelerate is there (no full CPU copy of a 27B model first)."""
+    if device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
+        return {"device_map": {"": str(device)}}
+    return {}
+
+
+def build_target_model(cfg: TargetConfig, vocab: int | None = None, *, device: torch.device | str = "cpu",
+                       dtype: torch.dtype | None = None,
+                       on_progress: Callable[[int, int], None] | None = None) -> nn.Module:
+    """The target's transformers causal-LM module (not frozen, not moved): from_pretrained(target.path), or a
+    seeded random init of the family's arch with `vocab` embedding rows. What Target wraps; eval builds on it too."""
+    device = torch.device(device)
+    dtype = dtype or resolve_dtype(cfg.dtype, device)
+    from transformers import AutoModelForCausalLM
+
+    if cfg.path is not None:
+        if on_progress is not None:
+            on_progress(0, 1)
+        with _weight_loading_progress(on_progress):
+            model = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, dtype=dtype,
+                                                         **_placement(device))
+        if on_progress is not None:
+            on_progress(1, 1)
+        return model
+    hf_cfg = target_hf_config(cfg, vocab)
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(cfg.seed)
+        n = hf_cfg.num_hidden_layers
+        if on_progress is not None:
+            on_progress(0, n)
+        # from_config(dtype=...) builds the weights in the target dtype but keeps RoPE's inv_freq in fp32, exactly
+        # as from_pretrained does; `.to(bf16)` after building would round inv_freq too (5e-3 rel. drift, seen on GPU).
+        # Built on the target device: a 3.6B random init took 147 s on the H200 machine's CPU (docs/perf.md).
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+        if on_progress is not None:
+            on_progress(n, n)
+    return model
+
+
+def probe_kernels(cfg: TargetConfig, vocab: int | None = None) -> dict[str, str]:
+    """Which linear-attention kernels the target will bind, from a weightless (meta-device) instance.
+
+    This lets `run_start` name the kernels before a multi-minute weight load, so a slow fallback is visible at once.
+    """
+    from transformers import AutoModelForCausalLM
+
+    hf_cfg = target_hf_config(cfg, vocab)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg)
+    return inspect_kernels(model)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """Turn the config's dtype string into a torch dtype; `auto` keeps CPU tests exact and GPU runs in bf16."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"target.dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
-    return _DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"target.dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
 
 
 class _StopForward(Exception):
@@ -138,13 +339,14 @@ class Target:
         num_draft_layers: int,
         device: torch.device,
         on_progress: Callable[[int, int], None] | None = None,
+        vocab: int | None = None,
     ) -> None:
-        if cfg.packing not in _PACKINGS:
-            raise ValueError(f"target.packing must be one of {', '.join(_PACKINGS)}; got {cfg.packing!r}")
+        if cfg.packing not in PACKINGS:
+            raise ValueError(f"target.packing must be one of {', '.join(PACKINGS)}; got {cfg.packing!r}")
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.model = self._load(cfg, on_progress)
+        self.model = build_target_model(cfg, vocab, device=self.device, dtype=self.dtype, on_progress=on_progress)
         self.model.to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
@@ -154,17 +356,7 @@ class Target:
         self.num_layers = len(self.layers)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(self.config.vocab_size)
-        taps = (
-            list(cfg.tap_layers)
-            if cfg.tap_layers is not None
-            else default_tap_layers(self.num_layers, num_draft_layers)
-        )
-        for t in taps:
-            if not 0 <= t < self.num_layers:
-                raise ValueError(f"target.tap_layers: layer {t} is outside 0..{self.num_layers - 1}")
-        if not taps:
-            raise ValueError("target.tap_layers must name at least one layer")
-        self.tap_layers: list[int] = taps
+        self.tap_layers: list[int] = resolve_tap_layers(cfg.tap_layers, self.num_layers, num_draft_layers)
         self.embed_tokens: nn.Embedding = self.model.get_input_embeddings()
         self.lm_head: nn.Linear = self.model.get_output_embeddings()
         if self.lm_head is None:
@@ -183,56 +375,6 @@ class Target:
             self.packing = cfg.packing
 
     # ---------------------------------------------------------------- loading
-    def _load(self, cfg: TargetConfig, on_progress: Callable[[int, int], None] | None) -> nn.Module:
-        if cfg.path is not None:
-            from transformers import AutoModelForCausalLM
-
-            if on_progress is not None:
-                on_progress(0, 1)
-            with _weight_loading_progress(on_progress):
-                model = AutoModelForCausalLM.from_pretrained(
-                    cfg.path, local_files_only=True, dtype=self.dtype, **self._placement()
-                )
-            if on_progress is not None:
-                on_progress(1, 1)
-            return model
-        from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
-
-        arch = {**copy.deepcopy(TINY_ARCH), **copy.deepcopy(cfg.arch)}
-        if "layer_types" in arch and len(arch["layer_types"]) != arch["num_hidden_layers"]:
-            if "layer_types" not in cfg.arch:  # caller changed the depth only: repeat the tiny pattern to fit
-                pattern = TINY_ARCH["layer_types"][:3]
-                arch["layer_types"] = [pattern[i % 3] for i in range(arch["num_hidden_layers"])]
-            else:
-                raise ValueError(
-                    f"target.arch.layer_types has {len(arch['layer_types'])} entries for "
-                    f"num_hidden_layers={arch['num_hidden_layers']}"
-                )
-        try:
-            hf_cfg = Qwen3_5TextConfig(**arch)
-        except TypeError as e:
-            raise ValueError(f"target.arch: {e}") from e
-        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(cfg.seed)
-            n = hf_cfg.num_hidden_layers
-            if on_progress is not None:
-                on_progress(0, n)
-            # from_config(dtype=...) builds the weights in the target dtype but keeps RoPE's inv_freq in fp32, exactly
-            # as from_pretrained does; `.to(bf16)` after building would round inv_freq too (5e-3 rel. drift, seen on GPU).
-            # Built on the target device: a 3.6B random init took 147 s on the H200 machine's CPU (docs/perf.md).
-            with torch.device(self.device):
-                model = AutoModelForCausalLM.from_config(hf_cfg, dtype=self.dtype)
-            if on_progress is not None:
-                on_progress(n, n)
-        return model
-
-    def _placement(self) -> dict[str, Any]:
-        """Load weights straight onto the GPU when accelerate is there (no full CPU copy of a 27B model first)."""
-        if self.device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
-            return {"device_map": {"": str(self.device)}}
-        return {}
-
     @staticmethod
     def _decoder(model: nn.Module) -> nn.Module:
         """The base decoder stack (no LM head): we never want logits from the target, only hidden states."""

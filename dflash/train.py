@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash import checkpoint as ckpt
-from dflash.config import RunConfig, check_run
+from dflash.config import ConfigError, RunConfig, check_mask_token_id, check_run
 from dflash.data import DataError, Document, load_or_build_schedule, load_tokenizer, read_documents, tokenize
-from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, inspect_kernels, versions
+from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
 from dflash.model import DFlashDrafter, resolve_attention
 from dflash.pipeline import (
     Feeder,
@@ -50,6 +50,7 @@ from dflash.pipeline import (
     serve_target,
     total_steps_for,
 )
+from dflash.target import Target, probe_kernels, target_shape
 from dflash.telemetry import EventWriter, Heartbeat, hostname
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
@@ -98,32 +99,6 @@ def pick_device(roles: Roles) -> torch.device:
         torch.cuda.set_device(roles.local_rank % torch.cuda.device_count())
         return torch.device("cuda", roles.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def probe_kernels(cfg: RunConfig, vocab_size: int) -> dict[str, str]:
-    """Which linear-attention kernels the target will bind, from a weightless (meta-device) instance.
-
-    This lets `run_start` name the kernels before a multi-minute weight load, so a slow fallback is visible at once.
-    """
-    from dflash.target import TINY_ARCH
-
-    with torch.device("meta"):
-        if cfg.target.path is not None:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            hf_cfg = AutoConfig.from_pretrained(cfg.target.path, local_files_only=True)
-            model = AutoModelForCausalLM.from_config(hf_cfg)
-        else:
-            from transformers import Qwen3_5TextConfig
-            from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
-
-            arch = {**TINY_ARCH, **cfg.target.arch, "vocab_size": vocab_size}
-            n = arch["num_hidden_layers"]
-            if len(arch.get("layer_types", [])) != n and "layer_types" not in cfg.target.arch:
-                pattern = TINY_ARCH["layer_types"][:3]
-                arch["layer_types"] = [pattern[i % 3] for i in range(n)]
-            model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**arch))
-    return inspect_kernels(model)
 
 
 def loaded_kernel_problems(probed: dict[str, str], loaded: dict[str, str], device: torch.device | str,
@@ -258,10 +233,10 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
     if fresh and resume:
         raise UsageError("--fresh and --resume exclude each other")
     if cfg.data.tokenizer is not None and cfg.drafter.mask_token_id is not None:
-        vocab = load_tokenizer(cfg.data, docs, out / "tokenizer").vocab_size  # an HF directory: read, not written
-        if cfg.drafter.mask_token_id >= vocab:
-            raise cfg.error(f"drafter.mask_token_id: must be < the vocabulary of data.tokenizer ({vocab}), "
-                            f"got {cfg.drafter.mask_token_id}")
+        # A tokenizer directory's size is known once it is read (never written): still before anything is written.
+        shape = target_shape(cfg.target, load_tokenizer(cfg.data, docs, out / "tokenizer").vocab_size)
+        if shape.vocab_size is not None:
+            check_mask_token_id(cfg, shape.vocab_size, shape.vocab_from)
     found = ckpt.list_checkpoints(out)
     if found and fresh and (roles.rank == 0):
         ckpt.remove_all(out)  # explicit --fresh: only step-N dirs inside OUT/checkpoints go
@@ -378,7 +353,7 @@ class _Run:
             self.log.error("%s", exc)
             print(f"dflash: {exc}", file=sys.stderr)
             return self.end("refused", EXIT_USAGE)
-        except (UsageError, DataError, ckpt.CheckpointError) as exc:
+        except (UsageError, DataError, ConfigError, ckpt.CheckpointError) as exc:
             self.emit("error", **{"class": "config"}, message=str(exc), traceback=None, fatal=True)
             self.log.error("%s", exc)
             print(f"dflash: {exc}", file=sys.stderr)
@@ -402,9 +377,6 @@ class _Run:
             dist.barrier()
             if roles.rank != 0:
                 tok = load_tokenizer(cfg.data, self.docs, tok_cache)
-        if cfg.drafter.mask_token_id is not None and cfg.drafter.mask_token_id >= tok.vocab_size:
-            raise UsageError(str(cfg.error(f"drafter.mask_token_id: must be < the tokenizer's vocabulary "
-                                           f"({tok.vocab_size}), got {cfg.drafter.mask_token_id}")))
         corpus = tokenize(self.docs, tok)
         n_d = len(roles.drafters)
         # Resume state, read by rank 0 and broadcast so every rank (target ranks too) continues from the same place.
@@ -462,7 +434,7 @@ class _Run:
             return self.end_on_signal()
 
         attention = resolve_attention(cfg.drafter.attention, device)
-        kernels = {**probe_kernels(cfg, tok.vocab_size), "attention": attention}
+        kernels = {**probe_kernels(cfg.target, tok.vocab_size), "attention": attention}
         self.emit("run_start", config=cfg.to_dict(), versions=versions(), kernels=kernels, device=str(device),
                   world_size=roles.world_size, roles=roles.as_event(), resumed_from=start_step if resume else None,
                   pid=os.getpid(), host=hostname(), total_steps=total)
@@ -483,21 +455,17 @@ class _Run:
         info: TargetInfo
         target = None
         if roles.is_target:
-            from dflash.target import Target
-
-            tcfg = dataclasses.replace(cfg.target, arch={**cfg.target.arch, "vocab_size": tok.vocab_size}) \
-                if cfg.target.path is None else cfg.target
-
             def progress(i: int, n: int) -> None:
                 self.phase("loading_target", i=i, n=n)
 
             try:
-                target = Target(tcfg, cfg.drafter.num_layers, device, on_progress=progress)
+                target = Target(cfg.target, cfg.drafter.num_layers, device, on_progress=progress, vocab=tok.vocab_size)
             except ValueError as exc:  # the target names the bad field (target.arch, target.tap_layers, ...)
                 raise UsageError(str(cfg.error(exc))) from None
             info = TargetInfo.from_target(target)
             if target.vocab_size < tok.vocab_size:
                 raise UsageError(f"target vocab {target.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
+            check_mask_token_id(cfg, target.vocab_size, "the loaded target's embedding")
             if roles.split and roles.target_index == 0:
                 for d in roles.drafters:
                     send_target_info(info, d, device)

@@ -78,7 +78,8 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     ({"drafter": {"block_size": 0}}, "drafter.block_size: must be >= 2, got 0"),
     ({"drafter": {"loss_gamma": 0}}, "drafter.loss_gamma: must be > 0, got 0.0"),
     ({"drafter": {"loss_gamma": -1}}, "drafter.loss_gamma: must be > 0, got -1.0"),
-    ({"drafter": {"mask_token_id": 99999}}, "drafter.mask_token_id: must be < data.vocab_size (512), got 99999"),
+    ({"drafter": {"mask_token_id": 99999}}, "drafter.mask_token_id: must be < the target's embedding rows (512, the "
+                                            "tiny tokenizer's data.vocab_size), got 99999"),
     ({"drafter": {"attention": "flex-eager"}}, "drafter.attention: flex-eager needs a CUDA device"),
     ({"drafter": {"attention": "flex"}}, "drafter.attention: flex needs a CUDA device"),
     ({"drafter": {"attention": "fast"}}, "drafter.attention: expected one of auto, flex, dense, flex-eager"),
@@ -87,6 +88,9 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     ({"target": {"arch": {"bogus_key": 1}}}, "target.arch.bogus_key: unknown Qwen3_5TextConfig field"),
     ({"target": {"arch": {"num_hidden_layers": 0}}}, "target.arch.num_hidden_layers: must be an integer >= 1, got 0"),
     ({"target": {"tap_layers": [9]}}, "target.tap_layers: layer 9 is outside 0..3"),
+    ({"target": {"family": "llama"}}, "target.family: expected one of qwen3_5, qwen3, got 'llama'"),
+    ({"target": {"arch": {"layer_types": ["full_attention"]}}},
+     "target.arch.layer_types: has 1 entries for target.arch.num_hidden_layers=4"),
     ({"target": {"path": "/nonexistent/model"}}, "target.path: /nonexistent/model does not exist"),
 ])
 def test_bad_config_exits_2_naming_file_and_field_and_writes_nothing(
@@ -203,6 +207,19 @@ def test_help_teaches_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     assert "dflash train --config configs/tiny.yaml --out runs/tiny" in text and "--resume" in text
     assert "exit codes" in text
+
+
+def test_preflight_of_a_full_attention_qwen3_target_binds_no_linear_attention_op(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, _merge(tiny_run_yaml(), {"target": {"family": "qwen3", "arch": {
+        "linear_num_key_heads": None, "linear_num_value_heads": None}}}))
+    cfg = yaml.safe_load(path.read_text())
+    for key in ("linear_num_key_heads", "linear_num_value_heads"):  # not Qwen3Config fields
+        del cfg["target"]["arch"][key]
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["preflight", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "chunk_gated_delta_rule" in out and "absent" in out and "preflight: ok" in out
 
 
 def test_preflight_on_cpu_lists_kernels(capsys: pytest.CaptureFixture[str]) -> None:
@@ -388,6 +405,24 @@ def test_mask_token_outside_a_tokenizer_directory_vocab_exits_2_writing_nothing(
     out = tmp_path / "out"
     assert main(["train", "--config", str(path), "--out", str(out)]) == 2
     line = _field_line(path.read_text(), "drafter.mask_token_id")
-    assert _one_line_error(capsys) == (f"dflash: {path}:{line}: drafter.mask_token_id: must be < the vocabulary of "
-                                       f"data.tokenizer ({tok.vocab_size}), got 600")
+    assert _one_line_error(capsys) == (f"dflash: {path}:{line}: drafter.mask_token_id: must be < the target's "
+                                       f"embedding rows ({tok.vocab_size}, the tokenizer's vocabulary), got 600")
     assert not out.exists()
+
+
+def test_mask_token_id_is_bounded_by_the_target_embedding_not_the_tokenizer(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Real targets reserve the mask id past the tokenizer's last token: the embedding's rows are the bound."""
+    cfg = tiny_run_yaml(train={"max_steps": 1, "checkpoint_every": 0})
+    cfg["target"]["arch"]["vocab_size"] = 600  # the tiny tokenizer has 512 tokens
+    ok = _write(tmp_path, _merge(cfg, {"drafter": {"mask_token_id": 550}}), "ok.yaml")
+    assert main(["train", "--config", str(ok), "--out", str(tmp_path / "ok")]) == 0
+    meta = json.loads((tmp_path / "ok" / "checkpoints" / "step-1" / "meta.json").read_text())
+    assert meta["drafter"]["mask_token_id"] == 550 and meta["target"]["vocab_size"] == 600
+    bad = _write(tmp_path, _merge(cfg, {"drafter": {"mask_token_id": 600}}), "bad.yaml")
+    capsys.readouterr()
+    assert main(["train", "--config", str(bad), "--out", str(tmp_path / "bad")]) == 2
+    line = _field_line(bad.read_text(), "drafter.mask_token_id")
+    assert _one_line_error(capsys) == (f"dflash: {bad}:{line}: drafter.mask_token_id: must be < the target's "
+                                       "embedding rows (600, target.arch.vocab_size), got 600")
+    assert not (tmp_path / "bad").exists()

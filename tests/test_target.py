@@ -186,3 +186,40 @@ def test_vlm_format_checkpoint_loads_as_its_text_model(tmp_path: Path) -> None:
 def test_missing_directory_fails_with_its_name(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="nope"):
         Target(TargetConfig(path=str(tmp_path / "nope")), num_draft_layers=2, device=CPU)
+
+
+@pytest.mark.parametrize(("family", "model_class", "hybrid"), [("qwen3_5", "Qwen3_5ForCausalLM", True),
+                                                                ("qwen3", "Qwen3ForCausalLM", False)])
+def test_each_family_builds_its_causal_lm_with_the_shape_the_checks_predict(family: str, model_class: str,
+                                                                             hybrid: bool) -> None:
+    """One registry entry per family: the model built, the shape the config checks use and the kernel probe agree."""
+    from dflash.target import FAMILIES, build_target_model, probe_kernels, target_shape
+
+    cfg = TargetConfig(family=family, arch={"num_hidden_layers": 4}, seed=3)
+    model = build_target_model(cfg, vocab=300)
+    assert type(model).__name__ == model_class and FAMILIES[family].hybrid is hybrid
+    assert model.get_input_embeddings().weight.shape == (300, 64)
+    types = model.config.layer_types
+    assert types == (["linear_attention", "linear_attention", "full_attention", "linear_attention"] if hybrid
+                     else ["full_attention"] * 4)  # a changed depth repeats the family's pattern
+    shape = target_shape(cfg, vocab=300)
+    assert (shape.num_layers, shape.hidden_size, shape.vocab_size) == (4, 64, 300)
+    assert target_shape(cfg).vocab_size is None  # the tokenizer's size is not known yet
+    kernels = probe_kernels(cfg, 300)  # a full-attention target has no linear-attention op to bind
+    assert (set(kernels.values()) != {"absent"}) is hybrid
+    same = build_target_model(cfg, vocab=300)  # seeded: the same weights every time
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values(), strict=True))
+    t = Target(cfg, num_draft_layers=2, device=CPU, vocab=300)
+    assert (t.num_layers, t.vocab_size, t.tap_layers, t.kernels) == (4, 300, [1, 1], kernels)
+
+
+def test_an_explicit_arch_vocab_size_is_the_embedding_even_with_a_smaller_tokenizer() -> None:
+    """A target reserves ids past the tokenizer's last token (a drafter's mask id): target.arch.vocab_size wins."""
+    from dflash.target import target_arch, target_shape
+
+    cfg = TargetConfig(arch={"vocab_size": 600})
+    assert target_arch(cfg, vocab=512)["vocab_size"] == 600
+    assert target_shape(cfg, vocab=512).vocab_from == "target.arch.vocab_size"
+    assert target_arch(TargetConfig(), vocab=512)["vocab_size"] == 512
+    with pytest.raises(ValueError, match=r"^target.arch.layer_types: has 2 entries for target.arch.num_hidden_layers=3"):
+        target_arch(TargetConfig(arch={"num_hidden_layers": 3, "layer_types": ["full_attention"] * 2}))
