@@ -253,23 +253,36 @@ def heldout_documents(loaded: Loaded, docs: Sequence[Document], tok: TokenizerAd
 def prompts_from_documents(docs: Sequence[Document], tok: TokenizerAdapter, prompt_tokens: int, max_len: int,
                            num: int) -> list[list[int]]:
     """Prompts cut like training pieces: the first `prompt_tokens` tokens of consecutive max_len pieces, one piece of
-    each document in turn (so the prompts spread over documents); chats: everything before the first assistant turn."""
-    per_doc: list[list[list[int]]] = []
-    for d in docs:
-        if d.text is not None:
-            ids = tok.encode(d.text)
-            per_doc.append([ids[s:s + prompt_tokens] for s in range(0, len(ids), max_len)
-                            if len(ids) - s > prompt_tokens])
-        else:
-            ids, mask = tok.encode_chat(d.messages or [])
-            first = next((i for i, m in enumerate(mask) if m), None)
-            per_doc.append([ids[:first]] if first else [])
+    each document in turn (so the prompts spread over documents); chats: everything before the first assistant turn.
+    Documents are tokenized only when reached (the held-out stdlib files are many)."""
+    pieces: dict[int, list[list[int]]] = {}
+
+    def doc_pieces(i: int) -> list[list[int]]:
+        if i not in pieces:
+            d = docs[i]
+            if d.text is not None:
+                ids = tok.encode(d.text)
+                pieces[i] = [ids[s:s + prompt_tokens] for s in range(0, len(ids), max_len)
+                             if len(ids) - s > prompt_tokens]
+            else:
+                ids, mask = tok.encode_chat(d.messages or [])
+                first = next((j for j, m in enumerate(mask) if m), None)
+                pieces[i] = [ids[:first]] if first else []
+        return pieces[i]
+
     out: list[list[int]] = []
     depth = 0
-    while len(out) < num and any(depth < len(p) for p in per_doc):
-        for p in per_doc:
-            if depth < len(p) and len(out) < num:
+    while len(out) < num:
+        took = False
+        for i in range(len(docs)):
+            p = doc_pieces(i)
+            if depth < len(p):
+                took = True
                 out.append(p[depth])
+                if len(out) == num:
+                    break
+        if not took:
+            break
         depth += 1
     return out
 

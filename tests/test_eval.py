@@ -1,0 +1,278 @@
+"""Tests of `dflash eval` and its decoding core: speculative decoding is lossless on hybrid and full-attention targets.
+
+Targets are real transformers models (tiny, random init); the slow reference decoder is written plainly here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from dflash_fixtures import run_config
+from torch import nn
+
+from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig
+from dflash.speculative import (
+    DFlashProposer,
+    NgramProposer,
+    TargetLM,
+    first_difference,
+    speculative_generate,
+    target_greedy,
+)
+
+VOCAB = 96
+B = 5
+
+
+def hybrid_target(seed: int = 0) -> nn.Module:
+    """A qwen3_5 hybrid: Gated DeltaNet layers (conv + recurrent state) around one full-attention layer."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
+                            linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                            linear_conv_kernel_dim=4, initializer_range=0.25, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def attention_target(seed: int = 0) -> nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, initializer_range=0.25,
+                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def prompt(n: int = 12, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB - 1, (n,), generator=g).tolist()
+
+
+class Scripted:
+    """Drafts the target's true tokens for the first j block positions and a wrong one after, j cycling through
+    `script`: every acceptance length (all rejected .. all accepted) happens, in a known order."""
+
+    name = "scripted"
+
+    def __init__(self, truth: Sequence[int], prompt_len: int, script: Sequence[int]) -> None:
+        self.truth, self.p, self.script, self.step = list(truth), prompt_len, list(script), 0
+
+    def start(self, prompt: Sequence[int], taps: torch.Tensor) -> None:
+        pass
+
+    def commit(self, taps: torch.Tensor) -> None:
+        pass
+
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+        j = self.script[self.step % len(self.script)]
+        self.step += 1
+        good = self.truth[len(seq) - self.p: len(seq) - self.p + k]
+        return good[:j] + [(t + 1) % VOCAB for t in good[j:]]
+
+
+def scripted_run(model: nn.Module, taps: list[int], max_new: int = 20) -> tuple[TargetLM, list[int], object]:
+    target = TargetLM(model, taps)
+    p = prompt()
+    truth = target_greedy(target, p, max_new + B).tokens  # long enough that every draft has B-1 true tokens
+    script = list(range(B))
+    gen = speculative_generate(target, Scripted(truth, len(p), script), p, max_new, B)
+    return target, truth, (gen, script)
+
+
+def test_hybrid_target_lossless_at_every_acceptance_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    target, truth, (gen, script) = scripted_run(hybrid_target(), [0, 2])
+    assert gen.tokens == truth[:20]
+    assert gen.accepted == [script[i % B] for i in range(len(gen.accepted))]  # 0, 1, .., B-1, 0, ...
+    assert set(gen.accepted) == set(range(B))
+    # One verify forward per step, plus one re-advance forward for each step that rejected a draft token.
+    partial = sum(1 for a in gen.accepted if a < B - 1)
+    assert gen.target_forwards == 1 + len(gen.accepted) + partial
+
+    # Treating the Gated DeltaNet state like a KV cache (crop only, no snapshot) is what this must catch.
+    monkeypatch.setattr(TargetLM, "restore", lambda self, cache, snap: self.crop_attention(cache, snap.attn_len))
+    p = prompt()
+    broken = speculative_generate(TargetLM(target.model, [0, 2]), Scripted(truth, len(p), script), p, 20, B)
+    assert first_difference(truth[:20], broken.tokens) is not None
+
+
+def test_full_attention_target_lossless_one_forward_per_block() -> None:
+    target, truth, (gen, script) = scripted_run(attention_target(), [0, 1])
+    assert gen.tokens == truth[:20]
+    assert gen.accepted == [script[i % B] for i in range(len(gen.accepted))]
+    assert gen.target_forwards == 1 + len(gen.accepted)  # KV cache cropped: never a second forward
+    p = prompt()
+    ngram = speculative_generate(target, NgramProposer(), p, 20, B)
+    assert ngram.tokens == truth[:20]
+
+
+def test_ngram_proposer_takes_latest_longest_match() -> None:
+    ng = NgramProposer(max_ngram=2)
+    assert ng.propose([1, 2, 3, 9, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # latest "2 3" wins over the first one
+    assert ng.propose([4, 1, 2, 5, 3, 2], 3) == [5, 3, 2]  # no "3 2" earlier: falls back to the 1-gram "2"
+    assert ng.propose([1, 2, 3], 4) == []
+
+
+def _drafter(seed: int = 0) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(num_layers=2, num_heads=2, num_kv_heads=1, block_size=B, mask_token_id=VOCAB - 1,
+                        layer_sliding_windows=[6, None], attention="dense")
+    return DFlashDrafter(cfg, 32, 2).eval()
+
+
+class Overlay(DFlashProposer):
+    """The real DFlash proposer, its first j drafts replaced by true tokens (j scripted) so acceptances > 0 happen;
+    keeps every raw drafter output for comparison."""
+
+    def __init__(self, drafter: DFlashDrafter, target: TargetLM, truth: list[int], p: int) -> None:
+        super().__init__(drafter, target.embed_tokens, target.lm_head)
+        self.truth, self.p, self.step, self.raw = truth, p, 0, []
+
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+        raw = super().propose(seq, k)
+        self.raw.append(raw)
+        drafts = overlay(raw, self.truth, len(seq) - self.p, self.step)
+        self.step += 1
+        return drafts
+
+
+def overlay(raw: list[int], truth: list[int], i: int, step: int) -> list[int]:
+    j = step % B
+    return truth[i:i + j] + raw[j:]
+
+
+def slow_reference(model: nn.Module, taps: list[int], drafter: DFlashDrafter, p: list[int], truth: list[int],
+                   max_new: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """Speculative decoding with no cache at all: every step re-runs the target on the whole prefix, drafts with the
+    drafter's training-path `block_states` over the whole buffer (the anchor's own state included, masked by the
+    rule), verifies by re-running the target on prefix + drafts."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    with torch.no_grad():
+        seq = list(p)
+        seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        new, accepted, raws, step = [seq[-1]], [], [], 0
+        while len(new) < max_new:
+            n = len(seq)
+            hs = model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+            hidden = torch.cat([hs[t + 1][0] for t in taps], dim=-1)
+            batch = DraftBatch(hidden=hidden, input_ids=torch.tensor(seq), loss_mask=torch.ones(n, dtype=torch.bool),
+                               position_ids=torch.arange(n), doc_ids=torch.zeros(n, dtype=torch.long))
+            states = drafter.block_states(batch, embed, torch.tensor([n - 1]))
+            raw = head(states[1:]).argmax(-1).tolist()
+            raws.append(raw)
+            drafts = overlay(raw, truth, n - len(p), step)
+            step += 1
+            verified = model(input_ids=torch.tensor([seq + drafts])).logits[0, n - 1:].argmax(-1).tolist()
+            k = 0
+            while k < len(drafts) and drafts[k] == verified[k]:
+                k += 1
+            accepted.append(k)
+            add = (drafts[:k] + [verified[k]])[: max_new - len(new)]
+            seq += add
+            new += add
+    return new, accepted, raws
+
+
+@pytest.mark.parametrize("make", [hybrid_target, attention_target], ids=["qwen3_5", "qwen3"])
+def test_fast_path_matches_slow_reference(make: object) -> None:
+    model = make()  # type: ignore[operator]
+    taps = [0, 2]
+    drafter = _drafter()
+    target = TargetLM(model, taps)
+    p = prompt()
+    truth = target_greedy(target, p, 24 + B).tokens
+    fast_prop = Overlay(drafter, target, truth, len(p))
+    fast = speculative_generate(target, fast_prop, p, 24, B)
+    slow, slow_accepted, slow_raw = slow_reference(model, taps, drafter, p, truth, 24)
+    assert fast.tokens == slow == truth[:24]
+    assert fast.accepted == slow_accepted
+    assert fast_prop.raw == slow_raw  # the cached drafter context is exactly the training-path context
+    assert max(fast.accepted) == B - 1 and min(fast.accepted) == 0
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dflash.train import train
+
+    out = tmp_path_factory.mktemp("run")
+    cfg = run_config(train={"max_steps": 2, "checkpoint_every": 0})
+    assert train(cfg, out).exit_code == 0
+    return out / "checkpoints" / "step-2"
+
+
+def test_eval_json_on_a_trained_checkpoint(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash.cli import main
+
+    code = main(["eval", "--checkpoint", str(checkpoint), "--json", "--baseline", "ngram", "--num-prompts", "2",
+                 "--prompt-tokens", "12", "--max-new-tokens", "10"])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 0 and res["lossless"] is True
+    b = res["block_size"]
+    assert b == 4 and res["prompts"] == 2 and res["new_tokens"] == 20
+    assert len(res["accept_hist"]) == b and sum(res["accept_hist"]) == res["steps"]
+    assert len(res["accept_by_position"]) == len(res["train_acc_by_position"]) == len(res["match_by_position"]) == b - 1
+    assert res["tau"] == pytest.approx(1 + sum(res["accept_by_position"]), abs=1e-3)
+    assert set(res["tokens_per_s"]) == {"target", "dflash"} and res["speedup"] > 0
+    assert 1.0 <= res["baseline"]["ngram"]["tau"] <= b
+    assert "stdlib sources after the embedded corpus cap" in res["prompts_from"]
+
+
+def test_eval_human_output_and_prompt_file(checkpoint: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash.cli import main
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"text": "def main(argv):\n    return"}) + "\n")
+    assert main(["eval", "--checkpoint", str(checkpoint), "--prompts", str(f), "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "dflash" in out and "tau" in out and "train-acc" in out and f"prompts: {f}" in out
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 3}\n')
+    assert main(["eval", "--checkpoint", str(checkpoint), "--prompts", str(bad)]) == 2
+    assert "bad.jsonl:1: expected an object with a 'text' string" in capsys.readouterr().err
+
+
+def test_evaluate_reports_a_broken_rollback_with_its_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash.eval import evaluate
+
+    model = hybrid_target()
+    target = TargetLM(model, [0, 2])
+    monkeypatch.setattr(TargetLM, "restore", lambda self, cache, snap: self.crop_attention(cache, snap.attn_len))
+    res = evaluate(target, _drafter(), [prompt()], 16, train_acc=False)
+    assert res["lossless"] is False
+    assert "prompt 0 (dflash): output differs from the target's greedy decoding at new token" in res["errors"][0]
+
+
+def test_heldout_documents_of_configured_data_were_never_scheduled(tmp_path: Path) -> None:
+    from dflash.data import build_schedule, load_tokenizer, read_documents, tokenize
+    from dflash.eval import EvalError, Loaded, heldout_documents
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(12):
+        (data / f"d{i:02d}.txt").write_text(f"document {i}: " + " ".join(f"w{i}x{j}" for j in range(40)))
+    cfg = run_config(data={"paths": [str(data)], "max_len": 32, "min_len": 4, "token_budget": 64})
+    docs = read_documents(cfg.data)
+    tok = load_tokenizer(cfg.data, docs, tmp_path / "tok")
+    loaded = Loaded(drafter=_drafter(), tap_layers=[0], source="x", cfg=cfg, run_dir=None,
+                    pipeline={"total_steps": 1, "feeds": [{}]}, target_meta={})
+    held, desc = heldout_documents(loaded, docs, tok)
+    sched = build_schedule(tokenize(docs, tok), cfg.data, cfg.train.seed, 1)
+    trained = {piece[0] for piece in sched.epochs[0][0]}  # a 1-step run trains on the first buffer only
+    assert {d.source for d in held} == {d.source for i, d in enumerate(docs) if i not in trained}
+    assert held and f"{len(held)} of 12 documents" in desc
+
+    loaded.pipeline = {"total_steps": len(sched.epochs[0]), "feeds": [{}]}  # the whole epoch: nothing held out
+    with pytest.raises(EvalError, match="pass --prompts FILE"):
+        heldout_documents(loaded, docs, tok)
