@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -142,27 +143,45 @@ def load_export(path: str | Path) -> Loaded:
 
 def load_target(loaded: Loaded, target_dir: str | None, device: torch.device) -> TargetLM:
     """The frozen target the drafter was trained against: --target DIR, the run's target.path, or the run's random
-    init (target.arch + seed, vocabulary from the checkpoint)."""
-    from dflash.target import Target, TargetConfig
+    init (family + arch + seed, as many embedding rows as the checkpoint says), built by the target registry."""
+    from dflash.target import TargetConfig, build_target_model
 
+    vocab = loaded.target_meta.get("vocab_size")
     if target_dir is not None:
-        tcfg = TargetConfig(path=target_dir, tap_layers=loaded.tap_layers)
+        tcfg = TargetConfig(path=target_dir)
     elif loaded.cfg is not None:
-        tcfg = dataclasses.replace(loaded.cfg.target, tap_layers=loaded.tap_layers)
-        if tcfg.path is None:
-            tcfg = dataclasses.replace(tcfg, arch={**tcfg.arch, "vocab_size": int(loaded.target_meta["vocab_size"])})
+        tcfg = loaded.cfg.target
     elif loaded.target_meta.get("path"):
-        tcfg = TargetConfig(path=str(loaded.target_meta["path"]), tap_layers=loaded.tap_layers)
+        tcfg = TargetConfig(path=str(loaded.target_meta["path"]))
     else:
         raise EvalError(f"{loaded.source}: cannot tell which target this drafter drafts for; pass --target DIR "
                         "(a local Hugging Face model) or --config RUN_CONFIG (the run's config)")
     try:
-        target = Target(tcfg, loaded.drafter.cfg.num_layers, device)
+        model = build_target_model(tcfg, int(vocab) if vocab else None, device=device)
     except (ValueError, OSError) as exc:
         raise EvalError(f"target: {exc}") from None
-    if target.hidden_size != loaded.drafter.hidden_size:
-        raise EvalError(f"target hidden size {target.hidden_size} != drafter hidden size {loaded.drafter.hidden_size}")
-    return TargetLM(target.model, loaded.tap_layers)
+    model.to(device).eval().requires_grad_(False)
+    hidden = int(model.config.get_text_config().hidden_size)
+    if hidden != loaded.drafter.hidden_size:
+        raise EvalError(f"target hidden size {hidden} != drafter hidden size {loaded.drafter.hidden_size}")
+    try:
+        return TargetLM(model, loaded.tap_layers)
+    except ValueError as exc:
+        raise EvalError(f"target: {exc}") from None
+
+
+def resolve_pretrained(cfg: RunConfig, docs: Sequence[Document] | None) -> RunConfig:
+    """A config given with --config that asks for a pretrained target (`target.pretrain`) names the cached one, as
+    `dflash train` resolved it (a checkpoint's saved config is already resolved)."""
+    if cfg.target.path is not None or getattr(cfg.target, "pretrain", None) is None:
+        return cfg
+    if docs is None:
+        from dflash.data import read_documents
+
+        docs = read_documents(cfg.data)
+    from dflash.pretrain import resolve_target
+
+    return resolve_target(cfg, docs, log=lambda msg: print(msg, file=sys.stderr))
 
 
 def load_tokenizer_for(loaded: Loaded, target_dir: str | None, docs: Sequence[Document] | None) -> TokenizerAdapter:
@@ -537,8 +556,6 @@ def render(result: dict[str, Any]) -> None:
 
 def run(args: Any) -> int:
     """The `dflash eval` command; returns the exit code (0 ok, 1 lossless failure, 2 bad input)."""
-    import sys
-
     from dflash.data import read_documents
 
     def fail(msg: str) -> int:
@@ -562,6 +579,8 @@ def run(args: Any) -> int:
         # The corpus: held-out prompts come from it, and the tiny BPE is keyed by it.
         need_docs = loaded.cfg is not None and (args.prompts is None or loaded.cfg.data.tokenizer is None)
         docs = read_documents(loaded.cfg.data) if need_docs and loaded.cfg is not None else None
+        if args.config is not None and args.target is None:
+            loaded.cfg = resolve_pretrained(loaded.cfg, docs)
         tok = load_tokenizer_for(loaded, args.target, docs)
         if args.prompts is not None:
             prompts, where = read_prompts(args.prompts, tok), str(args.prompts)
@@ -574,7 +593,6 @@ def run(args: Any) -> int:
         if not prompts:
             raise EvalError(f"no prompt of at least {args.prompt_tokens + 1} tokens in {where}")
         target = load_target(loaded, args.target, device)
-        target.model.to(device)
         loaded.drafter.to(device)
     except (EvalError, ConfigError, DataError) as exc:
         return fail(str(exc))
