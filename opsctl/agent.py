@@ -1047,10 +1047,16 @@ def cache_users(real: str) -> list[tuple[str, int]]:
     and OPSCTL_RUN for every run), so another run's cache is never emptied under it; for torch's shared default
     dir, any process that loaded libtorch without its own TORCHINDUCTOR_CACHE_DIR counts too."""
     is_default = real == os.path.realpath(default_inductor_dir())
-    me = os.getpid()
+    procs = all_procs()
+    # This agent and its ancestors (the SSH session's shell, pct exec) only carry a login environment that
+    # happens to export the variable: they are not runs using the cache.
+    mine, p = set(), os.getpid()
+    while p > 1 and p not in mine:
+        mine.add(p)
+        p = procs[p][1] if p in procs else 0
     out: list[tuple[str, int]] = []
-    for pid, st in all_procs().items():
-        if pid == me or st[0] in ("Z", "X"):
+    for pid, st in procs.items():
+        if pid in mine or st[0] in ("Z", "X"):
             continue
         env = _environ(pid)
         if env is None:
