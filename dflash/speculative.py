@@ -10,7 +10,9 @@ with by every consumer.
 Rollback of a partly rejected block: attention layers drop the rejected positions from their KV cache (`crop`). A
 linear-attention layer's recurrent state is a running sum that cannot be cropped, so its conv and recurrent states are
 snapshotted before the verify forward; after a partial acceptance they are restored and re-advanced over the accepted
-tokens only (one more target forward over those tokens, whose KV the attention layers recompute identically).
+tokens only. Re-advancing runs just the linear-attention token mixers, on the inputs they received in the verify
+forward (captured by hooks; the target is causal, so those inputs are exact for accepted positions), not the whole
+model: no MLP, no attention, no LM head. Models whose mixers cannot be found re-advance with a full forward.
 """
 
 from __future__ import annotations
@@ -59,7 +61,15 @@ class TargetLM:
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
         self.device = next(model.parameters()).device
-        self.forwards = 0  # target forward passes run (prefill, verify and re-advance)
+        self.forwards = 0  # full target forward passes run (prefill, verify, and full-forward re-advances)
+        self.mixer_readvances = 0  # rollbacks re-advanced through the linear-attention mixers alone
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+        layers = getattr(decoder, "layers", [])
+        # The Gated DeltaNet token mixer of each linear-attention layer (qwen3_5: `layer.linear_attn`, whose
+        # `layer_idx` addresses its cache layer). Empty for full-attention targets.
+        self.mixers: dict[int, nn.Module] = {i: layer.linear_attn for i, layer in enumerate(layers)
+                                             if hasattr(layer, "linear_attn")}
+        self.readvance = "mixers" if self.mixers else "forward"
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -136,15 +146,49 @@ class TargetLM:
                     raise RuntimeError(f"cannot crop an attention cache of {layer.get_seq_length()} to {length}")
                 DynamicLayer.crop(layer, -extra)
 
-    def restore(self, cache: Any, snap: _Snapshot) -> None:
-        """Put the cache back exactly as it was when `snap` was taken (in place: static addresses are kept)."""
-        self.crop_attention(cache, snap.attn_len)
+    def restore(self, cache: Any, snap: _Snapshot, attn_len: int | None = None) -> None:
+        """Put the linear-attention states back as they were when `snap` was taken (in place: static addresses are
+        kept) and crop the attention layers to `attn_len` positions (default: their length at the snapshot)."""
+        self.crop_attention(cache, snap.attn_len if attn_len is None else attn_len)
         for i, conv, rec in snap.linear:
             layer = cache.layers[i]
             for k, v in conv.items():
                 layer.conv_states[k].copy_(v)
             for k, v in rec.items():
                 layer.recurrent_states[k].copy_(v)
+
+
+    def capture_mixer_inputs(self) -> tuple[dict[int, tuple[tuple[Any, ...], dict[str, Any]]], list[Any]]:
+        """Hooks that record what each linear-attention mixer receives in the next forward: (captured, handles)."""
+        captured: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+        def make(i: int) -> Any:
+            def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                captured[i] = (args, kwargs)
+
+            return hook
+
+        handles = [m.register_forward_pre_hook(make(i), with_kwargs=True) for i, m in self.mixers.items()]
+        return captured, handles
+
+    def readvance_mixers(self, cache: Any, captured: dict[int, tuple[tuple[Any, ...], dict[str, Any]]],
+                         count: int) -> None:
+        """Advance every restored linear-attention state over the first `count` positions of the captured inputs."""
+        if set(captured) != set(self.mixers):
+            raise RuntimeError(f"mixer inputs captured for layers {sorted(captured)}, expected {sorted(self.mixers)}")
+
+        def cut(v: Any) -> Any:  # per-position tensors ([batch, T, ...]) keep their first `count` positions
+            return v[:, :count] if isinstance(v, Tensor) and v.ndim >= 2 and v.shape[1] == t else v
+
+        with torch.no_grad():
+            for i, (args, kwargs) in captured.items():
+                hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                t = hs.shape[1]
+                args = tuple(cut(a) for a in args)
+                kwargs = {k: (cache if v is not None and k in ("cache", "cache_params", "past_key_values") else cut(v))
+                          for k, v in kwargs.items()}
+                self.mixers[i](*args, **kwargs)
+        self.mixer_readvances += 1
 
 
 # ----------------------------------------------------------------------------- proposers
@@ -343,7 +387,13 @@ def speculative_generate(target: TargetLM, proposer: Proposer, prompt: Sequence[
         drafts = [int(t) for t in proposer.propose(seq, block_size - 1)][: block_size - 1]
         feed = [seq[-1], *drafts]
         snap = target.snapshot(cache) if linear and drafts else None
-        logits, taps = target.forward(feed, n - 1, cache, keep=len(feed))
+        captured, hooks = target.capture_mixer_inputs() if snap is not None and target.readvance == "mixers" \
+            else ({}, [])
+        try:
+            logits, taps = target.forward(feed, n - 1, cache, keep=len(feed))
+        finally:
+            for h in hooks:
+                h.remove()
         assert taps is not None
         verified = [int(t) for t in logits.argmax(-1).tolist()]  # verified[j]: the target's token at position n + j
         k = 0
@@ -358,11 +408,14 @@ def speculative_generate(target: TargetLM, proposer: Proposer, prompt: Sequence[
         new = new[: min(room, len(new) if cut is None else cut + 1)]
         gen.tokens += new
         seq += new
-        if len(new) < k + 1:
-            break  # the output is complete; nothing after this step reads the cache
+        if len(gen.tokens) >= max_new_tokens or gen.tokens[-1] in stops:
+            break  # the output is complete: nothing after this step reads the cache or the context
         proposer.commit(taps[: k + 1])  # the anchor and the accepted drafts: positions n-1 .. n-1+k
         if k < len(drafts):
-            if snap is not None:  # linear-attention states advanced over rejected tokens: roll back, re-advance
+            if snap is not None and target.readvance == "mixers":  # states advanced over rejected tokens
+                target.restore(cache, snap, attn_len=n + k)  # attention keeps the accepted positions' KV
+                target.readvance_mixers(cache, captured, k + 1)
+            elif snap is not None:
                 target.restore(cache, snap)
                 target.forward(feed[: k + 1], n - 1, cache, keep=0, taps=False)
             else:

@@ -78,8 +78,11 @@ class Scripted:
         return good[:j] + [(t + 1) % VOCAB for t in good[j:]]
 
 
-def scripted_run(model: nn.Module, taps: list[int], max_new: int = 20) -> tuple[TargetLM, list[int], object]:
+def scripted_run(model: nn.Module, taps: list[int], max_new: int = 20,
+                 readvance: str | None = None) -> tuple[TargetLM, list[int], object]:
     target = TargetLM(model, taps)
+    if readvance is not None:
+        target.readvance = readvance
     p = prompt()
     truth = target_greedy(target, p, max_new + B).tokens  # long enough that every draft has B-1 true tokens
     script = list(range(B))
@@ -87,19 +90,28 @@ def scripted_run(model: nn.Module, taps: list[int], max_new: int = 20) -> tuple[
     return target, truth, (gen, script)
 
 
-def test_hybrid_target_lossless_at_every_acceptance_length(monkeypatch: pytest.MonkeyPatch) -> None:
-    target, truth, (gen, script) = scripted_run(hybrid_target(), [0, 2])
+def crop_only(self: TargetLM, cache: object, snap: object, attn_len: int | None = None) -> None:
+    """A wrong rollback: the Gated DeltaNet state treated like a KV cache (cropped, never restored)."""
+    self.crop_attention(cache, snap.attn_len if attn_len is None else attn_len)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("readvance", ["mixers", "forward"])
+def test_hybrid_target_lossless_at_every_acceptance_length(readvance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    target, truth, (gen, script) = scripted_run(hybrid_target(), [0, 2], readvance=readvance)
     assert gen.tokens == truth[:20]
     assert gen.accepted == [script[i % B] for i in range(len(gen.accepted))]  # 0, 1, .., B-1, 0, ...
     assert set(gen.accepted) == set(range(B))
-    # One verify forward per step, plus one re-advance forward for each step that rejected a draft token.
-    partial = sum(1 for a in gen.accepted if a < B - 1)
-    assert gen.target_forwards == 1 + len(gen.accepted) + partial
+    # One verify forward per step; each step that rejected a draft token re-advances the restored DeltaNet states,
+    # through the mixers alone (no extra target forward) or with one more target forward.
+    partial = sum(1 for a in gen.accepted[:-1] if a < B - 1)  # the last step ends the output: no rollback
+    if readvance == "mixers":
+        assert gen.target_forwards == 1 + len(gen.accepted) and target.mixer_readvances == partial
+    else:
+        assert gen.target_forwards == 1 + len(gen.accepted) + partial and target.mixer_readvances == 0
 
-    # Treating the Gated DeltaNet state like a KV cache (crop only, no snapshot) is what this must catch.
-    monkeypatch.setattr(TargetLM, "restore", lambda self, cache, snap: self.crop_attention(cache, snap.attn_len))
+    monkeypatch.setattr(TargetLM, "restore", crop_only)
     p = prompt()
-    broken = speculative_generate(TargetLM(target.model, [0, 2]), Scripted(truth, len(p), script), p, 20, B)
+    broken = speculative_generate(target, Scripted(truth, len(p), script), p, 20, B)
     assert first_difference(truth[:20], broken.tokens) is not None
 
 
@@ -248,7 +260,7 @@ def test_evaluate_reports_a_broken_rollback_with_its_position(monkeypatch: pytes
 
     model = hybrid_target()
     target = TargetLM(model, [0, 2])
-    monkeypatch.setattr(TargetLM, "restore", lambda self, cache, snap: self.crop_attention(cache, snap.attn_len))
+    monkeypatch.setattr(TargetLM, "restore", crop_only)
     res = evaluate(target, _drafter(), [prompt()], 16, train_acc=False)
     assert res["lossless"] is False
     assert "prompt 0 (dflash): output differs from the target's greedy decoding at new token" in res["errors"][0]
