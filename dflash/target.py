@@ -1,7 +1,6 @@
 """The frozen target: its architecture (a registry of families), building or loading it, and tapping hidden states.
 
-The drafter only ever sees the concatenation of a few tapped layers, so this module hides padding, packing and kernels;
-every rule about the target's shape (arch merge, layer count, taps, vocabulary) lives here and nowhere else.
+Every rule about the target's shape (arch, depth, taps, embedding rows) lives here; the drafter sees only the taps.
 """
 
 from __future__ import annotations
