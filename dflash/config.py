@@ -270,6 +270,14 @@ class RunConfig(BaseModel):
     def lines(self) -> dict[tuple[str, ...], int]:
         return self._lines
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        """`train:` with every key commented out is YAML null: the section's defaults, as before."""
+        if isinstance(data, dict):
+            return {k: ({} if v is None and k in cls.model_fields else v) for k, v in data.items()}
+        return data
+
     @model_validator(mode="after")
     def _cross_field(self) -> RunConfig:
         """The rules that relate two fields; each is here and nowhere else."""
@@ -324,7 +332,7 @@ def _first_problem(err: ValidationError) -> tuple[str, str]:
     cause = (e.get("ctx") or {}).get("error")
     if isinstance(cause, FieldProblem):
         return cause.path, str(cause)
-    if e["type"] == "extra_forbidden":
+    if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
         return path, "unknown field"
     if e["type"] == "value_error":
         return path, str(cause) if cause is not None else e["msg"]
@@ -335,8 +343,10 @@ def _first_problem(err: ValidationError) -> tuple[str, str]:
 
 
 def _known_fields(path: str) -> str:
-    section = {"target": TargetSection, "drafter": DrafterSection, "data": DataConfig, "train": TrainConfig,
-               "dist": DistConfig}.get(path.split(".")[0]) if "." in path else RunConfig
+    parts = path.split(".")
+    section = RunConfig if len(parts) == 1 else {
+        "target": TargetSection, "drafter": DrafterSection, "data": DataConfig, "train": TrainConfig,
+        "dist": DistConfig}.get(parts[0]) if len(parts) == 2 else None
     names = sorted(section.__pydantic_fields__) if section is not None else []
     return f" (known: {', '.join(names)})" if names else ""
 

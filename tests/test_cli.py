@@ -426,3 +426,12 @@ def test_mask_token_id_is_bounded_by_the_target_embedding_not_the_tokenizer(
     assert _one_line_error(capsys) == (f"dflash: {bad}:{line}: drafter.mask_token_id: must be < the target's "
                                        "embedding rows (600, target.arch.vocab_size), got 600")
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_section_with_every_key_commented_out_takes_its_defaults(tmp_path: Path) -> None:
+    from dflash.config import load_config
+
+    p = tmp_path / "run.yaml"
+    p.write_text(yaml.safe_dump(tiny_run_yaml()) + "dist:\n  # roles: split\n")
+    cfg = load_config(p)
+    assert (cfg.dist.roles, cfg.dist.target_ranks, cfg.train.max_steps) == ("colocated", 1, 6)
