@@ -99,9 +99,9 @@ def test_commented_examples_in_shipped_hosts_yaml_are_valid() -> None:
     assert pve.kind == "ssh+pct" and pve.pct == 200 and pve.ssh is not None and pve.ssh.jump == "bastion.example.org"
     run = inv.runs["pve-box"]["qwen27b"]
     assert run.model_manifest == "/dev/shm/Qwen3.6-27B/manifest.json"
-    assert run.inductor_cache_dir == "/tmp/torchinductor_root"  # pct exec runs as root in the container
+    assert run.inductor_cache_dir == "/workspace/dflash-ops/.opsctl/qwen27b/inductor"  # per run: <state_dir>/inductor
     assert run.kill_grace == [60.0, 20.0]
-    assert inv.runs["gpu1"]["drafter"].inductor_cache_dir == "/tmp/torchinductor_ml"
+    assert inv.runs["gpu1"]["drafter"].inductor_cache_dir == "/home/ml/dflash-ops/.opsctl/drafter/inductor"
 
 
 def test_wrong_type_names_file_line_and_field() -> None:
@@ -146,7 +146,7 @@ def test_bad_pct_vmid(vmid: str, msg: str) -> None:
     ('""', "empty path"),
 ])
 def test_dangerous_clean_roots_are_refused(root: str, why: str) -> None:
-    text = GOOD_SSH + f"        clean_roots: [/tmp/torchinductor_ml, {root}]\n"
+    text = GOOD_SSH + f"        clean_roots: [/home/ml/work/.opsctl/train/inductor, {root}]\n"
     errs = errors_of(text)
     assert len(errs) == 1
     assert errs[0].startswith(f"hosts.yaml:{line_of(text, 'clean_roots')}: hosts.gpu1.runs.train.clean_roots.1: refusing clean root:")
@@ -258,7 +258,8 @@ def test_defaults_follow_the_documented_rules() -> None:
     assert run.state_dir == "/home/ml/work/.opsctl/train"
     assert run.kill_grace == [10.0, 10.0] and run.ready_timeout == 600.0
     plain = parse_inventory(GOOD_SSH).runs["gpu1"]["train"]
-    assert plain.inductor_cache_dir == "/tmp/torchinductor_ml" and plain.clean_roots == ["/tmp/torchinductor_ml"]
+    cache = "/home/ml/work/.opsctl/train/inductor"  # per run, under its state_dir (issue 8 item 2)
+    assert plain.inductor_cache_dir == cache and plain.clean_roots == [cache]
 
 
 def test_script_command_runs_under_bash_and_python_placeholder_uses_host_python() -> None:
