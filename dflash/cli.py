@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 EPILOG = """\
 examples:
@@ -54,6 +56,27 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True, help="a checkpoints/step-N directory")
     e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     _eval_parser(sub)
+    pt = sub.add_parser("pretrain-target", help="train target.arch as a language model on the corpus -> HF dir",
+                        description="Train the config's random-init target (target.arch, target.pretrain settings) "
+                                    "as a language model on the config's corpus and save a Hugging Face directory "
+                                    "(weights + tokenizer) for target.path. A config with target.pretrain does "
+                                    "this by itself on first use and caches the result.")
+    pt.add_argument("--config", required=True)
+    pt.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    rg = sub.add_parser("regen", help="the target continues the corpus prompts -> training JSONL (data.paths)",
+                        description="Run the config's target over its corpus prompts (text: a prefix; chat: the "
+                                    "turns before each assistant reply) and write OUT/regen.jsonl: token ids as "
+                                    "ids, loss_mask 1 on the target-generated tokens. Resumable: rerun the same "
+                                    "command after a kill. Train on it with `data: {paths: [OUT]}`.")
+    rg.add_argument("--config", required=True)
+    rg.add_argument("--out", required=True, help="data directory (new, or one this command wrote: it resumes)")
+    rg.add_argument("--max-new-tokens", type=int, default=None,
+                    help="tokens generated per prompt (default data.max_len - prompt tokens)")
+    rg.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    rg.add_argument("--prompt-tokens", type=int, default=None, help="text prompt length (default data.max_len/4)")
+    rg.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts (corpus order)")
+    rg.add_argument("--batch-size", type=int, default=128, help="prompts decoded together")
+    rg.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     return p
 
 
@@ -112,12 +135,73 @@ def _train(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
     try:
         docs = prepare_documents(cfg)  # validated before anything is written to --out
+        cfg = _pretrained_target(cfg, docs, out)  # target.pretrain: built on first use, then cached
         resume = args.resume == "always" or (args.resume == "auto" and bool(list_checkpoints(out)))
         result = train(cfg, out, max_steps=args.max_steps, resume=resume, fresh=args.fresh,
                        allow_slow_kernels=args.allow_slow_kernels, docs=docs)
     except (DataError, UsageError, ConfigError) as exc:
         return _fail(str(exc))
     return result.exit_code
+
+
+def _pretrained_target(cfg: Any, docs: Any, out: Path | None) -> Any:
+    """Resolve `target.pretrain` (dflash/pretrain.py) to a pretrained target.path; progress also goes to
+    OUT/train.log, so `opsctl launch` shows the one-off pretraining instead of a silent minute."""
+    from dflash.pretrain import resolve_target
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / "train.log", "a") as fh:
+                fh.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+
+    return resolve_target(cfg, docs, log=log)
+
+
+def _pretrain_target(args: argparse.Namespace) -> int:
+    from dflash.config import ConfigError, load_config
+    from dflash.data import DataError, load_tokenizer, read_documents
+    from dflash.pretrain import cache_root, pretrain
+    from dflash.target import TargetPretrainConfig
+
+    try:
+        cfg = load_config(args.config)
+        if cfg.target.path is not None:
+            raise ConfigError(f"{cfg.source}: target.path: already names a target ({cfg.target.path}); "
+                              "pretrain-target trains target.arch")
+        docs = read_documents(cfg.data)
+        pc = cfg.target.pretrain or TargetPretrainConfig()
+        cache = Path(cfg.data.tokenizer_cache) if cfg.data.tokenizer_cache else cache_root(pc) / "tokenizer"
+        tok = load_tokenizer(cfg.data, docs, cache)
+        summary = pretrain(cfg, docs, tok, args.out)
+    except (ConfigError, DataError) as exc:
+        return _fail(str(exc))
+    print(f"pretrain-target: wrote {args.out} (held-out loss {summary['loss']['val']:.3f} nats/token, unigram "
+          f"{summary['unigram_val_nats']:.3f}); use it with `target: {{path: {args.out}}}`")
+    return 0
+
+
+def _regen(args: argparse.Namespace) -> int:
+    from dflash.config import ConfigError, check_run, load_config
+    from dflash.data import DataError, read_documents
+    from dflash.regen import RegenSettings, regen
+
+    settings = RegenSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             prompt_tokens=args.prompt_tokens, num_prompts=args.num_prompts,
+                             batch_size=args.batch_size, seed=args.seed)
+    try:
+        settings.check()
+        cfg = load_config(args.config)
+        check_run(cfg, "cuda" if _cuda() else "cpu")
+        docs = read_documents(cfg.data)
+        cfg = _pretrained_target(cfg, docs, None)
+        summary = regen(cfg, docs, args.out, settings)
+    except (ConfigError, DataError) as exc:
+        return _fail(str(exc))
+    print(f"regen: {summary['written']} new records ({summary['new_tokens']} tokens) in {summary['records']}; "
+          f"train on them with `data: {{paths: [{args.out}]}}`")
+    return 0
 
 
 def _cuda() -> bool:
@@ -167,7 +251,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"train": _train, "preflight": _preflight, "export": _export, "eval": _eval}[args.cmd](args)
+    return {"train": _train, "preflight": _preflight, "export": _export, "eval": _eval,
+            "pretrain-target": _pretrain_target, "regen": _regen}[args.cmd](args)
 
 
 if __name__ == "__main__":

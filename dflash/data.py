@@ -1,5 +1,8 @@
 """Training data for the drafter: corpus -> tokenizer -> document pieces -> token-budget buffers -> epoch schedule.
 
+A corpus is text, chats, or token records (`dflash regen` output: ids kept as ids, the target-generated ones
+supervised, pinned to the tokenizer and target that made them by the `regen.json` next to them).
+
 The schedule (which pieces form which buffer, in which order) is a pure function of the seed and is written to disk,
 so a resumed run continues at the exact buffer and every rank agrees on it without talking.
 """
@@ -35,13 +38,21 @@ class DataError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- corpus
+# The manifest `dflash regen` writes next to its records: which tokenizer the ids belong to, which target made them.
+REGEN_MANIFEST = "regen.json"
+
+
 @dataclass
 class Document:
-    """One training document: plain text (all tokens supervised) or a chat (assistant turns supervised)."""
+    """One training document: plain text (all tokens supervised), a chat (assistant turns supervised), or token ids
+    with their loss mask (regenerated data: the target's own tokens supervised, the prompt not)."""
 
     text: str | None = None
     messages: list[dict[str, str]] | None = None
     source: str = ""
+    ids: list[int] | None = None
+    mask: list[bool] | None = None
+    origin: dict[str, Any] | None = None  # token records: the regen manifest (tokenizer, target) they come with
 
 
 def embedded_corpus(max_chars: int) -> list[Document]:
@@ -97,11 +108,42 @@ def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
     return out
 
 
+def _token_record(obj: dict[str, Any], where: str, origin: dict[str, Any] | None) -> Document:
+    ids, mask = obj["input_ids"], obj.get("loss_mask")
+    if not isinstance(ids, list) or not ids or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                       for x in ids):
+        raise DataError(f"{where}: 'input_ids' must be a non-empty list of token ids (integers >= 0)")
+    if not isinstance(mask, list) or len(mask) != len(ids) or not all(x in (0, 1) for x in mask):
+        raise DataError(f"{where}: 'loss_mask' must be a list of 0/1 (or booleans), one per input id")
+    if origin is None:
+        raise DataError(f"{where}: token records need the {REGEN_MANIFEST} that `dflash regen` writes next to them "
+                        "(it names the tokenizer the ids belong to)")
+    return Document(ids=[int(x) for x in ids], mask=[bool(x) for x in mask], source=where, origin=origin)
+
+
+def read_regen_manifest(directory: Path) -> dict[str, Any] | None:
+    """The regen manifest of a records directory, or None when there is none."""
+    p = directory / REGEN_MANIFEST
+    if not p.is_file():
+        return None
+    try:
+        obj = json.loads(p.read_text())
+        if not isinstance(obj.get("tokenizer"), dict) or "content_hash" not in obj["tokenizer"]:
+            raise ValueError("no tokenizer.content_hash")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise DataError(f"{p}: unreadable regen manifest ({exc})") from None
+    obj["dir"] = str(directory)
+    tpath = Path(str(obj["tokenizer"].get("path", "tokenizer")))
+    obj["tokenizer"]["path"] = str(tpath if tpath.is_absolute() else directory / tpath)  # the records dir may move
+    return dict(obj)
+
+
 def read_documents(cfg: DataConfig) -> list[Document]:
     """Read every configured file (or the embedded corpus); any malformed line is a DataError naming file:line."""
     if not cfg.paths:
         return embedded_corpus(cfg.max_chars)
     docs: list[Document] = []
+    manifests: dict[Path, dict[str, Any] | None] = {}
     for path in _iter_files(cfg.paths):
         if path.suffix == ".txt" and cfg.format in ("auto", "text"):
             try:
@@ -125,7 +167,11 @@ def read_documents(cfg: DataConfig) -> list[Document]:
                 raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected a JSON object")
-            if "messages" in obj and cfg.format in ("auto", "chat"):
+            if "input_ids" in obj and cfg.format == "auto":
+                if path.parent not in manifests:
+                    manifests[path.parent] = read_regen_manifest(path.parent)
+                docs.append(_token_record(obj, where, manifests[path.parent]))
+            elif "messages" in obj and cfg.format in ("auto", "chat"):
                 docs.append(Document(messages=_check_messages(obj["messages"], where), source=where))
             elif "text" in obj and cfg.format in ("auto", "text"):
                 if not isinstance(obj["text"], str):
@@ -143,7 +189,10 @@ def corpus_fingerprint(docs: Sequence[Document]) -> str:
     """sha256 over the corpus content, so a cached tokenizer or schedule is never reused for other data."""
     h = hashlib.sha256()
     for d in docs:
-        h.update(json.dumps([d.text, d.messages], ensure_ascii=False).encode())
+        if d.ids is not None:  # token records: the ids and what is supervised (text documents hash as before)
+            h.update(json.dumps([None, None, d.ids, d.mask]).encode())
+        else:
+            h.update(json.dumps([d.text, d.messages], ensure_ascii=False).encode())
         h.update(b"\0")
     return h.hexdigest()
 
@@ -201,6 +250,35 @@ class TokenizerAdapter:
         if self._tiny is not None:
             return str(self._tiny.decode(list(ids), skip_special_tokens=False))
         return str(self._hf.decode(list(ids)))
+
+    def stop_ids(self) -> list[int]:
+        """Tokens that end a generated reply: end of text, and the end-of-turn marker of the chat format."""
+        out = {int(self.eos_id)}
+        if self._tiny is not None:
+            out.add(int(self._tiny.token_to_id(END_OF_TURN)))
+        else:
+            vocab = self._hf.get_vocab()
+            out.update(int(vocab[t]) for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>") if t in vocab)
+        return sorted(out)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """The ids of a conversation up to and including the assistant's turn header: what a reply continues."""
+        if self._tiny is not None:
+            ids, _ = self.encode_chat(messages) if messages else ([], [])
+            return [*ids, int(self._tiny.token_to_id(ROLE_TOKENS["assistant"]))]
+        return self._render(messages, generation_prompt=True)
+
+    def save(self, directory: Path) -> dict[str, Any]:
+        """Write this tokenizer into `directory` (the tiny BPE as tokenizer.json; an HF one: its own files) and return
+        the manifest entry `load_pinned_tokenizer` reads back."""
+        directory.mkdir(parents=True, exist_ok=True)
+        if self._tiny is not None:
+            self._tiny.save(str(directory / "tokenizer.json"))
+            kind = "tiny"
+        else:
+            self._hf.save_pretrained(str(directory))
+            kind = "hf"
+        return {"kind": kind, "path": str(directory), "content_hash": self.content_hash, "vocab_size": self.vocab_size}
 
     def encode_chat(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
         """Token ids and a loss mask that is True exactly on the assistant's tokens (content + end of turn)."""
@@ -268,8 +346,40 @@ def train_tiny_tokenizer(docs: Sequence[Document], vocab_size: int) -> Any:
     return tok
 
 
+def load_pinned_tokenizer(entry: dict[str, Any], where: str) -> TokenizerAdapter:
+    """The tokenizer a regen manifest names (saved next to the records); refused if its content changed."""
+    path = Path(str(entry.get("path", "")))
+    try:
+        if entry.get("kind") == "tiny":
+            from tokenizers import Tokenizer
+
+            tok = TokenizerAdapter(tiny=Tokenizer.from_file(str(path / "tokenizer.json")), source=str(path))
+        else:
+            from transformers import AutoTokenizer
+
+            tok = TokenizerAdapter(hf=AutoTokenizer.from_pretrained(str(path)), source=str(path))
+    except Exception as exc:  # noqa: BLE001 - any failure to load is one line naming the manifest
+        raise DataError(f"{where}: cannot load the tokenizer the records were made with ({path}): {exc}") from None
+    if tok.content_hash != entry.get("content_hash"):
+        raise DataError(f"{where}: the tokenizer at {path} is not the one the records were made with")
+    return tok
+
+
+def pinned_origin(docs: Sequence[Document]) -> dict[str, Any] | None:
+    """The one regen manifest the corpus's token records share (None without token records); mixed ones refused."""
+    origins = {json.dumps(d.origin["tokenizer"], sort_keys=True): d for d in docs if d.origin is not None}
+    if len(origins) > 1:
+        a, b = list(origins.values())[:2]
+        raise DataError(f"{a.source} and {b.source}: token records made with different tokenizers cannot be mixed")
+    return next(iter(origins.values())).origin if origins else None
+
+
 def load_tokenizer(cfg: DataConfig, docs: Sequence[Document], cache_dir: str | Path) -> TokenizerAdapter:
-    """The configured HF tokenizer, or the tiny BPE from cache (keyed by corpus and vocab size) or trained now."""
+    """The configured HF tokenizer, the one regenerated records are pinned to, or the tiny BPE from cache (keyed by
+    corpus and vocab size) or trained now."""
+    origin = pinned_origin(docs)
+    if origin is not None and cfg.tokenizer is None:
+        return load_pinned_tokenizer(origin["tokenizer"], f"{origin.get('dir', '')}/{REGEN_MANIFEST}")
     if cfg.tokenizer is not None:
         path = Path(cfg.tokenizer)
         if not path.is_dir():
@@ -318,7 +428,14 @@ def tokenize(docs: Sequence[Document], tok: TokenizerAdapter) -> TokenizedCorpus
     text_idx = [i for i, d in enumerate(docs) if d.text is not None]
     encoded = dict(zip(text_idx, tok.encode_batch([docs[i].text or "" for i in text_idx]), strict=True))
     for i, d in enumerate(docs):
-        if d.text is not None:
+        if d.ids is not None:  # token records: kept as ids, checked against the tokenizer they were made with
+            if d.origin is not None and d.origin["tokenizer"].get("content_hash") != tok.content_hash:
+                raise DataError(f"{d.source}: these token ids were made with another tokenizer than the run's "
+                                f"({tok.source}); leave data.tokenizer unset to use the records' own")
+            if max(d.ids) >= tok.vocab_size:
+                raise DataError(f"{d.source}: token id {max(d.ids)} is outside the vocabulary ({tok.vocab_size})")
+            seq, m = d.ids, d.mask or [True] * len(d.ids)
+        elif d.text is not None:
             seq = [*encoded[i], tok.eos_id]
             m = [True] * len(seq)
         else:

@@ -86,8 +86,22 @@ _ARCH_POSITIVE = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_
 
 
 @dataclass
+class TargetPretrainConfig:
+    """Train the `arch` target as a language model on the run's corpus before use (dflash/pretrain.py), so the
+    drafter has something worth predicting. Built once, then reused from a cache keyed by everything it depends on."""
+
+    steps: int = 240
+    batch_size: int = 16  # sequences per step
+    seq_len: int = 128  # tokens per sequence (windows of the concatenated corpus)
+    lr: float = 3e-3
+    warmup_frac: float = 0.05
+    cache_dir: str | None = None  # default: $DFLASH_CACHE, else $XDG_CACHE_HOME/dflash, else ~/.cache/dflash
+
+
+@dataclass
 class TargetConfig:
     path: str | None = None  # local HF directory (from_pretrained, local_files_only); None -> random init from `arch`
+    pretrain: TargetPretrainConfig | None = None  # with path None: pretrain `arch` on the corpus (cached), then use it
     family: str = DEFAULT_FAMILY  # random init: a key of FAMILIES (qwen3_5 hybrid, qwen3 full attention)
     arch: dict[str, Any] = field(default_factory=dict)  # the family's HF config kwargs, over its tiny default
     tap_layers: list[int] | None = None  # None -> default_tap_layers(num_layers, num_draft_layers)

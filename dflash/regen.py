@@ -1,0 +1,275 @@
+"""`dflash regen`: the target writes the drafter's training data: its own continuations of the corpus prompts, kept as
+token ids, with a loss mask that supervises exactly the target-generated tokens.
+
+DFlash drafters must agree with their target, not with the data: trained on the target's own outputs they learn what
+the verifier will accept. Output: DATA_DIR/regen.jsonl (one record per prompt, appended and fsync'd one at a time, so a
+killed run resumes without losing or repeating a prompt) and DATA_DIR/regen.json (the manifest: the tokenizer the ids
+belong to, saved alongside, and the target that made them). `dflash train` reads DATA_DIR as `data.paths`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config import ConfigError, RunConfig
+from dflash.data import REGEN_MANIFEST, DataError, Document, TokenizerAdapter, corpus_fingerprint, load_tokenizer
+from dflash.pretrain import as_dict, replace_fields
+
+RECORDS = "regen.jsonl"
+_FORMAT = 1
+Log = Callable[[str], None]
+
+
+@dataclass
+class Prompt:
+    """One generation job: a stable id (document index and where in it), and the prompt's token ids."""
+
+    id: str
+    ids: list[int]
+
+
+@dataclass
+class RegenSettings:
+    max_new_tokens: int | None = None  # None -> data.max_len - prompt_tokens (a record fits one training piece)
+    temperature: float = 0.0  # 0 = greedy (the target's own greedy continuation)
+    prompt_tokens: int | None = None  # text prompts; None -> data.max_len // 4
+    num_prompts: int | None = None  # cap (the first N in corpus order); None = every prompt
+    batch_size: int = 128  # prompts per forward (CPU decode cost is per step, nearly flat in the batch)
+    seed: int = 0
+
+    def resolved(self, max_len: int) -> RegenSettings:
+        p = self.prompt_tokens or max(1, max_len // 4)
+        n = self.max_new_tokens if self.max_new_tokens is not None else max(1, max_len - p)
+        return dataclasses.replace(self, prompt_tokens=p, max_new_tokens=n)
+
+    def check(self) -> None:
+        for name in ("max_new_tokens", "prompt_tokens", "num_prompts", "batch_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+
+
+def corpus_prompts(docs: Sequence[Document], tok: TokenizerAdapter, prompt_tokens: int, stride: int) -> list[Prompt]:
+    """Every prompt of the corpus, in corpus order.
+
+    Text: the first `prompt_tokens` tokens of every `stride`-token piece (stride = data.max_len, the way training cuts
+    pieces) that has text after them; the target continues each. Chat: for each assistant turn, the conversation up
+    to that turn's header (earlier turns as written); the target writes the reply. Token records are skipped (they
+    are already generated).
+    """
+    out: list[Prompt] = []
+    text_idx = [i for i, d in enumerate(docs) if d.text is not None]
+    encoded = dict(zip(text_idx, tok.encode_batch([docs[i].text or "" for i in text_idx]), strict=True))
+    for i, d in enumerate(docs):
+        if d.text is not None:
+            ids = encoded[i]
+            out += [Prompt(f"{i}:{s}", ids[s:s + prompt_tokens]) for s in range(0, len(ids), stride)
+                    if len(ids) - s > prompt_tokens]
+        elif d.messages is not None:
+            for t, m in enumerate(d.messages):
+                if m["role"] == "assistant" and t > 0:
+                    out.append(Prompt(f"{i}:turn{t}", tok.chat_prompt(d.messages[:t])))
+    return out
+
+
+def _done_ids(records: Path) -> set[str]:
+    """Ids already written; a torn last line (killed mid-write) is cut off so appending continues cleanly."""
+    if not records.is_file():
+        return set()
+    data = records.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(records, "r+b") as fh:
+            fh.truncate(end)
+            fh.flush()
+            os.fsync(fh.fileno())
+    done = set()
+    for n, line in enumerate(data[:end].splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            done.add(str(json.loads(line)["id"]))
+        except (ValueError, KeyError, TypeError):
+            raise DataError(f"{records}:{n}: not a regen record; use another --out") from None
+    return done
+
+
+def _cut(gen: list[int], stop: set[int]) -> tuple[list[int], str]:
+    """The generated tokens up to and including the first stop token (the loop runs on for the other rows)."""
+    for j, t in enumerate(gen):
+        if t in stop:
+            return gen[: j + 1], "stop"
+    return gen, "length"
+
+
+def generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float, stop: list[int],
+                   device: torch.device, generator: torch.Generator | None = None) -> list[tuple[list[int], str]]:
+    """Continue equally long prompts together (no padding: every row is exactly the target's own continuation).
+
+    A plain cached decode loop (one prefill, then one token per forward; greedy, or sampling at `temperature`),
+    several times faster on CPU than `generate()` with its per-step bookkeeping. Stops when every row has produced a
+    stop token or `max_new_tokens`.
+    """
+    x = torch.tensor(prompts, dtype=torch.long, device=device)
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5.x renamed it
+    stop_t = torch.tensor(stop, dtype=torch.long, device=device)
+    done = torch.zeros(x.shape[0], dtype=torch.bool, device=device)
+    steps: list[torch.Tensor] = []
+    with torch.no_grad():
+        out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+        for i in range(max_new_tokens):
+            logits = out.logits[:, -1].float()
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            else:
+                nxt = logits.argmax(-1)
+            steps.append(nxt)
+            done |= torch.isin(nxt, stop_t)
+            if bool(done.all()) or i + 1 == max_new_tokens:
+                break
+            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            out = model(input_ids=nxt[:, None], use_cache=True, **{cache_kw: cache})
+    gen = torch.stack(steps, dim=1).tolist()
+    return [_cut(row, set(stop)) for row in gen]
+
+
+def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    tmp = out / f".{REGEN_MANIFEST}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, out / REGEN_MANIFEST)
+
+
+def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: RegenSettings, *,
+          device: torch.device | None = None, log: Log = print) -> dict[str, Any]:
+    """Run the config's target over the corpus prompts and append records to OUT/regen.jsonl (resumable).
+
+    `cfg` must already name its target (dflash.pretrain.resolve_target has run). Returns a summary.
+    """
+    from dflash.target import Target
+
+    settings.check()
+    s = settings.resolved(cfg.data.max_len)
+    assert s.prompt_tokens is not None and s.max_new_tokens is not None
+    dev = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dst = Path(out)
+    if any(d.ids is not None for d in docs):
+        raise DataError(f"{cfg.source}: data.paths holds token records already; regen reads text or chat corpora")
+    cache = Path(cfg.data.tokenizer_cache) if cfg.data.tokenizer_cache else dst / "tokenizer-cache"
+    tok = load_tokenizer(cfg.data, docs, cache)
+    manifest = {
+        "format": _FORMAT,
+        "tokenizer": {"kind": "tiny" if getattr(tok, "_tiny", None) is not None else "hf", "path": "tokenizer",
+                      "content_hash": tok.content_hash, "vocab_size": tok.vocab_size},
+        "target": {"path": cfg.target.path, "arch": None if cfg.target.path else cfg.target.arch,
+                   "seed": cfg.target.seed},
+        "settings": dataclasses.asdict(s),
+        "source": {"config": cfg.source, "corpus_fingerprint": corpus_fingerprint(docs),
+                   "data": as_dict(cfg.data)},
+    }
+    old = dst / REGEN_MANIFEST
+    if old.is_file():
+        on_disk = json.loads(old.read_text())
+        keys = ("format", "tokenizer", "target", "settings")
+        differ = [k for k in keys if on_disk.get(k) != manifest[k]]
+        if on_disk.get("source", {}).get("corpus_fingerprint") != manifest["source"]["corpus_fingerprint"]:
+            differ.append("corpus")
+        if differ:
+            raise DataError(f"{old}: records in {dst} were made with another {', '.join(differ)}; "
+                            "use another --out (or delete it) to regenerate")
+    elif dst.exists() and any(p.name != "tokenizer-cache" for p in dst.iterdir()):
+        raise DataError(f"{dst}: exists and holds no {REGEN_MANIFEST}; use an empty or new --out")
+    dst.mkdir(parents=True, exist_ok=True)
+    if not old.is_file():
+        entry = tok.save(dst / "tokenizer")
+        assert entry["content_hash"] == tok.content_hash
+        _write_manifest(dst, manifest)
+
+    prompts = corpus_prompts(docs, tok, s.prompt_tokens, cfg.data.max_len)
+    if s.num_prompts is not None:
+        prompts = prompts[: s.num_prompts]
+    if not prompts:
+        raise DataError(f"{cfg.source}: no prompt of more than {s.prompt_tokens} tokens in the corpus")
+    records = dst / RECORDS
+    done = _done_ids(records)
+    todo = [p for p in prompts if p.id not in done]
+    log(f"regen: {len(prompts)} prompts ({len(done & {p.id for p in prompts})} already done), up to "
+        f"{s.max_new_tokens} new tokens each, temperature {s.temperature}, into {records}")
+    if not todo:
+        return {"prompts": len(prompts), "written": 0, "records": str(records), "new_tokens": 0}
+
+    tcfg = cfg.target if cfg.target.path else \
+        replace_fields(cfg.target, arch={**cfg.target.arch, "vocab_size": tok.vocab_size})
+    target = Target(tcfg, 1, dev)
+    if target.vocab_size < tok.vocab_size:
+        raise DataError(f"target vocab {target.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
+    model = target.model
+    stop = tok.stop_ids()
+    # Equal lengths batch together (text prompts all have prompt_tokens), longest first; order within is corpus order.
+    order = sorted(range(len(todo)), key=lambda j: (-len(todo[j].ids), j))
+    batches: list[list[Prompt]] = []
+    for j in order:
+        p = todo[j]
+        if batches and len(batches[-1]) < s.batch_size and len(batches[-1][0].ids) == len(p.ids):
+            batches[-1].append(p)
+        else:
+            batches.append([p])
+    t0 = time.perf_counter()
+    written = new_tokens = 0
+    bar = _progress(len(todo))
+    next_log = 0.0
+    with open(records, "a", encoding="utf-8") as fh:
+        for b, batch in enumerate(batches):
+            gen = None
+            if s.temperature > 0:  # sampling: one seed per batch, from the settings and the batch's first prompt
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(int(hashlib.sha256(f"{s.seed}:{batch[0].id}".encode()).hexdigest()[:8], 16))
+            outs = generate_batch(model, [p.ids for p in batch], s.max_new_tokens, s.temperature, stop, dev, gen)
+            for p, (gen, why) in zip(batch, outs, strict=True):
+                rec = {"id": p.id, "input_ids": [*p.ids, *gen], "loss_mask": [0] * len(p.ids) + [1] * len(gen),
+                       "prompt_tokens": len(p.ids), "end": why}
+                fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+                written += 1
+                new_tokens += len(gen)
+            elapsed = time.perf_counter() - t0
+            if bar is not None:
+                bar.update(len(batch))
+                bar.set_postfix_str(f"{new_tokens / max(elapsed, 1e-9):.0f} tok/s")
+            if elapsed >= next_log or b + 1 == len(batches):
+                next_log = elapsed + 10.0
+                eta = elapsed / written * (len(todo) - written)
+                log(f"regen: {written}/{len(todo)} prompts, {new_tokens} tokens, "
+                    f"{new_tokens / max(elapsed, 1e-9):.0f} tok/s, eta {eta:.0f}s")
+    if bar is not None:
+        bar.close()
+    return {"prompts": len(prompts), "written": written, "records": str(records), "new_tokens": new_tokens,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _progress(total: int) -> Any:
+    """A tqdm bar on an interactive terminal; log lines alone otherwise (files, tmux logs)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="regen", unit="prompt", file=sys.stderr)
+
+
+__all__ = ["Prompt", "RegenSettings", "corpus_prompts", "generate_batch", "regen"]
