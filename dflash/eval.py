@@ -89,7 +89,12 @@ def load_checkpoint(path: str | Path) -> Loaded:
     meta = load_file(src, "meta.json")
     pipeline = load_file(src, "pipeline.json") if "pipeline.json" in manifest["files"] else None
     t = meta["target"]
-    cfg = config_from_dict(meta["config"], f"{src / 'meta.json'}:config") if "config" in meta else None
+    cfg = None
+    if "config" in meta:
+        try:
+            cfg = config_from_dict(meta["config"], f"{src / 'meta.json'}:config")
+        except ConfigError as exc:  # saved by an older dflash whose config no longer validates: --config must say
+            print(f"dflash eval: the checkpoint's saved config is not usable ({exc}); pass --config", file=sys.stderr)
     drafter = _build_drafter(_drafter_config(meta["drafter"]), load_file(src, "drafter.pt"), int(t["hidden_size"]),
                              len(t["tap_layers"]), str(src / "drafter.pt"))
     run_dir = src.parent.parent if src.parent.name == "checkpoints" else None
