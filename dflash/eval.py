@@ -537,11 +537,14 @@ def render(result: dict[str, Any]) -> None:
         table.add_column(col, justify="left" if col == "method" else "right")
     tps = result["tokens_per_s"]
     table.add_row("target greedy", "1.00", f"{tps['target']:.1f}", "1.00x", "-")
-    table.add_row("dflash", f"{result['tau']:.2f}", f"{tps['dflash']:.1f}", f"{result['speedup']:.2f}x",
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    table.add_row("dflash", num(result["tau"]), f"{tps['dflash']:.1f}", f"{result['speedup']:.2f}x",
                   "yes" if not any("(dflash)" in e for e in result["errors"]) else "[red]NO[/red]")
     ng = result.get("baseline", {}).get("ngram")
     if ng:
-        table.add_row("n-gram (prompt lookup)", f"{ng['tau']:.2f}", f"{ng['tokens_per_s']:.1f}",
+        table.add_row("n-gram (prompt lookup)", num(ng["tau"]), f"{ng['tokens_per_s']:.1f}",
                       f"{ng['speedup']:.2f}x", "yes" if ng["lossless"] else "[red]NO[/red]")
     con.print(table)
     train = result.get("train_acc_by_position") or [None] * (result["block_size"] - 1)
@@ -606,9 +609,10 @@ def run(args: Any) -> int:
         result = evaluate(target, loaded.drafter, prompts, args.max_new_tokens, stop_ids,
                           baseline_ngram=args.baseline == "ngram", tie_tol=args.tie_tol)
     result = {"source": loaded.source, "prompts_from": where, "device": str(device), **result}
-    if loaded.cfg is not None and args.prompt_tokens + args.max_new_tokens > loaded.cfg.data.max_len:
-        result["warning"] = (f"prompt + new tokens ({args.prompt_tokens + args.max_new_tokens}) exceed data.max_len "
-                             f"({loaded.cfg.data.max_len}): the drafter sees positions it never trained on")
+    longest = max(len(p) for p in prompts) + args.max_new_tokens
+    if loaded.cfg is not None and longest > loaded.cfg.data.max_len:
+        result["warning"] = (f"prompt + new tokens (up to {longest}) exceed data.max_len ({loaded.cfg.data.max_len}): "
+                             "the drafter sees positions it never trained on")
     if args.json:
         print(json.dumps(result))
     else:

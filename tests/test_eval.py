@@ -288,3 +288,19 @@ def test_heldout_documents_of_configured_data_were_never_scheduled(tmp_path: Pat
     loaded.pipeline = {"total_steps": len(sched.epochs[0]), "feeds": [{}]}  # the whole epoch: nothing held out
     with pytest.raises(EvalError, match="pass --prompts FILE"):
         heldout_documents(loaded, docs, tok)
+
+
+def test_tie_margin_separates_rounding_ties_from_real_differences() -> None:
+    from dflash.eval import tie_margin
+
+    model = hybrid_target()
+    target = TargetLM(model, [0])
+    p = prompt()
+    logits, _ = target.forward(p, 0, None, keep=1, taps=False)
+    top, low = int(logits[-1].argmax()), int(logits[-1].argmin())
+    twin = (top + 1) % VOCAB
+    with torch.no_grad():  # a token whose LM-head row equals the top token's: the same logit, a true tie
+        model.get_output_embeddings().weight[twin] = model.get_output_embeddings().weight[top]
+    assert tie_margin(target, p, top, twin, 1e-4) == pytest.approx(0.0, abs=1e-6)
+    assert tie_margin(target, p, top, low, 1e-4) is None  # far below the top: a real error, never excused
+    assert tie_margin(target, p, top, None, 1e-4) is None  # a length difference is never a tie
