@@ -304,3 +304,16 @@ def test_tie_margin_separates_rounding_ties_from_real_differences() -> None:
     assert tie_margin(target, p, top, twin, 1e-4) == pytest.approx(0.0, abs=1e-6)
     assert tie_margin(target, p, top, low, 1e-4) is None  # far below the top: a real error, never excused
     assert tie_margin(target, p, top, None, 1e-4) is None  # a length difference is never a tie
+
+
+def test_eval_an_exported_drafter(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash.cli import main
+    from dflash.export import export_checkpoint
+
+    hf = export_checkpoint(checkpoint, tmp_path / "hf")
+    f = tmp_path / "p.txt"
+    f.write_text("import os\n")
+    assert main(["eval", "--drafter", str(hf), "--prompts", str(f), "--max-new-tokens", "6", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["source"] == str(hf) and res["lossless"] is True and res["block_size"] == 4
+    assert res["new_tokens"] == 6 and res["prompts"] == 1
