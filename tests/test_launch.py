@@ -264,6 +264,9 @@ def test_relaunch_of_a_finished_run_is_refused_and_leaves_it_finished(tmp_path: 
         assert opsctl(hosts, "launch", "local", "done", "--follow").returncode == 0
         st = json.loads(opsctl(hosts, "status", "local", "done", "--json").stdout)
         assert (st["state"], st["step"], st["total_steps"]) == ("finished", 2, 2)
+        deadline = time.monotonic() + 30  # under load the wrapper's pipe drain may land a moment after exit
+        while "run ended: completed" not in (tmp_path / "run.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
         before = _files(tmp_path)
         r = opsctl(hosts, "launch", "local", "done")
         flat = " ".join(r.stderr.split())

@@ -342,7 +342,8 @@ def test_ssh_config_supplies_hostname_port_user_and_key(sshd: Sshd, tmp_path: Pa
     finally:
         t.close()
     inv = parse_inventory("hosts:\n  g:\n    ssh: {host: cfgonly}\n    runs:\n      r: {workdir: /w, command: [x], log: l}\n")
-    assert inv.runs["g"]["r"].inductor_cache_dir == "/tmp/torchinductor_mluser"  # User from ~/.ssh/config
+    # the run's own cache (issue 8): never the user's shared /tmp/torchinductor_<user>, whoever the user is
+    assert inv.runs["g"]["r"].inductor_cache_dir == "/w/.opsctl/r/inductor"
 
 
 def test_jump_naming_another_inventory_host(sshd: Sshd, tmp_path: Path) -> None:
