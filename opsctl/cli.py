@@ -16,11 +16,13 @@ exit codes:
   {c.EXIT_OK}  ok: the run is ready (launch), finished with status 0 (--follow, logs -f), or the verb succeeded
   {c.EXIT_FAILED}  the run crashed / failed before it was ready / exited non-zero; kill left survivors
   {c.EXIT_USAGE}  bad command line or hosts.yaml (the message names file, line and field)
-  {c.EXIT_TRANSPORT}  host unreachable, host key unknown or changed, SSH channel lost
+  {c.EXIT_TRANSPORT}  host unreachable, host key unknown or changed, authentication refused, unknown host
+     (at once), or a link lost for longer than the host's reconnect_timeout (logs -f, launch --follow)
   {c.EXIT_TIMEOUT}  launch: not ready within ready_timeout; the message names the phase it is stuck in
      (the run is left running: inspect with `opsctl logs`, stop with `opsctl kill`)
   {c.EXIT_REFUSED}  launch/clean refused: container stopped, GPUs busy, model dir != manifest, preflight
-     command failed, run already running, or a cache dir that fails validation
+     command failed, run already running or already finished (nothing touched), a cache dir that fails
+     validation or that another live run uses (named with its pid)
 """
 
 EXAMPLES = """\
