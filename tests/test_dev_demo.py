@@ -2,7 +2,7 @@
 
 It runs the real script on a copy of the repo's entry files (dev, hosts.yaml, configs/) in a temporary directory,
 with this test's virtualenv, so the real tiny run trains through opsctl exactly as a new user's would. The copy's
-tiny config is shortened (fewer steps) to keep four full demos affordable on two cores.
+tiny config is shortened (fewer steps, no target pretraining) to keep four full demos affordable on two cores.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ def _demo_dir(tmp: Path) -> Path:
     shutil.copytree(REPO / "configs", d / "configs")
     cfg = yaml.safe_load((d / "configs" / "tiny.yaml").read_text())
     cfg["train"].update(max_steps=24, checkpoint_every=8)
+    # dev's control flow is under test, not the one-off target pretraining (minutes on a loaded 2-core box)
+    cfg["target"].pop("pretrain", None)
     (d / "configs" / "tiny.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     stamp = VENV / ".dflash-installed"
     # dev reinstalls when pyproject.toml is newer than the venv's stamp: this copy must not look newer
@@ -92,5 +94,7 @@ def test_dev_demo_succeeds_first_after_finish_after_kill_after_crash(tmp_path: P
         st = _status(d)
         assert (st["state"], st["step"]) == ("finished", 24), st
     finally:
+        # the run lives in its own session: stop it through opsctl (by its pid file) before its tmux server
+        _run(d, opsctl, "kill", "local", "tiny", timeout=180)
         if sock.exists():
             subprocess.run(["tmux", "-S", str(sock), "kill-server"], capture_output=True)
