@@ -116,12 +116,13 @@ def _windows(stream: torch.Tensor, seq_len: int, limit: int) -> torch.Tensor:
 
 
 def pretrain(cfg: RunConfig, docs: Sequence[Document], tok: TokenizerAdapter, out: str | Path, *,
-             log: Log = print, device: torch.device | None = None) -> dict[str, Any]:
+             log: Log = print, device: torch.device | None = None, max_seconds: float | None = None) -> dict[str, Any]:
     """Train `cfg.target.arch` (vocabulary = the tokenizer's) on the corpus and write an HF directory to `out`.
 
     The corpus is one token stream (documents in order, each ending with EOS; chats whole); the last 5 % is held out
     for the reported validation loss and the unigram bar. Steps draw `batch_size` random windows of `seq_len` tokens.
     Written atomically: a temp directory renamed to `out`, with pretrain.json (the summary) written last.
+    `max_seconds` (benchmarks with a wall-clock budget) stops early; the summary says at which step.
     """
     pc = cfg.target.pretrain or TargetPretrainConfig()
     check_pretrain(pc)
@@ -156,7 +157,11 @@ def pretrain(cfg: RunConfig, docs: Sequence[Document], tok: TokenizerAdapter, ou
     losses: list[float] = []
     every = max(1, pc.steps // 10)
     autocast = dev.type == "cuda"
+    steps_done = 0
     for step in range(pc.steps):
+        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+            log(f"pretrain-target: time budget of {max_seconds:.0f}s reached at step {step}/{pc.steps}")
+            break
         starts = torch.randint(0, train.numel() - pc.seq_len, (pc.batch_size,), generator=gen).to(dev)
         x = train_dev[starts[:, None] + offs[None, :]]
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
@@ -167,6 +172,7 @@ def pretrain(cfg: RunConfig, docs: Sequence[Document], tok: TokenizerAdapter, ou
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))
+        steps_done = step + 1
         if not math.isfinite(losses[-1]):
             raise RuntimeError(f"target pretraining diverged: loss {losses[-1]} at step {step + 1}; lower "
                                "target.pretrain.lr")
@@ -185,7 +191,9 @@ def pretrain(cfg: RunConfig, docs: Sequence[Document], tok: TokenizerAdapter, ou
         "settings": as_dict(pc), "tokenizer_hash": tok.content_hash, "vocab_size": tok.vocab_size,
         "corpus_fingerprint": corpus_fingerprint(docs), "tokens": {"train": train.numel(), "val": val.numel()},
         "loss": {"first": losses[0], "last10": sum(losses[-10:]) / len(losses[-10:]), "val": val_loss},
-        "unigram_val_nats": uni, "seconds": round(seconds, 1), "device": str(dev), "torch": torch.__version__,
+        "unigram_val_nats": uni, "seconds": round(seconds, 1), "steps_done": steps_done,
+        "tokens_per_s": round(steps_done * pc.batch_size * pc.seq_len / max(seconds, 1e-9)), "device": str(dev),
+        "torch": torch.__version__,
     }
     log(f"pretrain-target: done in {seconds:.0f}s: held-out loss {val_loss:.3f} nats/token vs unigram {uni:.3f}")
     tmp = dst.parent / f".{dst.name}.tmp{os.getpid()}"
