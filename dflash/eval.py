@@ -352,15 +352,23 @@ def read_prompts(path: str | Path, tok: TokenizerAdapter) -> list[list[int]]:
 
 
 def teacher_forced_accuracy(drafter: DFlashDrafter, target: TargetLM, sequences: Sequence[Sequence[int]],
-                            prompt_lens: Sequence[int], chunk: int = 128) -> tuple[list[float], list[int]]:
-    """The training forward's per-position accuracy (block positions 1..B-1) on `sequences`, labels = the sequence
-    itself (the target's greedy tokens after each prompt), anchors at every generated position: what the step event's
-    `acc` would say for this checkpoint on this text. Returns (accuracy, counts) per position."""
+                            prompt_lens: Sequence[int],
+                            serve_anchors: Sequence[Sequence[int]] | None = None) -> dict[str, list[Any]]:
+    """The training path's per-position accuracy (block positions 1..B-1) on `sequences`: target taps of the whole
+    sequence, `DFlashDrafter.block_states` (the training forward's states) at anchors on every generated position,
+    labels = the sequence itself (the target's greedy tokens after each prompt). What the step event's `acc` would say
+    for this checkpoint on this text.
+
+    Returns `all` (every anchor, as training samples them), `counts`, and, given the anchors the decoding used,
+    `at_serve_anchors`: the same accuracy restricted to those anchors, which must equal the serve-time match rate
+    when serving computes exactly what training does.
+    """
     b = drafter.cfg.block_size
-    correct = torch.zeros(b - 1, dtype=torch.float64)
-    counts = torch.zeros(b - 1, dtype=torch.float64)
+    vocab = target.lm_head.weight.shape[0]
+    chunk = max(1, 2**26 // ((b - 1) * vocab))  # anchors per pass: bounds the [A, B-1, V] logits
+    sums = {key: torch.zeros(b - 1, dtype=torch.float64) for key in ("all_hit", "all_n", "srv_hit", "srv_n")}
     dev = target.device
-    for seq, p in zip(sequences, prompt_lens, strict=True):
+    for idx, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
         n = len(seq)
         if n - 1 <= p:
             continue
@@ -370,18 +378,33 @@ def teacher_forced_accuracy(drafter: DFlashDrafter, target: TargetLM, sequences:
         pos = torch.arange(n, device=dev)
         batch = DraftBatch(hidden=taps, input_ids=ids, loss_mask=pos >= p, position_ids=pos,
                            doc_ids=torch.zeros(n, dtype=torch.long, device=dev))
+        served = torch.zeros(n, dtype=torch.bool, device=dev)
+        if serve_anchors is not None:
+            served[torch.tensor(list(serve_anchors[idx]), dtype=torch.long, device=dev)] = True
         all_anchors = torch.arange(p, n - 1, device=dev)
+        k = torch.arange(1, b, device=dev)
         for s in range(0, all_anchors.numel(), chunk):
             anchors = all_anchors[s:s + chunk]
             with torch.no_grad():
-                out = drafter(batch, target.embed_tokens, target.lm_head, anchors=anchors,
-                              keep=torch.ones_like(anchors, dtype=torch.bool))
-            k = torch.arange(1, b, device=dev)
-            cnt = ((anchors[:, None] + k[None, :]) <= n - 1).sum(0).double().cpu()
-            correct += out.acc.double().cpu() * cnt
-            counts += cnt
-    acc = (correct / counts.clamp(min=1)).tolist()
-    return [round(a, 4) for a in acc], [int(c) for c in counts.tolist()]
+                states = drafter.block_states(batch, target.embed_tokens, anchors).reshape(len(anchors), b, -1)
+                logits = target.lm_head(states[:, 1:].to(target.lm_head.weight.dtype))
+            tgt = anchors[:, None] + k[None, :]
+            valid = tgt <= n - 1
+            hit = (logits.argmax(-1) == ids[tgt.clamp(max=n - 1)]) & valid
+            srv = served[anchors][:, None]
+            sums["all_hit"] += hit.sum(0).double().cpu()
+            sums["all_n"] += valid.sum(0).double().cpu()
+            sums["srv_hit"] += (hit & srv).sum(0).double().cpu()
+            sums["srv_n"] += (valid & srv).sum(0).double().cpu()
+
+    def rate(hit: torch.Tensor, cnt: torch.Tensor) -> list[Any]:
+        return [round(float(h / c), 4) if c > 0 else None for h, c in zip(hit, cnt, strict=True)]
+
+    out: dict[str, list[Any]] = {"all": rate(sums["all_hit"], sums["all_n"]),
+                                 "counts": [int(c) for c in sums["all_n"].tolist()]}
+    if serve_anchors is not None:
+        out["at_serve_anchors"] = rate(sums["srv_hit"], sums["srv_n"])
+    return out
 
 
 def acceptance_stats(gens: Sequence[Generation], block_size: int) -> dict[str, Any]:
@@ -508,9 +531,10 @@ def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequenc
     }
     if train_acc:
         seqs = [[*p, *g.tokens] for p, g in zip(prompts, gens, strict=True)]
-        acc, counts = teacher_forced_accuracy(drafter, target, seqs, plens)
-        result["train_acc_by_position"] = acc
-        result["train_acc_counts"] = counts
+        tf = teacher_forced_accuracy(drafter, target, seqs, plens, [g.anchor_pos for g in gens])
+        result["train_acc_by_position"] = tf["all"]
+        result["train_acc_counts"] = tf["counts"]
+        result["train_acc_at_serve_anchors"] = tf["at_serve_anchors"]
     if baseline_ngram:
         t_ngram = sum(g.seconds for g in ngram)
         n_stats = acceptance_stats(ngram, b)
@@ -547,19 +571,26 @@ def render(result: dict[str, Any]) -> None:
         table.add_row("n-gram (prompt lookup)", num(ng["tau"]), f"{ng['tokens_per_s']:.1f}",
                       f"{ng['speedup']:.2f}x", "yes" if ng["lossless"] else "[red]NO[/red]")
     con.print(table)
-    train = result.get("train_acc_by_position") or [None] * (result["block_size"] - 1)
-    con.print("position  accepted                        serve-match  train-acc")
-    for j, (acc, match, tr) in enumerate(zip(result["accept_by_position"], result["match_by_position"], train,
-                                             strict=True), 1):
-        a = acc or 0.0
-        bar = "█" * int(round(a * 30))
-        fmt = (lambda v: "   -  " if v is None else f"{100 * v:5.1f}%")  # noqa: E731
-        con.print(f"  {j:>3}     [green]{bar:<30}[/green]{fmt(acc)}  {fmt(match):>9}  {fmt(tr):>9}")
+    none = [None] * (result["block_size"] - 1)
+    train = result.get("train_acc_by_position") or none
+    train_srv = result.get("train_acc_at_serve_anchors") or none
+    con.print(f"{'pos':>3}  {'accepted':<27} {'match':>6} {'train':>6} {'train@serve':>11}")
+    for j, (acc, match, tr, tr_srv) in enumerate(zip(result["accept_by_position"], result["match_by_position"],
+                                                     train, train_srv, strict=True), 1):
+        bar = "█" * int(round((acc or 0.0) * 20))
+        con.print(f"{j:>3}  [green]{bar:<20}[/green] {_pct(acc)} {_pct(match)} {_pct(tr)} {_pct(tr_srv):>11}")
+    con.print("accepted: share of steps accepting the draft at this position; match: the draft equals the target's "
+              "token there; train: the training path's accuracy on the same text (all anchors; @serve: the anchors "
+              "decoding used, equal to match unless serving and training differ)", style="dim")
     for e in result["errors"]:
         con.print(f"[red]lossless check failed: {e}[/red]")
     for t in result["ties"]:
         con.print(f"numerical tie: prompt {t['prompt']} ({t['method']}) diverged at new token {t['position']} "
                   f"(logit gap {t['logit_gap']:.2e}; both tokens are the target's argmax up to rounding)")
+
+
+def _pct(v: float | None) -> str:
+    return "    -" if v is None else f"{100 * v:5.1f}%"
 
 
 def run(args: Any) -> int:

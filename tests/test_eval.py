@@ -234,6 +234,8 @@ def test_eval_json_on_a_trained_checkpoint(checkpoint: Path, capsys: pytest.Capt
     assert len(res["accept_hist"]) == b and sum(res["accept_hist"]) == res["steps"]
     assert len(res["accept_by_position"]) == len(res["train_acc_by_position"]) == len(res["match_by_position"]) == b - 1
     assert res["tau"] == pytest.approx(1 + sum(res["accept_by_position"]), abs=1e-3)
+    # The training path at the anchors decoding used drafts exactly what serving drafted: no train/serve mismatch.
+    assert res["train_acc_at_serve_anchors"] == res["match_by_position"]
     assert set(res["tokens_per_s"]) == {"target", "dflash"} and res["speedup"] > 0
     assert 1.0 <= res["baseline"]["ngram"]["tau"] <= b
     assert "stdlib sources after the embedded corpus cap" in res["prompts_from"]
@@ -247,7 +249,7 @@ def test_eval_human_output_and_prompt_file(checkpoint: Path, tmp_path: Path,
     f.write_text(json.dumps({"text": "def main(argv):\n    return"}) + "\n")
     assert main(["eval", "--checkpoint", str(checkpoint), "--prompts", str(f), "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
-    assert "dflash" in out and "tau" in out and "train-acc" in out and f"prompts: {f}" in out
+    assert "dflash" in out and "tau" in out and "train@serve" in out and f"prompts: {f}" in out
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": 3}\n')
