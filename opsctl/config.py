@@ -56,8 +56,7 @@ class InventoryError(Exception):
 
 
 def _format_problem(file: str, line: int | None, path: str, msg: str) -> str:
-    where = f"{file}:{line}" if line is not None else file
-    return f"{where}: {path}: {msg}" if path else f"{where}: {msg}"
+    return yamlfile.format_problem(file, line, path, msg)  # the one spelling both config loaders print
 
 
 def dangerous_path_reason(path: str) -> str | None:
