@@ -140,7 +140,8 @@ def test_status_says_finished_with_leftover_processes(tmp_path: Path, sshd) -> N
         daemon = int(marker.read_text().split()[0])
         deadline = time.monotonic() + 30
         st = json.loads(opsctl(hosts, "status", "box", "d", "--json").stdout)
-        while st["state"] != "finished" and time.monotonic() < deadline:
+        # run_end arrives a moment before the process exits: leftovers are counted once it has exited
+        while (st["state"], st["proc_state"]) != ("finished", "exited") and time.monotonic() < deadline:
             st = json.loads(opsctl(hosts, "status", "box", "d", "--json").stdout)
         assert st["state"] == "finished" and st["leftover_pids"] == [daemon], st
         assert st["reason"] == f"leftover processes: PID {daemon}"
