@@ -135,7 +135,7 @@ def _train(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
     try:
         docs = prepare_documents(cfg)  # validated before anything is written to --out
-        cfg = _pretrained_target(cfg, docs, out)  # target.pretrain: built on first use, then cached
+        cfg, docs = _target_and_data(cfg, docs, out)  # target.pretrain / target.regen: built on first use, cached
         resume = args.resume == "always" or (args.resume == "auto" and bool(list_checkpoints(out)))
         result = train(cfg, out, max_steps=args.max_steps, resume=resume, fresh=args.fresh,
                        allow_slow_kernels=args.allow_slow_kernels, docs=docs)
@@ -144,10 +144,12 @@ def _train(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _pretrained_target(cfg: Any, docs: Any, out: Path | None) -> Any:
-    """Resolve `target.pretrain` (dflash/pretrain.py) to a pretrained target.path; progress also goes to
-    OUT/train.log, so `opsctl launch` shows the one-off pretraining instead of a silent minute."""
+def _target_and_data(cfg: Any, docs: Any, out: Path | None, regen: bool = True) -> tuple[Any, Any]:
+    """Resolve `target.pretrain` (dflash/pretrain.py) to a pretrained target.path and `target.regen`
+    (dflash/regen.py) to the target's own records as training documents; progress also goes to OUT/train.log, so
+    `opsctl launch` shows the one-off pretraining and regeneration instead of silent minutes."""
     from dflash.pretrain import resolve_target
+    from dflash.regen import regenerated_documents
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -156,7 +158,8 @@ def _pretrained_target(cfg: Any, docs: Any, out: Path | None) -> Any:
             with open(out / "train.log", "a") as fh:
                 fh.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
 
-    return resolve_target(cfg, docs, log=log)
+    cfg = resolve_target(cfg, docs, log=log)
+    return cfg, (regenerated_documents(cfg, docs, log=log) if regen else docs)
 
 
 def _pretrain_target(args: argparse.Namespace) -> int:
@@ -195,7 +198,7 @@ def _regen(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         check_run(cfg, "cuda" if _cuda() else "cpu")
         docs = read_documents(cfg.data)
-        cfg = _pretrained_target(cfg, docs, None)
+        cfg, _ = _target_and_data(cfg, docs, None, regen=False)
         summary = regen(cfg, docs, args.out, settings)
     except (ConfigError, DataError) as exc:
         return _fail(str(exc))

@@ -263,6 +263,56 @@ def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: R
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def _target_identity(cfg: RunConfig) -> dict[str, Any]:
+    """What names the target's weights: its directory (with the pretrain key a cached pretrained one carries), or the
+    random-init recipe."""
+    if cfg.target.path:
+        done = Path(cfg.target.path) / "pretrain.json"
+        key = json.loads(done.read_text()).get("key") if done.is_file() else None
+        return {"path": str(Path(cfg.target.path).resolve()), "pretrain_key": key}
+    return {"family": getattr(cfg.target, "family", None), "arch": cfg.target.arch, "seed": cfg.target.seed}
+
+
+def regenerated_documents(cfg: RunConfig, docs: Sequence[Document], log: Log = print) -> list[Document]:
+    """The drafter's training documents under `target.regen`: the target's own continuations of `docs`' prompts,
+    regenerated on first use into a cache directory (resumable: a killed first use continues where it stopped) and
+    read back as token records. Without target.regen, or when `docs` already are records, `docs` unchanged.
+
+    The config keeps naming the corpus (data.paths): it is what the records were made from, and where `dflash eval`
+    finds its held-out prompts.
+    """
+    from dflash.data import read_documents
+    from dflash.pretrain import cache_root
+    from dflash.target import TargetPretrainConfig
+
+    rc = getattr(cfg.target, "regen", None)
+    if rc is None or any(d.ids is not None for d in docs):
+        return list(docs)
+    settings = RegenSettings(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature,
+                             prompt_tokens=rc.prompt_tokens, num_prompts=rc.num_prompts, batch_size=rc.batch_size)
+    try:
+        settings.check()
+    except ConfigError as exc:
+        raise ConfigError(f"{cfg.source}: target.regen: {str(exc).lstrip('-').replace('-', '_', 2)}") from None
+    root = Path(rc.cache_dir).expanduser() if rc.cache_dir else cache_root(cfg.target.pretrain or TargetPretrainConfig())
+    tok_cache = Path(cfg.data.tokenizer_cache) if cfg.data.tokenizer_cache else root / "tokenizer"
+    tok = load_tokenizer(cfg.data, docs, tok_cache)
+    blob = json.dumps({"format": _FORMAT, "target": _target_identity(cfg), "tokenizer": tok.content_hash,
+                       "corpus": corpus_fingerprint(docs), "settings": dataclasses.asdict(settings.resolved(
+                           cfg.data.max_len))}, sort_keys=True, default=str)
+    out = root / f"regen-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+    complete = out / "complete.json"
+    if complete.is_file():
+        log(f"data: the target's regenerated records {out} (cached)")
+    else:
+        log(f"data: regenerating the training data with the target (first use; cached as {out})")
+        summary = regen(cfg, docs, out, settings, log=log)
+        complete.write_text(json.dumps(summary) + "\n")
+    from dflash.pretrain import replace_fields
+
+    return read_documents(replace_fields(cfg.data, paths=[str(out)], format="auto"))
+
+
 def _progress(total: int) -> Any:
     """A tqdm bar on an interactive terminal; log lines alone otherwise (files, tmux logs)."""
     if not sys.stderr.isatty():
@@ -272,4 +322,4 @@ def _progress(total: int) -> Any:
     return tqdm(total=total, desc="regen", unit="prompt", file=sys.stderr)
 
 
-__all__ = ["Prompt", "RegenSettings", "corpus_prompts", "generate_batch", "regen"]
+__all__ = ["Prompt", "RegenSettings", "corpus_prompts", "generate_batch", "regen", "regenerated_documents"]

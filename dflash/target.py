@@ -99,9 +99,23 @@ class TargetPretrainConfig:
 
 
 @dataclass
+class TargetRegenConfig:
+    """Train the drafter on the target's own continuations of the corpus prompts (dflash/regen.py) instead of the
+    corpus itself: built on first use (resumable), cached by target, tokenizer, corpus and these settings."""
+
+    num_prompts: int | None = None  # the first N prompts in corpus order; None = all
+    prompt_tokens: int | None = None  # None -> data.max_len // 4
+    max_new_tokens: int | None = None  # None -> data.max_len - prompt_tokens
+    temperature: float = 0.0  # 0 = greedy
+    batch_size: int = 128
+    cache_dir: str | None = None  # default: the same cache as target.pretrain
+
+
+@dataclass
 class TargetConfig:
     path: str | None = None  # local HF directory (from_pretrained, local_files_only); None -> random init from `arch`
     pretrain: TargetPretrainConfig | None = None  # with path None: pretrain `arch` on the corpus (cached), then use it
+    regen: TargetRegenConfig | None = None  # train the drafter on this target's own continuations (cached)
     family: str = DEFAULT_FAMILY  # random init: a key of FAMILIES (qwen3_5 hybrid, qwen3 full attention)
     arch: dict[str, Any] = field(default_factory=dict)  # the family's HF config kwargs, over its tiny default
     tap_layers: list[int] | None = None  # None -> default_tap_layers(num_layers, num_draft_layers)

@@ -192,3 +192,28 @@ def test_drafter_trained_on_regenerated_data_is_accepted_more_than_on_the_raw_co
         taus[name] = result["tau"]
     # measured: raw ~1.1 (the data's tokens are not what this target writes), regen ~2 at B=4
     assert taus["regen"] > taus["raw"] + 0.3, taus
+
+
+def test_target_regen_builds_the_training_records_once_and_reuses_them(resolved: Any, tmp_path: Path) -> None:
+    from dflash.regen import regenerated_documents
+
+    y = pretrained_yaml()
+    y["target"]["regen"] = {"num_prompts": 16, "prompt_tokens": 12, "max_new_tokens": 8,
+                            "cache_dir": str(tmp_path / "cache")}
+    raw = read_documents(resolved.data)
+    cfg = resolve_target(config_from_dict(y, "<t>"), raw, log=lambda _m: None)
+    said: list[str] = []
+    docs = regenerated_documents(cfg, raw, log=said.append)
+    assert len(docs) == 16 and all(d.ids is not None and sum(d.mask or []) >= 1 for d in docs)
+    assert said[0].startswith("data: regenerating the training data with the target (first use; cached as ")
+    where = Path(said[0].rsplit("cached as ", 1)[1].rstrip(")"))
+    again: list[str] = []
+    assert [d.ids for d in regenerated_documents(cfg, raw, log=again.append)] == [d.ids for d in docs]
+    assert again == [f"data: the target's regenerated records {where} (cached)"]
+    # other settings are other records; records given as the corpus are used as they are
+    other = config_from_dict({**y, "target": {**y["target"], "regen": {**y["target"]["regen"], "max_new_tokens": 4}}},
+                             "<t>")
+    said = []
+    assert regenerated_documents(resolve_target(other, raw, log=lambda _m: None), raw, log=said.append)
+    assert said[0].startswith("data: regenerating") and str(where) not in said[0]
+    assert regenerated_documents(cfg, docs, log=again.append) == docs
