@@ -71,11 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     rg.add_argument("--config", required=True)
     rg.add_argument("--out", required=True, help="data directory (new, or one this command wrote: it resumes)")
     rg.add_argument("--max-new-tokens", type=int, default=None,
-                    help="tokens generated per prompt (default data.max_len - prompt tokens)")
-    rg.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    rg.add_argument("--prompt-tokens", type=int, default=None, help="text prompt length (default data.max_len/4)")
+                    help="tokens generated per prompt (default: target.regen's, else data.max_len - prompt)")
+    rg.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    rg.add_argument("--prompt-tokens", type=int, default=None, help="text prompt length (default: target.regen's, else data.max_len/4)")
     rg.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts (corpus order)")
-    rg.add_argument("--batch-size", type=int, default=128, help="prompts decoded together")
+    rg.add_argument("--batch-size", type=int, default=None, help="prompts decoded together (default 128)")
     rg.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     return p
 
@@ -190,13 +190,18 @@ def _regen(args: argparse.Namespace) -> int:
     from dflash.data import DataError, read_documents
     from dflash.regen import RegenSettings, regen
 
-    settings = RegenSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             prompt_tokens=args.prompt_tokens, num_prompts=args.num_prompts,
-                             batch_size=args.batch_size, seed=args.seed)
     try:
-        settings.check()
         cfg = load_config(args.config)
         check_run(cfg, "cuda" if _cuda() else "cpu")
+        rc = cfg.target.regen  # a flag left out takes the config's target.regen value: the same records
+        settings = RegenSettings(
+            max_new_tokens=args.max_new_tokens if args.max_new_tokens is not None or rc is None else rc.max_new_tokens,
+            temperature=args.temperature if args.temperature is not None else (rc.temperature if rc else 0.0),
+            prompt_tokens=args.prompt_tokens if args.prompt_tokens is not None or rc is None else rc.prompt_tokens,
+            num_prompts=args.num_prompts if args.num_prompts is not None or rc is None else rc.num_prompts,
+            batch_size=args.batch_size if args.batch_size is not None else (rc.batch_size if rc else 128),
+            seed=args.seed)
+        settings.check()
         docs = read_documents(cfg.data)
         cfg, _ = _target_and_data(cfg, docs, None, regen=False)
         summary = regen(cfg, docs, args.out, settings)
