@@ -152,11 +152,16 @@ def _target_and_data(cfg: Any, docs: Any, out: Path | None, regen: bool = True) 
     from dflash.regen import regenerated_documents
 
     def log(msg: str) -> None:
-        print(msg, flush=True)
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            with open(out / "train.log", "a") as fh:
-                fh.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+        if out is None:
+            print(msg, flush=True)
+            return
+        # The file first, then the same line on stdout, as train.log's own handlers do: opsctl's wrapper drops a
+        # stdout line the run already wrote to the log, so it is shown once.
+        line = f"{time.strftime('%H:%M:%S')} {msg}"
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "train.log", "a") as fh:
+            fh.write(line + "\n")
+        print(line, flush=True)
 
     cfg = resolve_target(cfg, docs, log=log)
     return cfg, (regenerated_documents(cfg, docs, log=log) if regen else docs)
