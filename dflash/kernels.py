@@ -231,3 +231,58 @@ def dynamo_counts() -> dict[str, int]:
         "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
         "frames": int(counters["frames"].get("total", 0)),
     }
+
+
+def _triton_version() -> tuple[int, ...] | None:
+    text = _version("triton")
+    if text is None:
+        return None
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def fla_backward_refused(device: torch.device | str) -> bool:
+    """fla 0.6 refuses the gated chunk backward on Hopper with Triton in [3.4.0, 3.7.1) (wrong results, fla #640).
+
+    Forward passes are unaffected, so only code that trains through the target (pretraining) needs to route around it.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return False
+    tv = _triton_version()
+    return torch.cuda.get_device_capability(dev)[0] == 9 and tv is not None and (3, 4, 0) <= tv < (3, 7, 1)
+
+
+class reference_delta_rule:  # noqa: N801 - used as a context manager, named like one
+    """Inside: the target's Gated DeltaNet chunk op is transformers' own PyTorch reference, outside: as loaded.
+
+    Why: training *through* a hybrid target (dflash pretrain-target) on a card where fla refuses its backward
+    (`fla_backward_refused`) must still run, correctly and slower, rather than crash. Only the module global that
+    the mixers call is swapped, and restored on exit; the conv and recurrent ops keep their fast kernels.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._swapped: list[tuple[Any, str, Any]] = []
+        for mixer in _linear_attention_modules(model):
+            mod = sys.modules.get(type(mixer).__module__)
+            name = _MODULE_NAMES["chunk_gated_delta_rule"][0]
+            fn = getattr(mod, name, None) if mod is not None else None
+            if fn is None or not _is_fallback_wrapper(fn) or any(s[0] is mod for s in self._swapped):
+                continue
+            cells = dict(zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
+            self._swapped.append((mod, name, fn))
+            self._reference = cells["torch_function"].cell_contents
+
+    @property
+    def active(self) -> bool:
+        """True when there was a wrapped chunk op to swap (a hybrid target under transformers 5.2x)."""
+        return bool(self._swapped)
+
+    def __enter__(self) -> reference_delta_rule:
+        for mod, name, _fn in self._swapped:
+            setattr(mod, name, self._reference)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        for mod, name, fn in self._swapped:
+            setattr(mod, name, fn)

@@ -9,6 +9,7 @@ the way the tiny BPE is cached (dflash/data.py `load_tokenizer`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -33,6 +34,7 @@ from dflash.data import (
     pinned_origin,
     tokenize,
 )
+from dflash.kernels import fla_backward_refused, reference_delta_rule
 from dflash.target import Target, TargetConfig, TargetPretrainConfig
 
 Log = Callable[[str], None]
@@ -158,28 +160,33 @@ def pretrain(cfg: RunConfig, docs: Sequence[Document], tok: TokenizerAdapter, ou
     every = max(1, pc.steps // 10)
     autocast = dev.type == "cuda"
     steps_done = 0
-    for step in range(pc.steps):
-        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-            log(f"pretrain-target: time budget of {max_seconds:.0f}s reached at step {step}/{pc.steps}")
-            break
-        starts = torch.randint(0, train.numel() - pc.seq_len, (pc.batch_size,), generator=gen).to(dev)
-        x = train_dev[starts[:, None] + offs[None, :]]
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(input_ids=x, labels=x, use_cache=False).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-        steps_done = step + 1
-        if not math.isfinite(losses[-1]):
-            raise RuntimeError(f"target pretraining diverged: loss {losses[-1]} at step {step + 1}; lower "
-                               "target.pretrain.lr")
-        if (step + 1) % every == 0 or step + 1 == pc.steps:
-            recent = losses[-every:]
-            log(f"pretrain-target: step {step + 1}/{pc.steps}  loss {sum(recent) / len(recent):.3f}  "
-                f"({time.perf_counter() - t0:.0f}s)")
+    reference = fla_backward_refused(dev)
+    if reference:
+        log("pretrain-target: fla refuses its gated backward with this Triton on this card (fla #640): training "
+            "through transformers' PyTorch delta rule (exact, slower); forwards keep fla")
+    with reference_delta_rule(model) if reference else contextlib.nullcontext():
+        for step in range(pc.steps):
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                log(f"pretrain-target: time budget of {max_seconds:.0f}s reached at step {step}/{pc.steps}")
+                break
+            starts = torch.randint(0, train.numel() - pc.seq_len, (pc.batch_size,), generator=gen).to(dev)
+            x = train_dev[starts[:, None] + offs[None, :]]
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=x, labels=x, use_cache=False).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            steps_done = step + 1
+            if not math.isfinite(losses[-1]):
+                raise RuntimeError(f"target pretraining diverged: loss {losses[-1]} at step {step + 1}; lower "
+                                   "target.pretrain.lr")
+            if (step + 1) % every == 0 or step + 1 == pc.steps:
+                recent = losses[-every:]
+                log(f"pretrain-target: step {step + 1}/{pc.steps}  loss {sum(recent) / len(recent):.3f}  "
+                    f"({time.perf_counter() - t0:.0f}s)")
     seconds = time.perf_counter() - t0
     model.eval()
     with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):

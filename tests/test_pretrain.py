@@ -125,3 +125,34 @@ def test_pretrain_target_cli_writes_an_hf_directory_and_refuses_a_busy_out(tmp_p
     assert json.loads((out / "pretrain.json").read_text())["settings"]["steps"] == 2
     assert main(["pretrain-target", "--config", str(cfg_file), "--out", str(out)]) == 2
     assert "exists and is not an empty directory" in capsys.readouterr().err
+
+
+def test_reference_delta_rule_swaps_the_chunk_op_for_training_and_restores_it() -> None:
+    """Where fla refuses its gated backward (Hopper + Triton < 3.7.1), pretraining trains through transformers' own
+    PyTorch delta rule: inside the context the mixers' module global is the raw reference, same loss, gradients flow;
+    on exit the loaded binding is back. On a CPU the refusal never applies."""
+    import sys
+
+    import torch
+
+    from dflash.kernels import _is_fallback_wrapper, fla_backward_refused, reference_delta_rule
+    from dflash.target import TargetConfig, build_target_model
+
+    assert fla_backward_refused("cpu") is False
+    model = build_target_model(TargetConfig(), 97)
+    mod = sys.modules[type(model).__module__]
+    loaded = mod.torch_chunk_gated_delta_rule
+    assert _is_fallback_wrapper(loaded)
+    x = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    before = model(input_ids=x, labels=x, use_cache=False).loss
+    swap = reference_delta_rule(model)
+    assert swap.active
+    with swap:
+        assert mod.torch_chunk_gated_delta_rule is not loaded
+        assert not _is_fallback_wrapper(mod.torch_chunk_gated_delta_rule)
+        inside = model(input_ids=x, labels=x, use_cache=False).loss
+        inside.backward()
+    assert mod.torch_chunk_gated_delta_rule is loaded
+    torch.testing.assert_close(inside, before)
+    grads = [p.grad for n, p in model.named_parameters() if "linear_attn" in n and p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
