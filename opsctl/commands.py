@@ -50,7 +50,17 @@ class ChannelLost(TransportError):
 
 
 def agent_source() -> bytes:
-    return Path(agent.__file__).read_bytes()
+    """The one blob the remote python3 runs: agent.py with the wrapper's text put in its WRAPPER_SLOT line.
+
+    One stream, stdlib only, ASCII (the bootstrap's byte count is its character count): the remote side needs
+    nothing installed, and the wrapper the agent writes at launch is the very agent_wrapper.py shipped with it.
+    """
+    text = Path(agent.__file__).read_text(encoding="ascii")
+    wrapper = Path(agent.__file__).with_name("agent_wrapper.py").read_text(encoding="ascii")
+    slot = "\n" + agent.WRAPPER_SLOT
+    if text.count(slot) != 1:
+        raise RuntimeError(f"opsctl/agent.py must hold exactly one line {agent.WRAPPER_SLOT!r}")
+    return text.replace(slot, f"\n_SHIPPED_WRAPPER: str | None = {wrapper!r}\n").encode("ascii")
 
 
 def agent_argv(host: HostConfig, verb: str, args: dict[str, Any]) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,23 +19,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
 from agentlib import cleanup, drive, nvml_env, of, run_args, start  # noqa: E402
 
-from opsctl import agent  # noqa: E402
+from opsctl import agent, agent_wrapper  # noqa: E402
+from opsctl.commands import agent_source  # noqa: E402
 
 
 def test_agent_source_is_ascii_and_stdlib_only() -> None:
     # The bootstrap reads N *characters* where the client sends the byte count: ASCII keeps them equal.
-    src = Path(agent.__file__).read_bytes()
-    assert all(b < 128 for b in src)
     allowed = set(sys.stdlib_module_names) | {"pynvml"}
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.Import):
-            assert all(a.name.split(".")[0] in allowed for a in node.names), ast.dump(node)
-        elif isinstance(node, ast.ImportFrom):
-            assert (node.module or "").split(".")[0] in allowed, ast.dump(node)
-    # the wrapper that tmux runs is stdlib-only too
-    for node in ast.walk(ast.parse(agent.WRAPPER_SOURCE)):
-        if isinstance(node, ast.Import):
-            assert all(a.name in allowed for a in node.names)
+    # the agent, the wrapper that tmux runs, and the blob the client assembles from them: all stdlib-only ASCII
+    for src in (Path(agent.__file__).read_bytes(), Path(agent_wrapper.__file__).read_bytes(), agent_source()):
+        assert all(b < 128 for b in src)
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Import):
+                assert all(a.name.split(".")[0] in allowed for a in node.names), ast.dump(node)
+            elif isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] in allowed, ast.dump(node)
+    assert not hasattr(agent, "WRAPPER_SOURCE")  # the wrapper is a module ruff lints, not a string
+
+
+def test_shipped_blob_runs_isolated(tmp_path: Path) -> None:
+    """The blob needs nothing but the stdlib: under `python3 -I` (no site dir, no PYTHONPATH, no cwd on sys.path),
+    the agent runs as shipped, and the wrapper it carries runs a command as `python3 -I - spec.json`."""
+    blob = agent_source()
+    p = subprocess.Popen([sys.executable, "-I", "-u", "-c", agent.BOOTSTRAP, "hello", "{}"], cwd=tmp_path,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert p.stdin is not None and p.stdout is not None
+    p.stdin.write(str(len(blob)).encode() + b"\n" + blob)
+    p.stdin.flush()  # stdin stays open while it works: EOF on it means the channel closed
+    msgs = [json.loads(p.stdout.readline()), json.loads(p.stdout.readline())]
+    p.stdin.close()
+    assert p.wait(timeout=30) == 0 and [m["t"] for m in msgs] == ["hello", "bye"], msgs
+    # the wrapper text the shipped agent writes at launch: the agent_wrapper.py shipped with it, byte for byte
+    show = "import sys;g={'__name__':'shipped'};exec(sys.stdin.read(),g);sys.stdout.write(g['wrapper_source']())"
+    wrapper = subprocess.run([sys.executable, "-I", "-c", show], cwd=tmp_path, input=blob, capture_output=True,
+                             timeout=30, check=True).stdout
+    assert wrapper == Path(agent_wrapper.__file__).read_bytes()
+    spec = {"argv": [sys.executable, "-c", "print('from the run')"], "env": {}, "workdir": str(tmp_path),
+            "log": str(tmp_path / "run.log"), "state_dir": str(tmp_path)}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    ran = subprocess.run([sys.executable, "-I", "-", str(tmp_path / "spec.json")], cwd=tmp_path, input=wrapper,
+                         capture_output=True, timeout=30)
+    assert ran.returncode == 0, ran
+    assert (tmp_path / "exit_code").read_text() == "0\n"
+    assert (tmp_path / "run.log").read_text() == "from the run\n"
+    assert json.loads((tmp_path / "pid").read_text())["pid"] > 0
 
 
 def _wait_gone(pid: int, timeout: float = 3.0) -> bool:

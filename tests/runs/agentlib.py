@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from opsctl import agent
+from opsctl.commands import agent_source
 
 RUNS = Path(__file__).resolve().parent
-SOURCE = Path(agent.__file__).read_bytes()
+SOURCE = agent_source()  # the blob the client ships: agent.py with the wrapper's text in it
 
 
 FAKE_NVML_DIR = RUNS / "fake_nvml"
