@@ -5,15 +5,14 @@ Each verb streams the agent's JSON lines and renders them; nothing here sleeps t
 
 from __future__ import annotations
 
+import functools
 import io
 import json
-import random
 import re
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -21,10 +20,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from opsctl import agent
+from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
 from opsctl.runstate import RunState, RunView, unreachable_view
 from opsctl.transport import PctTransport, PermanentTransportError, Transport, TransportError, transport_for
+from opsctl.watch import AgentSource, follow_connection, reconnect_delay, reconnecting
 
 EXIT_OK = 0  # done / the run is ready / the run finished with status 0
 EXIT_FAILED = 1  # the run crashed or failed, or kill left survivors
@@ -33,8 +33,6 @@ EXIT_TRANSPORT = 3  # host unreachable, host key refused, channel lost
 EXIT_TIMEOUT = 4  # the run did not become ready within ready_timeout (it was left running)
 EXIT_REFUSED = 5  # preflight refused the launch (container stopped, GPUs busy, model dir, preflight command)
 
-RECONNECT_BASE_S = 0.2  # first wait before reconnecting `logs -f` / `launch --follow` (doubling, with jitter)
-RECONNECT_CAP_S = 10.0  # the longest wait between two reconnect attempts
 
 
 class OpsError(Exception):
@@ -43,72 +41,6 @@ class OpsError(Exception):
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
-
-
-class ChannelLost(TransportError):
-    """The agent's stream ended without its `bye`: SSH dropped, or the remote python died."""
-
-
-def agent_source() -> bytes:
-    """The one blob the remote python3 runs: agent.py with the wrapper's text put in its WRAPPER_SLOT line.
-
-    One stream, stdlib only, ASCII (the bootstrap's byte count is its character count): the remote side needs
-    nothing installed, and the wrapper the agent writes at launch is the very agent_wrapper.py shipped with it.
-    """
-    text = Path(agent.__file__).read_text(encoding="ascii")
-    wrapper = Path(agent.__file__).with_name("agent_wrapper.py").read_text(encoding="ascii")
-    slot = "\n" + agent.WRAPPER_SLOT
-    if text.count(slot) != 1:
-        raise RuntimeError(f"opsctl/agent.py must hold exactly one line {agent.WRAPPER_SLOT!r}")
-    return text.replace(slot, f"\n_SHIPPED_WRAPPER: str | None = {wrapper!r}\n").encode("ascii")
-
-
-def agent_argv(host: HostConfig, verb: str, args: dict[str, Any]) -> list[str]:
-    """`python3 -u -c BOOTSTRAP VERB JSON` as one argv; each transport layer quotes it once."""
-    python = sys.executable if (host.local and host.pct is None) else host.python
-    return [python, "-u", "-c", agent.BOOTSTRAP, verb, json.dumps(args, separators=(",", ":"))]
-
-
-def run_args(run: RunConfig, **options: Any) -> dict[str, Any]:
-    """The run settings as the agent reads them, plus verb options."""
-    data = run.model_dump(mode="json")
-    data["command"] = run.argv
-    data["options"] = options
-    return data
-
-
-def stream_agent(transport: Transport, host: HostConfig, verb: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Yield the agent's messages up to and including `bye`; raise ChannelLost if the stream ends first."""
-    src = agent_source()
-    stream = transport.stream(agent_argv(host, verb, args), str(len(src)).encode() + b"\n" + src)
-    got_bye = False
-    try:
-        for raw in stream.stdout:
-            line = raw.strip()
-            if not line:
-                continue
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                msg = {"t": "garbage", "line": line.decode(errors="replace")}
-            if not isinstance(msg, dict):
-                continue
-            yield msg
-            if msg.get("t") == "bye":
-                got_bye = True
-                return
-    finally:
-        try:
-            stream.close()  # EOF on the agent's stdin: it exits at once
-        except (TransportError, OSError):
-            pass
-        if not got_bye:
-            try:
-                stream.kill()
-            except (TransportError, OSError):
-                pass
-    err = stream.stderr.decode(errors="replace").strip()
-    raise ChannelLost(f"the agent's channel closed before it finished{': ' + err[-800:] if err else ''}")
 
 
 @dataclass
@@ -285,54 +217,36 @@ def _resume_until_ready(ctx: Ctx, host: HostConfig, run: RunConfig, t: Transport
 
 
 # -- logs ---------------------------------------------------------------------------------------------------
-def reconnect_delay(attempt: int, rng: random.Random | None = None) -> float:
-    """Exponential back-off with jitter for reconnect `attempt` (1, 2, ...): many followers of one host that
-    lost its link must not all knock again in the same instant."""
-    base = min(RECONNECT_CAP_S, RECONNECT_BASE_S * 2 ** (attempt - 1))
-    return base * (rng or random).uniform(0.5, 1.0)
-
-
-def _follow_reconnecting(ctx: Ctx, host: HostConfig, run: RunConfig, offsets: dict[str, int],
+def _follow_reconnecting(ctx: Ctx, host: HostConfig, run: RunConfig, offsets: dict[str, Any],
                          events: bool) -> Iterator[dict[str, Any]]:
     """Messages of `follow` across channel drops: reconnect with back-off and resume at the last offsets.
 
     `offsets` is updated in place from every message's `end`, so a resume neither loses nor repeats a line.
     A permanent error (host key, authentication, a name that never resolved) raises OpsError(3) at once; a lost
     link is retried, each retry said on stderr, for up to the host's reconnect_timeout (0: forever)."""
-    attempt = 0
     connected_once = False
     lost_since: float | None = None
-    limit = host.reconnect_timeout
-    while True:
+
+    def connect(attempt: int) -> Iterator[dict[str, Any]]:
+        nonlocal connected_once
         t = ctx.transport(host)
         try:
-            args = run_args(run, log_offset=offsets["log_offset"], events_offset=offsets["events_offset"],
-                            tail=offsets.get("tail", 0), no_events=not events, gpu_interval=1.0 if events else 0,
-                            all_logs=bool(offsets.get("all_logs")))
-            for m in stream_agent(t, host, "follow", args):
-                offsets.pop("tail", None)  # only the first connection asks for history; resumes use offsets
-                offsets.pop("all_logs", None)
+            options = {"no_events": not events, "gpu_interval": 1.0 if events else 0,
+                       "all_logs": bool(offsets.get("all_logs"))}
+            for m in follow_connection(t, host, run, offsets, **options):
                 connected_once = True
-                attempt = 0
-                lost_since = None
-                kind = m.get("t")
-                if kind == "log":
-                    offsets["log_offset"] = m["end"]
-                elif kind == "event":
-                    offsets["events_offset"] = m["end"]
-                elif kind == "log_reset":
-                    offsets["events_offset" if m.get("file") == "events" else "log_offset"] = 0
                 yield m
-                if kind == "bye":
-                    return
-        except PermanentTransportError as exc:
-            if exc.kind != "dns" or not connected_once:
-                raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
-            lost_since = _retry_wait(ctx, host, exc, attempt := attempt + 1, lost_since, limit)
-        except (ChannelLost, TransportError) as exc:
-            lost_since = _retry_wait(ctx, host, exc, attempt := attempt + 1, lost_since, limit)
         finally:
             t.close()
+
+    def lost(exc: Exception, attempt: int) -> None:
+        nonlocal lost_since
+        if isinstance(exc, PermanentTransportError) and (exc.kind != "dns" or not connected_once):
+            raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
+        lost_since = _retry_wait(ctx, host, exc, attempt, None if attempt == 1 else lost_since,
+                                 host.reconnect_timeout)
+
+    yield from reconnecting(connect, lost, retry_on=(TransportError,))
 
 
 def _retry_wait(ctx: Ctx, host: HostConfig, exc: Exception, attempt: int, lost_since: float | None,
@@ -577,72 +491,18 @@ def cmd_hosts_check(ctx: Ctx) -> int:
 
 
 # -- watch --------------------------------------------------------------------------------------------------
-class AgentSource:
-    """One run followed through the agent, as `opsctl watch` consumes it (opsctl.tui.WatchSource).
-
-    `messages()` is one connection: it ends, or raises TransportError, when the link is lost; the next call
-    resumes at the last offsets seen, so the dashboard neither loses nor repeats a line across reconnects."""
-
-    def __init__(self, ctx: Ctx, host_name: str, run_name: str, tail: int = 200) -> None:
-        self.ctx = ctx
-        self.host, run = ctx.resolve(host_name, run_name)
-        assert run is not None
-        self.run = run
-        self.label = f"{host_name}:{run_name}"
-        self.offsets: dict[str, int] = {"log_offset": -1, "events_offset": 0, "tail": tail}
-        self.last_output = ""
-        self.last_rc: int | None = None
-
-    def messages(self) -> Iterator[dict[str, Any]]:
-        t = self.ctx.transport(self.host)
-        try:
-            args = run_args(self.run, log_offset=self.offsets["log_offset"],
-                            events_offset=self.offsets["events_offset"], tail=self.offsets.get("tail", 0),
-                            gpu_interval=1.0, until_exit=False)
-            first = True
-            for m in stream_agent(t, self.host, "follow", args):
-                if first:
-                    self.offsets.pop("tail", None)
-                    first = False
-                kind = m.get("t")
-                if kind == "log":
-                    self.offsets["log_offset"] = m["end"]
-                elif kind == "event":
-                    self.offsets["events_offset"] = m["end"]
-                elif kind == "log_reset":
-                    self.offsets["events_offset" if m.get("file") == "events" else "log_offset"] = 0
-                yield m
-        finally:
-            t.close()
-
-    def _quiet(self) -> tuple[Ctx, io.StringIO]:
-        """A Ctx that prints into a buffer: a full-screen UI must not get stray terminal output."""
-        buf = io.StringIO()
-        con = Console(file=buf, highlight=False, width=120)
-        return Ctx(hosts_file=self.ctx.hosts_file, accept_new_host_key=self.ctx.accept_new_host_key, out=con,
-                   err=con, raw=buf, _inv=self.ctx._inv, transport_factory=self.ctx.transport_factory), buf
-
-    def kill(self) -> None:
-        """The same path as `opsctl kill`; its output lands in `last_output`, its exit code in `last_rc`."""
-        ctx, buf = self._quiet()
-        try:
-            self.last_rc = cmd_kill(ctx, self.host.name, self.run.name)
-        except OpsError as exc:
-            buf.write(str(exc) + "\n")
-            self.last_rc = exc.code
-        self.last_output = buf.getvalue()
-
-    def clean(self) -> None:
-        ctx, buf = self._quiet()
-        try:
-            self.last_rc = cmd_clean(ctx, self.host.name, self.run.name)
-        except OpsError as exc:
-            buf.write(str(exc) + "\n")
-            self.last_rc = exc.code
-        self.last_output = buf.getvalue()
-
-    def reconnect(self) -> None:
-        pass  # every messages() call opens a fresh connection from the saved offsets
+def _quietly(ctx: Ctx, verb: Callable[..., int], host_name: str, run_name: str) -> tuple[int, str]:
+    """Run a verb with its output in a buffer, not on the terminal a full-screen UI owns: (exit code, output)."""
+    buf = io.StringIO()
+    con = Console(file=buf, highlight=False, width=120)
+    quiet = Ctx(hosts_file=ctx.hosts_file, accept_new_host_key=ctx.accept_new_host_key, out=con, err=con, raw=buf,
+                _inv=ctx._inv, transport_factory=ctx.transport_factory)
+    try:
+        rc = verb(quiet, host_name, run_name)
+    except OpsError as exc:
+        buf.write(str(exc) + "\n")
+        rc = exc.code
+    return rc, buf.getvalue()
 
 
 def watch_sources(ctx: Ctx, targets: list[str]) -> list[AgentSource]:
@@ -658,4 +518,10 @@ def watch_sources(ctx: Ctx, targets: list[str]) -> list[AgentSource]:
         else:
             ctx.resolve(host, None)
             pairs += [(host, r) for r in inv.runs.get(host, {})]
-    return [AgentSource(ctx, h, r) for h, r in pairs]
+    sources = []
+    for h, r in pairs:
+        host, run = ctx.resolve(h, r)
+        assert run is not None
+        sources.append(AgentSource(host, run, ctx.transport, kill=functools.partial(_quietly, ctx, cmd_kill, h, r),
+                                   clean=functools.partial(_quietly, ctx, cmd_clean, h, r)))
+    return sources

@@ -18,25 +18,13 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl.alerts import CRITICAL
-from opsctl.tui import RunModel, SourceWorker, WatchSource, stall_after_of
+from opsctl.watch import RunModel, SourceWorker, WatchSource, fold, stall_after_of
 from opsctl.widgets import fmt_duration, fmt_num, spark, state_badge
 
 SETTLE_S = 1.0  # --once: a stream quiet this long has sent its backlog
 ONCE_TIMEOUT_S = 10.0
 PLAIN_HZ = 4.0
 PRINT_EVERY_S = 5.0  # --plain into a pipe or file: at most one snapshot this often
-
-
-def _fold(workers: Sequence[SourceWorker], models: Sequence[RunModel]) -> bool:
-    got = False
-    for worker, model in zip(workers, models, strict=True):
-        other, logs, dropped = worker.drain()
-        for msg in other:
-            model.ingest(msg)
-        model.ingest_logs(logs)
-        model.add_dropped(dropped)
-        got = got or bool(other or logs or dropped)
-    return got
 
 
 def snapshot_once(sources: Sequence[WatchSource], settle_s: float = SETTLE_S, timeout_s: float = ONCE_TIMEOUT_S,
@@ -56,15 +44,15 @@ def snapshot_once(sources: Sequence[WatchSource], settle_s: float = SETTLE_S, ti
     try:
         while time.monotonic() < deadline:
             now = time.monotonic()
-            for i, (worker, model) in enumerate(zip(workers, models, strict=True)):
-                if _fold([worker], [model]):
+            for i, got in enumerate(fold(workers, models)):
+                if got:
                     last_news[i] = now
             settled = [w.ended.is_set() or (w.received and now - last_news[i] >= settle_s)
                        for i, w in enumerate(workers)]
             if all(settled) and not any(w.pending() for w in workers):
                 break
             time.sleep(0.02)
-        _fold(workers, models)
+        fold(workers, models)
     finally:
         for w in workers:
             w.stop()
@@ -147,7 +135,7 @@ def run_plain(sources: Sequence[WatchSource], bell: bool = False, hz: float = PL
         if console.is_terminal:
             with Live(console=console, refresh_per_second=hz, transient=False) as live:
                 while True:
-                    _fold(workers, models)
+                    fold(workers, models)
                     live.update(frame())
                     if finished():
                         break
@@ -156,7 +144,7 @@ def run_plain(sources: Sequence[WatchSource], bell: bool = False, hz: float = PL
             last_print = -math.inf
             versions: list[int] = []
             while True:
-                _fold(workers, models)
+                fold(workers, models)
                 done = finished()
                 now = time.monotonic()
                 current = [m.version for m in models]

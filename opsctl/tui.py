@@ -1,378 +1,45 @@
 """`opsctl watch`: the live Textual dashboard of one or many runs, fed by agent message streams.
 
-Each source is followed on its own thread and handed to the UI in batches, so a dead or chatty host never freezes the rest.
+Only Textual lives here: sources, the per-source worker threads and RunModel are the UI-free opsctl/watch.py, so a
+dead or chatty host never freezes the rest, and `--plain` / `--once` show exactly the same model.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from textual import events
+from textual import events, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Input, Static
 
-from opsctl.alerts import CRITICAL, WARNING, Alert, AlertTracker
-from opsctl.runstate import RunState, RunView
+from opsctl.alerts import CRITICAL, WARNING, Alert
+from opsctl.watch import (
+    DEFAULT_INBOX_LINES,
+    DEFAULT_LOG_CAPACITY,
+    RecordedSource,
+    RunModel,
+    SourceWorker,
+    WatchSource,
+    fold,
+    stall_after_of,
+)
 from opsctl.widgets import (
     AlertsPanel,
     Charts,
     ConfirmScreen,
     GpuPanel,
-    LogLine,
     LogPane,
     RunsBar,
     RunSummary,
-    SeverityClassifier,
 )
 
-DEFAULT_LOG_CAPACITY = 10_000  # lines kept per run for scroll-back and search
-DEFAULT_INBOX_LINES = 50_000  # log lines a worker may queue before the UI drains them; more are dropped (and counted)
-DEFAULT_INBOX_OTHER = 20_000  # non-log messages likewise
-HISTORY = 120  # points kept per chart / GPU sparkline
 TICK_S = 0.1
-BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
-STATE_TYPES = frozenset({"event", "proc", "gpu", "hello", "killed"})
-
-
-@runtime_checkable
-class WatchSource(Protocol):
-    """One run on one host, as the dashboard consumes it (the agent's `follow` stream, or a recording)."""
-
-    label: str  # "host:run"
-
-    def messages(self) -> Iterator[dict[str, Any]]:
-        """Blocking iterator of agent messages (docs/agent-protocol.md); raises or ends when the link is lost."""
-        ...
-
-    def kill(self) -> None: ...
-
-    def clean(self) -> None: ...
-
-    def reconnect(self) -> None:
-        """Re-establish the link; the next `messages()` resumes after the last offsets seen."""
-        ...
-
-    # Optional attributes: `finite = True`: the stream's normal end is final (a recording); without it, an end is
-    # a lost link and is retried with back-off, like an exception from `messages()`. `stall_after_s`: the run's
-    # configured stall threshold (hosts.yaml `stall_after`; the agent source's `run.stall_after` also works).
-
-
-def stall_after_of(source: WatchSource) -> float | None:
-    """The run's configured stall threshold, if its source knows one (else RunState's default rule applies)."""
-    value = getattr(source, "stall_after_s", None)
-    if value is None:
-        value = getattr(getattr(source, "run", None), "stall_after", None)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
-
-
-class RecordedSource:
-    """Replays a recorded agent stream (JSON lines), as fast as possible or paced by its `ts` fields.
-
-    It has no process behind it: kill/clean/reconnect are recorded in `actions` so tests can check what was asked.
-    """
-
-    finite = True  # its end is the end of the recording, not a lost link
-
-    def __init__(self, path: str | Path, label: str | None = None, speed: float | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"recorded stream not found: {self.path}")
-        self.label = label or self.path.stem
-        if speed is not None and speed <= 0:
-            raise ValueError(f"speed must be > 0 (or None for as fast as possible), got {speed}")
-        self.speed = speed
-        self._sleep = sleep
-        self.actions: list[str] = []
-        self.invalid_lines = 0
-
-    def messages(self) -> Iterator[dict[str, Any]]:
-        first_ts: float | None = None
-        started = time.monotonic()
-        with self.path.open(encoding="utf-8") as fh:
-            for raw in fh:
-                if not raw.strip():
-                    continue
-                try:
-                    msg = json.loads(raw)
-                except json.JSONDecodeError:
-                    self.invalid_lines += 1
-                    continue
-                if not isinstance(msg, dict):
-                    self.invalid_lines += 1
-                    continue
-                ts = msg.get("ts")
-                if self.speed is not None and isinstance(ts, (int, float)):
-                    if first_ts is None:
-                        first_ts = float(ts)
-                    delay = (float(ts) - first_ts) / self.speed - (time.monotonic() - started)
-                    if delay > 0:
-                        self._sleep(delay)
-                yield msg
-
-    def kill(self) -> None:
-        self.actions.append("kill")
-
-    def clean(self) -> None:
-        self.actions.append("clean")
-
-    def reconnect(self) -> None:
-        self.actions.append("reconnect")
-
-
-def record(source: WatchSource, path: str | Path, max_seconds: float, max_messages: int | None = None) -> int:
-    """Save a live source's stream as JSON lines, in arrival order (a fixture for RecordedSource).
-
-    Stops after `max_seconds` of wall time, `max_messages`, or when the stream ends or fails; returns the count.
-    """
-    if max_seconds <= 0:
-        raise ValueError(f"max_seconds must be > 0, got {max_seconds}")
-    got: list[dict[str, Any]] = []
-    lock = threading.Lock()
-    done = threading.Event()
-
-    def pump() -> None:
-        try:
-            for msg in source.messages():
-                with lock:
-                    got.append(msg)
-                if done.is_set() or (max_messages is not None and len(got) >= max_messages):
-                    break
-        finally:
-            done.set()
-
-    threading.Thread(target=pump, name=f"record:{source.label}", daemon=True).start()
-    done.wait(max_seconds)
-    done.set()
-    with lock:
-        msgs = got[:max_messages] if max_messages is not None else list(got)
-    with Path(path).open("w", encoding="utf-8") as fh:
-        for m in msgs:
-            fh.write(json.dumps(m, separators=(",", ":")) + "\n")
-    return len(msgs)
-
-
-def link_msg(state: str, detail: str = "") -> dict[str, Any]:
-    """The watcher's own message about the link (not from the agent): up / lost / reconnecting / ended."""
-    return {"t": "link", "state": state, "detail": detail, "local_ts": time.time()}
-
-
-class SourceWorker:
-    """Follows one source on a daemon thread and queues its messages for the UI thread, bounded and counted.
-
-    Link loss is retried with back-off (or at once on `request_reconnect`); a normal end waits for a manual reconnect.
-    """
-
-    def __init__(self, source: WatchSource, inbox_lines: int = DEFAULT_INBOX_LINES,
-                 inbox_other: int = DEFAULT_INBOX_OTHER, backoff: Sequence[float] = BACKOFF_S) -> None:
-        self.source = source
-        self._lock = threading.Lock()
-        self._logs: deque[dict[str, Any]] = deque(maxlen=inbox_lines)
-        self._other: deque[dict[str, Any]] = deque(maxlen=inbox_other)
-        self._dropped = 0
-        self._backoff = tuple(backoff) or (1.0,)
-        self._attempt = 0  # reconnect attempts since the link last worked
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self.received = 0
-        self.ended = threading.Event()  # set while the stream has ended normally (until a reconnect)
-        self._thread = threading.Thread(target=self._run, name=f"watch:{source.label}", daemon=True)
-
-    def start(self) -> SourceWorker:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-
-    def request_reconnect(self) -> None:
-        self._wake.set()
-
-    def _put(self, msg: dict[str, Any]) -> None:
-        with self._lock:
-            box = self._logs if msg.get("t") == "log" else self._other
-            if len(box) == box.maxlen:
-                self._dropped += 1
-            box.append(msg)
-            self.received += 1
-
-    def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-        """(non-log messages, log messages, drops since the last drain), emptying the inbox."""
-        with self._lock:
-            other, logs, dropped = list(self._other), list(self._logs), self._dropped
-            self._other.clear()
-            self._logs.clear()
-            self._dropped = 0
-        return other, logs, dropped
-
-    def _follow(self) -> None:
-        announced = False
-        for msg in self.source.messages():
-            if self._stop.is_set():
-                return
-            if not announced:
-                self._put(link_msg("up"))
-                self._attempt = 0  # the link works again: the next loss starts the back-off from the beginning
-                announced = True
-            self._put(msg)
-
-    def _run(self) -> None:
-        # A recording ends for good; a live follow only ends when its channel closed, which is a lost link.
-        finite = bool(getattr(self.source, "finite", False))
-        self._attempt = 0
-        while not self._stop.is_set():
-            try:
-                if self._attempt:
-                    self._put(link_msg("reconnecting", f"attempt {self._attempt}"))
-                    self.source.reconnect()
-                self._follow()
-                if not finite and not self._stop.is_set():
-                    raise ConnectionError("stream closed")
-            except Exception as exc:  # the transport's errors are many; every one means the link is gone
-                self._attempt += 1
-                delay = self._backoff[min(self._attempt - 1, len(self._backoff) - 1)]
-                self._put(link_msg("lost", f"{type(exc).__name__}: {exc} (retry in {delay:g} s)"))
-                self._wake.wait(delay)
-                self._wake.clear()
-                continue
-            if self._stop.is_set():
-                return
-            self._put(link_msg("ended", "r: reconnect"))
-            self.ended.set()
-            self._wake.wait()
-            self._wake.clear()
-            self.ended.clear()
-            self._attempt = 1
-
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._logs) + len(self._other)
-
-
-class RunModel:
-    """Everything shown about one run, folded on the UI thread from its source's messages."""
-
-    def __init__(self, label: str, clock: Callable[[], float] | None = None,
-                 log_capacity: int = DEFAULT_LOG_CAPACITY, history: int = HISTORY,
-                 stall_after_s: float | None = None) -> None:
-        self.label = label
-        self.clock = clock  # None: live (local clock + agent skew); tests and replays pass the agent's clock
-        self.state = RunState(stall_after_s=stall_after_s)
-        self.tracker = AlertTracker()
-        self.log: deque[LogLine] = deque(maxlen=log_capacity)
-        self.lines_total = 0
-        self.dropped = 0
-        self._classify = SeverityClassifier()
-        self.series: dict[str, deque[float]] = {k: deque(maxlen=history)
-                                                for k in ("loss", "tokens_per_s", "step_time_s", "queue_depth")}
-        self.gpu_hist: dict[int, dict[str, deque[float]]] = {}
-        self._history = history
-        self.link = "connecting"
-        self.heard = False  # an agent message arrived since the link was last lost (else: unreachable)
-        self.link_error: str | None = None
-        self.version = 0  # any change
-        self.chart_version = 0  # a step arrived
-        self.gpu_version = 0  # a GPU sample arrived
-
-    def ingest(self, msg: dict[str, Any]) -> None:
-        t = msg.get("t")
-        self.version += 1
-        if t == "log":
-            line = str(msg.get("line", ""))
-            self.log.append(LogLine(self.lines_total, line, self._classify(line)))
-            self.lines_total += 1
-            self.tracker.observe_log(line)
-            return
-        if t != "link":
-            self.heard = True
-        if t in STATE_TYPES:
-            self.state.apply(msg)
-        self.tracker.observe(msg)
-        if t == "event":
-            ev = msg.get("event") or {}
-            if ev.get("kind") == "step":
-                self.chart_version += 1
-                for key, series in self.series.items():
-                    value = ev.get(key)
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        series.append(float(value))
-        elif t == "gpu":
-            self.gpu_version += 1
-            for g in msg.get("gpus") or []:
-                idx = g.get("index")
-                if not isinstance(idx, int):
-                    continue
-                hist = self.gpu_hist.setdefault(idx, {k: deque(maxlen=self._history)
-                                                      for k in ("util", "mem_used_mb", "power_w", "temp_c")})
-                for key, series in hist.items():
-                    value = g.get(key)
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        series.append(float(value))
-        elif t == "link":
-            detail = msg.get("detail")
-            self.link = str(msg.get("state")) + (f" ({detail})" if detail else "")
-            if msg.get("state") == "lost":
-                self.heard = False
-                self.link_error = str(detail or "link lost")
-        elif t == "log_reset":
-            self.log.append(LogLine(self.lines_total, f"--- log {msg.get('reason', 'reset')} ---", 1))
-            self.lines_total += 1
-
-    def ingest_logs(self, msgs: list[dict[str, Any]]) -> None:
-        """The hot path (a chatty run sends tens of thousands of lines a second): `ingest` for log messages only."""
-        if not msgs:
-            return
-        append, classify, observe = self.log.append, self._classify, self.tracker.observe_log
-        n = self.lines_total
-        for msg in msgs:
-            line = str(msg.get("line", ""))
-            append(LogLine(n, line, classify(line)))
-            observe(line)
-            n += 1
-        self.lines_total = n
-        self.version += 1
-
-    def add_dropped(self, n: int) -> None:
-        if n:
-            self.dropped += n
-            self.version += 1
-
-    def view(self) -> RunView:
-        view = self.state.view(self.clock() if self.clock is not None else None)
-        if not self.heard and self.link_error is not None:
-            # The host did not answer since the link was lost: say so, never `absent` ("reached, no such run").
-            view = dataclasses.replace(view, state="unreachable", link_error=self.link_error, reason=self.link_error)
-        return view
-
-    def mark_unreachable(self, error: str) -> None:
-        """No answer at all (e.g. `--once` gave up while still connecting): unreachable, with why."""
-        if not self.heard and self.link_error is None:
-            self.link_error = error
-            self.version += 1
-
-    def alerts(self, view: RunView) -> list[Alert]:
-        return self.tracker.evaluate(view, self.clock() if self.clock is not None else time.time())
-
-    def mark_killed(self) -> None:
-        """The kill came from us: a `run_end` by signal (or the process gone) now reads as killed, not crashed."""
-        self.state.killed_by_us = True
-        self.version += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        view = self.view()
-        return {"label": self.label, "link": self.link, "log_lines": self.lines_total, "dropped_lines": self.dropped,
-                "view": view.to_dict(), "alerts": [a.to_dict() for a in self.alerts(view)]}
 
 
 class WatchApp(App[int]):
@@ -403,7 +70,7 @@ class WatchApp(App[int]):
 
     def __init__(self, sources: Sequence[WatchSource], bell: bool = False, clock: Callable[[], float] | None = None,
                  tick_s: float = TICK_S, log_capacity: int = DEFAULT_LOG_CAPACITY,
-                 inbox_lines: int = DEFAULT_INBOX_LINES, backoff: Sequence[float] = BACKOFF_S) -> None:
+                 inbox_lines: int = DEFAULT_INBOX_LINES, backoff: Sequence[float] | None = None) -> None:
         super().__init__()
         if not sources:
             raise ValueError("opsctl watch needs at least one run to watch")
@@ -467,17 +134,7 @@ class WatchApp(App[int]):
     # -- the batch loop -----------------------------------------------------------------
     def drain(self) -> bool:
         """Fold every queued message into its run; True when the shown run changed."""
-        changed = False
-        for i, (worker, model) in enumerate(zip(self.followers, self.models, strict=True)):
-            other, logs, dropped = worker.drain()
-            if not (other or logs or dropped):
-                continue
-            for msg in other:
-                model.ingest(msg)
-            model.ingest_logs(logs)
-            model.add_dropped(dropped)
-            changed = changed or i == self.current
-        return changed
+        return fold(self.followers, self.models)[self.current]
 
     def tick(self) -> None:
         self.ticks += 1
@@ -528,26 +185,22 @@ class WatchApp(App[int]):
 
         def done(answer: bool | None) -> None:
             if answer:
-                self._in_thread(verb, action)
+                self._in_thread(verb, self.models[self.current].label, action)
 
         self.push_screen(ConfirmScreen(question), done)
 
-    def _in_thread(self, verb: str, action: Callable[[], object]) -> None:
+    @work(thread=True, exit_on_error=False)
+    def _in_thread(self, verb: str, label: str, action: Callable[[], object]) -> None:
         """Kill and clean go over SSH and may block: never on the UI thread."""
-        label = self.models[self.current].label
-
-        def run() -> None:
-            try:
-                result: Any = action()
-            except BaseException as exc:  # report any transport or agent failure to the person, not a traceback
-                self.call_from_thread(self.notify, f"{verb} {label} failed: {exc}", severity="error")
-                return
-            if isinstance(result, int) and not isinstance(result, bool) and result != 0:
-                self.call_from_thread(self.notify, f"{verb} {label} failed: exit {result}", severity="error")
-            else:
-                self.call_from_thread(self.notify, f"{verb} {label}: done")
-
-        threading.Thread(target=run, name=f"{verb}:{label}", daemon=True).start()
+        try:
+            result: Any = action()
+        except BaseException as exc:  # report any transport or agent failure to the person, not a traceback
+            self.call_from_thread(self.notify, f"{verb} {label} failed: {exc}", severity="error")
+            return
+        if isinstance(result, int) and not isinstance(result, bool) and result != 0:
+            self.call_from_thread(self.notify, f"{verb} {label} failed: exit {result}", severity="error")
+        else:
+            self.call_from_thread(self.notify, f"{verb} {label}: done")
 
     def action_kill(self) -> None:
         i = self.current

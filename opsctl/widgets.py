@@ -1,6 +1,6 @@
 """Small typed widgets of `opsctl watch`: state badge, run summary, charts, GPU panel, alerts, log pane, confirm dialog.
 
-They only draw what the RunModel (opsctl/tui.py) already knows; none of them reads a stream or derives state.
+They only draw what the RunModel (opsctl/watch.py) already knows; none of them reads a stream or derives state.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import math
 import re
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from rich.text import Text
@@ -26,9 +25,9 @@ from textual.widgets import Button, Label, Static
 
 from opsctl.alerts import CRITICAL, Alert
 from opsctl.runstate import RunView
+from opsctl.watch import SEV_ERROR, SEV_INFO, SEV_WARNING, LogLine, SeverityClassifier  # noqa: F401 - re-exported
 
 BLOCKS = "▁▂▃▄▅▆▇█"
-SEV_INFO, SEV_WARNING, SEV_ERROR = 0, 1, 2
 SEVERITY_NAMES = ("all", "warning+", "error")
 
 STATE_STYLES: dict[str, str] = {
@@ -51,46 +50,6 @@ HIGHLIGHTS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"\bNCCL\b"), "bold magenta"),
     (re.compile(r"\bWARN(ING)?\b|[Ww]arning\b"), "bold yellow"),
 ]
-_ERROR_RE = re.compile(
-    r"Traceback|\bERROR\b|Error\b|Exception\b|out of memory|\bOOM\b|FATAL|CRITICAL|NCCL (WARN|ERROR)|Segmentation fault"
-)
-_WARN_RE = re.compile(r"\bWARN(ING)?\b|[Ww]arning\b")
-# Substrings every error/warning match contains: `in` tests are ~20x cheaper than the regexes on ordinary lines.
-_ERROR_HINTS = ("rror", "xception", "OOM", "out of memory", "FATAL", "CRITICAL", "NCCL", "Traceback", "Segmentation")
-_WARN_HINTS = ("WARN", "arning")
-
-
-@dataclass(slots=True)
-class LogLine:
-    """One human log line as kept in a run's ring buffer; `seq` counts every line ever received for the run."""
-
-    seq: int
-    text: str
-    sev: int
-
-
-class SeverityClassifier:
-    """Tags log lines by severity; lines inside a traceback inherit `error` so a filter keeps the whole traceback."""
-
-    def __init__(self) -> None:
-        self._in_traceback = False
-
-    def __call__(self, line: str) -> int:
-        if self._in_traceback:
-            if line.startswith((" ", "\t")) or not line:
-                return SEV_ERROR
-            self._in_traceback = False
-            return SEV_ERROR  # the exception line itself
-        if line.startswith("Traceback (most recent call last)"):
-            self._in_traceback = True
-            return SEV_ERROR
-        if any(h in line for h in _ERROR_HINTS) and _ERROR_RE.search(line):
-            return SEV_ERROR
-        if any(h in line for h in _WARN_HINTS) and _WARN_RE.search(line):
-            return SEV_WARNING
-        return SEV_INFO
-
-
 # -- formatting ---------------------------------------------------------------------------
 def spark(values: Sequence[float], width: int, lo: float | None = None, hi: float | None = None) -> str:
     """A one-line chart of the last `width` finite values; a flat series draws at its bottom."""

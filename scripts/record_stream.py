@@ -1,7 +1,7 @@
 """Record a live run's agent stream (docs/agent-protocol.md) as JSON lines, for tests/fixtures/streams/.
 
 Follows HOST:RUN from the first byte of its log and events, for at most --seconds, through the same path as
-`opsctl watch` (AgentSource); the file replays with `python -m opsctl.tui FILE` or `RecordedSource`.
+`opsctl watch` (watch.AgentSource); the file replays with `python -m opsctl.tui FILE` or `RecordedSource`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from opsctl.commands import AgentSource, Ctx
-from opsctl.tui import record
+from opsctl.commands import Ctx, watch_sources
+from opsctl.watch import AgentSource, record
 
 
 class UntilExit:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", default=None, help="inventory file (default ./hosts.yaml)")
     p.add_argument("--until-exit", action="store_true", help="stop when the run's process exits")
     args = p.parse_args(argv)
-    source = AgentSource(Ctx(hosts_file=args.hosts), args.host, args.run)
+    (source,) = watch_sources(Ctx(hosts_file=args.hosts), [f"{args.host}:{args.run}"])
     source.offsets = {"log_offset": 0, "events_offset": 0}
     n = record(UntilExit(source) if args.until_exit else source, args.out, max_seconds=args.seconds)
     print(f"recorded {n} messages from {source.label} into {args.out}")

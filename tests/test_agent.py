@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 from agentlib import cleanup, drive, nvml_env, of, run_args, start  # noqa: E402
 
 from opsctl import agent, agent_wrapper  # noqa: E402
-from opsctl.commands import agent_source  # noqa: E402
+from opsctl.channel import agent_source  # noqa: E402
 
 
 def test_agent_source_is_ascii_and_stdlib_only() -> None:

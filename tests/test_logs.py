@@ -203,13 +203,13 @@ def test_follow_with_reconnect_timeout_0_keeps_retrying(tmp_path: Path, sshd) ->
 def test_reconnect_delay_backs_off_with_jitter() -> None:
     import random
 
-    from opsctl import commands
+    from opsctl import watch
 
     rng = random.Random(1)
-    delays = [[commands.reconnect_delay(a, rng) for a in range(1, 9)] for _ in range(50)]
+    delays = [[watch.reconnect_delay(a, rng) for a in range(1, 9)] for _ in range(50)]
     for row in delays:
         for a, d in enumerate(row, start=1):
-            base = min(commands.RECONNECT_CAP_S, commands.RECONNECT_BASE_S * 2 ** (a - 1))
+            base = min(watch.RECONNECT_CAP_S, watch.RECONNECT_BASE_S * 2 ** (a - 1))
             assert 0.5 * base <= d <= base
     assert len({row[3] for row in delays}) > 10  # jitter: followers of one host do not retry in lockstep
-    assert max(row[-1] for row in delays) <= commands.RECONNECT_CAP_S
+    assert max(row[-1] for row in delays) <= watch.RECONNECT_CAP_S

@@ -103,7 +103,7 @@ def test_unreachable_in_the_watch_model_fed_by_a_real_source(tmp_path: Path, ssh
     import time
 
     from opsctl import commands
-    from opsctl.tui import RunModel, SourceWorker
+    from opsctl.watch import RunModel, SourceWorker
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

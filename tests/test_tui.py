@@ -23,16 +23,8 @@ import pytest
 from textual.pilot import Pilot
 
 from opsctl.plain import run_plain, snapshot_once
-from opsctl.tui import (
-    RecordedSource,
-    SourceWorker,
-    WatchApp,
-    WatchSource,
-    record,
-    replay_main,
-    stall_after_of,
-    watch_main,
-)
+from opsctl.tui import WatchApp, replay_main, watch_main
+from opsctl.watch import RecordedSource, SourceWorker, WatchSource, record, stall_after_of
 from opsctl.widgets import (
     SEV_ERROR,
     SEV_WARNING,

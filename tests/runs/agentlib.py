@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from opsctl import agent
-from opsctl.commands import agent_source
+from opsctl.channel import agent_source
 
 RUNS = Path(__file__).resolve().parent
 SOURCE = agent_source()  # the blob the client ships: agent.py with the wrapper's text in it

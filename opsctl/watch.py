@@ -1,0 +1,523 @@
+"""The UI-free watch layer: the sources `opsctl watch` follows, the one resume-and-reconnect loop, RunModel per run.
+
+tui.py (Textual) and plain.py (--plain / --once) only draw what this module knows; it imports no UI library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from opsctl.alerts import Alert, AlertTracker
+from opsctl.channel import run_args, stream_agent
+from opsctl.config import HostConfig, RunConfig
+from opsctl.runstate import RunState, RunView
+from opsctl.transport import Transport
+
+DEFAULT_LOG_CAPACITY = 10_000  # lines kept per run for scroll-back and search
+DEFAULT_INBOX_LINES = 50_000  # log lines a worker may queue before the UI drains them; more are dropped (and counted)
+DEFAULT_INBOX_OTHER = 20_000  # non-log messages likewise
+HISTORY = 120  # points kept per chart / GPU sparkline
+STATE_TYPES = frozenset({"event", "proc", "gpu", "hello", "killed"})
+RECONNECT_BASE_S = 0.2  # first wait before reconnecting a lost link (doubling, with jitter)
+RECONNECT_CAP_S = 10.0  # the longest wait between two reconnect attempts
+SEV_INFO, SEV_WARNING, SEV_ERROR = 0, 1, 2
+
+_ERROR_RE = re.compile(
+    r"Traceback|\bERROR\b|Error\b|Exception\b|out of memory|\bOOM\b|FATAL|CRITICAL|NCCL (WARN|ERROR)|Segmentation fault"
+)
+_WARN_RE = re.compile(r"\bWARN(ING)?\b|[Ww]arning\b")
+# Substrings every error/warning match contains: `in` tests are ~20x cheaper than the regexes on ordinary lines.
+_ERROR_HINTS = ("rror", "xception", "OOM", "out of memory", "FATAL", "CRITICAL", "NCCL", "Traceback", "Segmentation")
+_WARN_HINTS = ("WARN", "arning")
+
+
+@dataclass(slots=True)
+class LogLine:
+    """One human log line as kept in a run's ring buffer; `seq` counts every line ever received for the run."""
+
+    seq: int
+    text: str
+    sev: int
+
+
+class SeverityClassifier:
+    """Tags log lines by severity; lines inside a traceback inherit `error` so a filter keeps the whole traceback."""
+
+    def __init__(self) -> None:
+        self._in_traceback = False
+
+    def __call__(self, line: str) -> int:
+        if self._in_traceback:
+            if line.startswith((" ", "\t")) or not line:
+                return SEV_ERROR
+            self._in_traceback = False
+            return SEV_ERROR  # the exception line itself
+        if line.startswith("Traceback (most recent call last)"):
+            self._in_traceback = True
+            return SEV_ERROR
+        if any(h in line for h in _ERROR_HINTS) and _ERROR_RE.search(line):
+            return SEV_ERROR
+        if any(h in line for h in _WARN_HINTS) and _WARN_RE.search(line):
+            return SEV_WARNING
+        return SEV_INFO
+
+
+# -- following the agent across lost links ------------------------------------------------------------------
+def reconnect_delay(attempt: int, rng: random.Random | None = None) -> float:
+    """Exponential back-off with jitter for reconnect `attempt` (1, 2, ...): many followers of one host that
+    lost its link must not all knock again in the same instant. The one back-off rule of every follower."""
+    base = min(RECONNECT_CAP_S, RECONNECT_BASE_S * 2 ** (attempt - 1))
+    return base * (rng or random).uniform(0.5, 1.0)
+
+
+def advance_offsets(offsets: dict[str, Any], msg: dict[str, Any]) -> None:
+    """Move the resume point past `msg`, so the next connection neither loses nor repeats a line.
+
+    Only the first connection asks for history (`tail`, `all_logs`); every later one resumes at the offsets."""
+    offsets.pop("tail", None)
+    offsets.pop("all_logs", None)
+    kind = msg.get("t")
+    if kind == "log":
+        offsets["log_offset"] = msg["end"]
+    elif kind == "event":
+        offsets["events_offset"] = msg["end"]
+    elif kind == "log_reset":
+        offsets["events_offset" if msg.get("file") == "events" else "log_offset"] = 0
+
+
+def follow_connection(transport: Transport, host: HostConfig, run: RunConfig, offsets: dict[str, Any],
+                      **options: Any) -> Iterator[dict[str, Any]]:
+    """One connection of the agent's `follow` from `offsets`, which every message advances in place."""
+    args = run_args(run, log_offset=offsets["log_offset"], events_offset=offsets["events_offset"],
+                    tail=offsets.get("tail", 0), **options)
+    for msg in stream_agent(transport, host, "follow", args):
+        advance_offsets(offsets, msg)
+        yield msg
+
+
+def reconnecting(connect: Callable[[int], Iterable[dict[str, Any]]], lost: Callable[[Exception, int], None],
+                 retry_on: tuple[type[Exception], ...], attempt: int = 0) -> Iterator[dict[str, Any]]:
+    """Messages of successive connections until `bye` or a connection's normal end: the one reconnect loop.
+
+    `connect(attempt)` opens a connection (`attempt`: failed tries since the link last delivered a message, 0 at
+    first). A `retry_on` error from it calls `lost(exc, attempt)`, which waits (or raises to give up), then the
+    loop connects again; any other error propagates."""
+    while True:
+        try:
+            with closing(iter(connect(attempt))) as stream:  # type: ignore[type-var]
+                for msg in stream:
+                    attempt = 0
+                    yield msg
+                    if msg.get("t") == "bye":
+                        return
+            return
+        except retry_on as exc:
+            attempt += 1
+            lost(exc, attempt)
+
+
+@runtime_checkable
+class WatchSource(Protocol):
+    """One run on one host, as the dashboard consumes it (the agent's `follow` stream, or a recording)."""
+
+    label: str  # "host:run"
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        """Blocking iterator of agent messages (docs/agent-protocol.md); raises or ends when the link is lost."""
+        ...
+
+    def kill(self) -> None: ...
+
+    def clean(self) -> None: ...
+
+    def reconnect(self) -> None:
+        """Re-establish the link; the next `messages()` resumes after the last offsets seen."""
+        ...
+
+    # Optional attributes: `finite = True`: the stream's normal end is final (a recording); without it, an end is
+    # a lost link and is retried with back-off, like an exception from `messages()`. `stall_after_s`: the run's
+    # configured stall threshold (hosts.yaml `stall_after`; the agent source's `run.stall_after` also works).
+
+
+def stall_after_of(source: WatchSource) -> float | None:
+    """The run's configured stall threshold, if its source knows one (else RunState's default rule applies)."""
+    value = getattr(source, "stall_after_s", None)
+    if value is None:
+        value = getattr(getattr(source, "run", None), "stall_after", None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+class RecordedSource:
+    """Replays a recorded agent stream (JSON lines), as fast as possible or paced by its `ts` fields.
+
+    It has no process behind it: kill/clean/reconnect are recorded in `actions` so tests can check what was asked.
+    """
+
+    finite = True  # its end is the end of the recording, not a lost link
+
+    def __init__(self, path: str | Path, label: str | None = None, speed: float | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"recorded stream not found: {self.path}")
+        self.label = label or self.path.stem
+        if speed is not None and speed <= 0:
+            raise ValueError(f"speed must be > 0 (or None for as fast as possible), got {speed}")
+        self.speed = speed
+        self._sleep = sleep
+        self.actions: list[str] = []
+        self.invalid_lines = 0
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        first_ts: float | None = None
+        started = time.monotonic()
+        with self.path.open(encoding="utf-8") as fh:
+            for raw in fh:
+                if not raw.strip():
+                    continue
+                try:
+                    msg = json.loads(raw)
+                except json.JSONDecodeError:
+                    self.invalid_lines += 1
+                    continue
+                if not isinstance(msg, dict):
+                    self.invalid_lines += 1
+                    continue
+                ts = msg.get("ts")
+                if self.speed is not None and isinstance(ts, (int, float)):
+                    if first_ts is None:
+                        first_ts = float(ts)
+                    delay = (float(ts) - first_ts) / self.speed - (time.monotonic() - started)
+                    if delay > 0:
+                        self._sleep(delay)
+                yield msg
+
+    def kill(self) -> None:
+        self.actions.append("kill")
+
+    def clean(self) -> None:
+        self.actions.append("clean")
+
+    def reconnect(self) -> None:
+        self.actions.append("reconnect")
+
+
+def record(source: WatchSource, path: str | Path, max_seconds: float, max_messages: int | None = None) -> int:
+    """Save a live source's stream as JSON lines, in arrival order (a fixture for RecordedSource).
+
+    Stops after `max_seconds` of wall time, `max_messages`, or when the stream ends or fails; returns the count.
+    """
+    if max_seconds <= 0:
+        raise ValueError(f"max_seconds must be > 0, got {max_seconds}")
+    got: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def pump() -> None:
+        try:
+            for msg in source.messages():
+                with lock:
+                    got.append(msg)
+                if done.is_set() or (max_messages is not None and len(got) >= max_messages):
+                    break
+        finally:
+            done.set()
+
+    threading.Thread(target=pump, name=f"record:{source.label}", daemon=True).start()
+    done.wait(max_seconds)
+    done.set()
+    with lock:
+        msgs = got[:max_messages] if max_messages is not None else list(got)
+    with Path(path).open("w", encoding="utf-8") as fh:
+        for m in msgs:
+            fh.write(json.dumps(m, separators=(",", ":")) + "\n")
+    return len(msgs)
+
+
+def link_msg(state: str, detail: str = "") -> dict[str, Any]:
+    """The watcher's own message about the link (not from the agent): up / lost / reconnecting / ended."""
+    return {"t": "link", "state": state, "detail": detail, "local_ts": time.time()}
+
+
+class _Stopped(Exception):
+    """The worker was stopped while waiting to reconnect."""
+
+
+class SourceWorker:
+    """Follows one source on a daemon thread and queues its messages for the UI thread, bounded and counted.
+
+    Link loss is retried with back-off (or at once on `request_reconnect`); a normal end waits for a manual reconnect.
+    """
+
+    def __init__(self, source: WatchSource, inbox_lines: int = DEFAULT_INBOX_LINES,
+                 inbox_other: int = DEFAULT_INBOX_OTHER, backoff: Sequence[float] | None = None) -> None:
+        self.source = source
+        self._lock = threading.Lock()
+        self._logs: deque[dict[str, Any]] = deque(maxlen=inbox_lines)
+        self._other: deque[dict[str, Any]] = deque(maxlen=inbox_other)
+        self._dropped = 0
+        self._backoff = tuple(backoff or ())  # waits per attempt (tests); empty: reconnect_delay, like every follower
+        self._finite = bool(getattr(source, "finite", False))  # a recording ends for good, a live follow never
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.received = 0
+        self.ended = threading.Event()  # set while the stream has ended normally (until a reconnect)
+        self._thread = threading.Thread(target=self._run, name=f"watch:{source.label}", daemon=True)
+
+    def start(self) -> SourceWorker:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def request_reconnect(self) -> None:
+        self._wake.set()
+
+    def _put(self, msg: dict[str, Any]) -> None:
+        with self._lock:
+            box = self._logs if msg.get("t") == "log" else self._other
+            if len(box) == box.maxlen:
+                self._dropped += 1
+            box.append(msg)
+            self.received += 1
+
+    def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+        """(non-log messages, log messages, drops since the last drain), emptying the inbox."""
+        with self._lock:
+            other, logs, dropped = list(self._other), list(self._logs), self._dropped
+            self._other.clear()
+            self._logs.clear()
+            self._dropped = 0
+        return other, logs, dropped
+
+    def _delay(self, attempt: int) -> float:
+        if not self._backoff:
+            return reconnect_delay(attempt)
+        return self._backoff[min(attempt - 1, len(self._backoff) - 1)]
+
+    def _connection(self, attempt: int) -> Iterator[dict[str, Any]]:
+        """One connection as the UI sees it: `reconnecting` before a retry, `up` at its first message; the end of
+        a live stream (its channel closed) is a lost link, the end of a recording is final."""
+        if attempt:
+            self._put(link_msg("reconnecting", f"attempt {attempt}"))
+            self.source.reconnect()
+        announced = False
+        for msg in self.source.messages():
+            if self._stop.is_set():
+                return
+            if not announced:
+                self._put(link_msg("up"))
+                announced = True
+            yield msg
+        if not self._finite and not self._stop.is_set():
+            raise ConnectionError("stream closed")
+
+    def _lost(self, exc: Exception, attempt: int) -> None:
+        delay = self._delay(attempt)
+        self._put(link_msg("lost", f"{type(exc).__name__}: {exc} (retry in {delay:.3g} s)"))
+        self._wake.wait(delay)  # `request_reconnect` cuts the wait short
+        self._wake.clear()
+        if self._stop.is_set():
+            raise _Stopped
+
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                # the transport's errors are many; every one means the link is gone
+                for msg in reconnecting(self._connection, self._lost, retry_on=(Exception,), attempt=attempt):
+                    self._put(msg)
+            except _Stopped:
+                return
+            if self._stop.is_set():
+                return
+            self._put(link_msg("ended", "r: reconnect"))
+            self.ended.set()
+            self._wake.wait()
+            self._wake.clear()
+            self.ended.clear()
+            attempt = 1
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._logs) + len(self._other)
+
+
+class RunModel:
+    """Everything shown about one run, folded on the UI thread from its source's messages."""
+
+    def __init__(self, label: str, clock: Callable[[], float] | None = None,
+                 log_capacity: int = DEFAULT_LOG_CAPACITY, history: int = HISTORY,
+                 stall_after_s: float | None = None) -> None:
+        self.label = label
+        self.clock = clock  # None: live (local clock + agent skew); tests and replays pass the agent's clock
+        self.state = RunState(stall_after_s=stall_after_s)
+        self.tracker = AlertTracker()
+        self.log: deque[LogLine] = deque(maxlen=log_capacity)
+        self.lines_total = 0
+        self.dropped = 0
+        self._classify = SeverityClassifier()
+        self.series: dict[str, deque[float]] = {k: deque(maxlen=history)
+                                                for k in ("loss", "tokens_per_s", "step_time_s", "queue_depth")}
+        self.gpu_hist: dict[int, dict[str, deque[float]]] = {}
+        self._history = history
+        self.link = "connecting"
+        self.heard = False  # an agent message arrived since the link was last lost (else: unreachable)
+        self.link_error: str | None = None
+        self.version = 0  # any change
+        self.chart_version = 0  # a step arrived
+        self.gpu_version = 0  # a GPU sample arrived
+
+    def ingest(self, msg: dict[str, Any]) -> None:
+        t = msg.get("t")
+        self.version += 1
+        if t == "log":
+            line = str(msg.get("line", ""))
+            self.log.append(LogLine(self.lines_total, line, self._classify(line)))
+            self.lines_total += 1
+            self.tracker.observe_log(line)
+            return
+        if t != "link":
+            self.heard = True
+        if t in STATE_TYPES:
+            self.state.apply(msg)
+        self.tracker.observe(msg)
+        if t == "event":
+            ev = msg.get("event") or {}
+            if ev.get("kind") == "step":
+                self.chart_version += 1
+                for key, series in self.series.items():
+                    value = ev.get(key)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        series.append(float(value))
+        elif t == "gpu":
+            self.gpu_version += 1
+            for g in msg.get("gpus") or []:
+                idx = g.get("index")
+                if not isinstance(idx, int):
+                    continue
+                hist = self.gpu_hist.setdefault(idx, {k: deque(maxlen=self._history)
+                                                      for k in ("util", "mem_used_mb", "power_w", "temp_c")})
+                for key, series in hist.items():
+                    value = g.get(key)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        series.append(float(value))
+        elif t == "link":
+            detail = msg.get("detail")
+            self.link = str(msg.get("state")) + (f" ({detail})" if detail else "")
+            if msg.get("state") == "lost":
+                self.heard = False
+                self.link_error = str(detail or "link lost")
+        elif t == "log_reset":
+            self.log.append(LogLine(self.lines_total, f"--- log {msg.get('reason', 'reset')} ---", 1))
+            self.lines_total += 1
+
+    def ingest_logs(self, msgs: list[dict[str, Any]]) -> None:
+        """The hot path (a chatty run sends tens of thousands of lines a second): `ingest` for log messages only."""
+        if not msgs:
+            return
+        append, classify, observe = self.log.append, self._classify, self.tracker.observe_log
+        n = self.lines_total
+        for msg in msgs:
+            line = str(msg.get("line", ""))
+            append(LogLine(n, line, classify(line)))
+            observe(line)
+            n += 1
+        self.lines_total = n
+        self.version += 1
+
+    def add_dropped(self, n: int) -> None:
+        if n:
+            self.dropped += n
+            self.version += 1
+
+    def view(self) -> RunView:
+        view = self.state.view(self.clock() if self.clock is not None else None)
+        if not self.heard and self.link_error is not None:
+            # The host did not answer since the link was lost: say so, never `absent` ("reached, no such run").
+            view = dataclasses.replace(view, state="unreachable", link_error=self.link_error, reason=self.link_error)
+        return view
+
+    def mark_unreachable(self, error: str) -> None:
+        """No answer at all (e.g. `--once` gave up while still connecting): unreachable, with why."""
+        if not self.heard and self.link_error is None:
+            self.link_error = error
+            self.version += 1
+
+    def alerts(self, view: RunView) -> list[Alert]:
+        return self.tracker.evaluate(view, self.clock() if self.clock is not None else time.time())
+
+    def mark_killed(self) -> None:
+        """The kill came from us: a `run_end` by signal (or the process gone) now reads as killed, not crashed."""
+        self.state.killed_by_us = True
+        self.version += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        view = self.view()
+        return {"label": self.label, "link": self.link, "log_lines": self.lines_total, "dropped_lines": self.dropped,
+                "view": view.to_dict(), "alerts": [a.to_dict() for a in self.alerts(view)]}
+
+
+def fold(workers: Sequence[SourceWorker], models: Sequence[RunModel]) -> list[bool]:
+    """Fold every queued message into its run (the dashboard, --plain and --once); per run: was there any."""
+    got = []
+    for worker, model in zip(workers, models, strict=True):
+        other, logs, dropped = worker.drain()
+        for msg in other:
+            model.ingest(msg)
+        model.ingest_logs(logs)
+        model.add_dropped(dropped)
+        got.append(bool(other or logs or dropped))
+    return got
+
+
+class AgentSource:
+    """One run followed through the agent, as `opsctl watch` consumes it (a WatchSource).
+
+    `messages()` is one connection: it ends, or raises TransportError, when the link is lost; the next call
+    resumes at the last offsets seen, so the dashboard neither loses nor repeats a line across reconnects.
+    `kill` / `clean` are the verbs' own paths (commands.watch_sources passes them): output and exit code land in
+    `last_output` / `last_rc`, never on the terminal a full-screen UI owns."""
+
+    def __init__(self, host: HostConfig, run: RunConfig, connect: Callable[[HostConfig], Transport],
+                 kill: Callable[[], tuple[int, str]], clean: Callable[[], tuple[int, str]], tail: int = 200) -> None:
+        self.host = host
+        self.run = run
+        self.label = f"{host.name}:{run.name}"
+        self.offsets: dict[str, Any] = {"log_offset": -1, "events_offset": 0, "tail": tail}
+        self.last_output = ""
+        self.last_rc: int | None = None
+        self._connect = connect
+        self._kill = kill
+        self._clean = clean
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        transport = self._connect(self.host)
+        try:
+            yield from follow_connection(transport, self.host, self.run, self.offsets, gpu_interval=1.0,
+                                         until_exit=False)
+        finally:
+            transport.close()
+
+    def kill(self) -> None:
+        """The same path as `opsctl kill`."""
+        self.last_rc, self.last_output = self._kill()
+
+    def clean(self) -> None:
+        self.last_rc, self.last_output = self._clean()
+
+    def reconnect(self) -> None:
+        pass  # every messages() call opens a fresh connection from the saved offsets

@@ -1,0 +1,61 @@
+"""The shape of the opsctl package: which module may import which (issue 9's layering rules).
+
+Walks the real import statements (module-level and inside functions) rather than trusting a diagram.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+OPSCTL = Path(__file__).resolve().parents[1] / "opsctl"
+MODULES = sorted(p.stem for p in OPSCTL.glob("*.py") if p.stem != "__init__")
+
+
+def opsctl_imports(name: str) -> set[str]:
+    """The opsctl modules `opsctl/<name>.py` imports anywhere in its body (lazy imports included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse((OPSCTL / f"{name}.py").read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("opsctl.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "opsctl":
+                found |= {a.name for a in node.names if a.name in MODULES}
+            elif node.module.startswith("opsctl."):
+                found.add(node.module.split(".")[1])
+    return found - {name}
+
+
+def test_no_import_cycle_among_opsctl_modules() -> None:
+    graph = {name: opsctl_imports(name) for name in MODULES}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(name):], name]))
+        if name in done:
+            return
+        for dep in sorted(graph.get(name, ())):
+            visit(dep, [*path, name])
+        done.add(name)
+
+    for name in MODULES:
+        visit(name, [])
+
+
+def test_layers_point_one_way() -> None:
+    # --plain / --once must work without the Textual app; the watch model is UI-free; the remote halves are alone.
+    assert "tui" not in opsctl_imports("plain")
+    assert not opsctl_imports("watch") & {"tui", "widgets", "plain", "commands", "cli"}
+    assert not opsctl_imports("agent") and not opsctl_imports("agent_wrapper")
+    src = (OPSCTL / "watch.py").read_text()
+    assert "textual" not in src and "rich" not in src
+
+
+def test_each_module_imports_alone() -> None:
+    for name in (m for m in MODULES if m != "__main__"):  # __main__ runs the CLI on import, by design
+        got = subprocess.run([sys.executable, "-c", f"import opsctl.{name}"], capture_output=True, text=True,
+                             timeout=120)
+        assert got.returncode == 0, (name, got.stderr[-2000:])
