@@ -36,7 +36,7 @@ def agent_source() -> bytes:
 
 def agent_argv(host: HostConfig, verb: str, args: dict[str, Any]) -> list[str]:
     """`python3 -u -c BOOTSTRAP VERB JSON` as one argv; each transport layer quotes it once."""
-    python = sys.executable if (host.local and host.pct is None) else host.python
+    python = host.python if host.is_remote else sys.executable
     return [python, "-u", "-c", agent.BOOTSTRAP, verb, json.dumps(args, separators=(",", ":"))]
 
 

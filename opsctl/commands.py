@@ -23,7 +23,7 @@ from rich.text import Text
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
 from opsctl.runstate import RunState, RunView, unreachable_view
-from opsctl.transport import PctTransport, PermanentTransportError, Transport, TransportError, transport_for
+from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
 from opsctl.watch import AgentSource, follow_connection, reconnect_delay, reconnecting
 
 EXIT_OK = 0  # done / the run is ready / the run finished with status 0
@@ -88,18 +88,16 @@ class Ctx:
         self.raw.flush()
 
 
-def check_container(ctx: Ctx, host: HostConfig, t: Transport) -> None:
-    """Refuse early and clearly when the Proxmox container is not running (the agent would run inside it)."""
-    if not isinstance(t, PctTransport):
-        return
+def preflight(ctx: Ctx, host: HostConfig, t: Transport) -> None:
+    """The transport stack's own preflight (a container that must be running), said on stderr or refused."""
     try:
-        state = t.status()
+        checked = t.preflight()
+    except PreflightRefused as exc:
+        raise OpsError(f"{host.name}: {exc}", EXIT_REFUSED) from None
     except TransportError as exc:
         raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
-    if state != "running":
-        raise OpsError(f"{host.name}: container {t.vmid} is {state} (pct status {t.vmid}); start it with "
-                       f"`pct start {t.vmid}` on the Proxmox host", EXIT_REFUSED)
-    ctx.err.print(f"[green]ok[/]  container {t.vmid} running")
+    if checked:
+        ctx.err.print(f"[green]ok[/]  {checked}")
 
 
 def _print_check(ctx: Ctx, m: dict[str, Any]) -> None:
@@ -125,7 +123,7 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
     t = ctx.transport(host)
     try:
         t0 = time.monotonic()
-        check_container(ctx, host, t)
+        preflight(ctx, host, t)
         state = RunState(stall_after_s=run.stall_after)
         rc: int | None = None
         launched_at: float | None = None
@@ -283,7 +281,7 @@ def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, line
     if not follow:
         t = ctx.transport(host)
         try:
-            check_container(ctx, host, t) if isinstance(t, PctTransport) else None
+            preflight(ctx, host, t)
             args = (run_args(run, log_offset=0, once=True, no_events=True, gpu_interval=0, all_logs=True)
                     if all_attempts else
                     run_args(run, log_offset=-1, tail=lines, once=True, no_events=True, gpu_interval=0))
@@ -338,8 +336,8 @@ def cmd_status(ctx: Ctx, host_name: str, run_name: str | None, as_json: bool = F
     except OpsError as exc:
         unreachable, t = str(exc), None
     try:
-        if t is not None and isinstance(t, PctTransport) and not as_json:
-            check_container(ctx, host, t)
+        if t is not None and not as_json:
+            preflight(ctx, host, t)
         for run in runs:
             if unreachable is None:
                 try:
@@ -411,7 +409,7 @@ def cmd_kill(ctx: Ctx, host_name: str, run_name: str) -> int:
     t = ctx.transport(host)
     rc = EXIT_FAILED
     try:
-        check_container(ctx, host, t)
+        preflight(ctx, host, t)
         for m in stream_agent(t, host, "kill", run_args(run, gpus=host.gpus)):
             kind = m.get("t")
             if kind == "killed":
@@ -451,7 +449,7 @@ def cmd_clean(ctx: Ctx, host_name: str, run_name: str | None, dry_run: bool = Fa
     t = ctx.transport(host)
     worst = EXIT_OK
     try:
-        check_container(ctx, host, t)
+        preflight(ctx, host, t)
         for run in runs:
             n = total = 0
             for m in stream_agent(t, host, "clean", run_args(run, dry_run=dry_run, logs=logs)):

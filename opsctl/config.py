@@ -192,6 +192,12 @@ class HostConfig(_Strict):
         return self
 
     @property
+    def is_remote(self) -> bool:
+        """Commands run somewhere else (over ssh, or inside a container even on this machine): paths are POSIX
+        strings resolved there, `~` cannot be expanded here, and the interpreter is `python`, not ours."""
+        return not self.local or self.pct is not None
+
+    @property
     def kind(self) -> str:
         """`local`, `ssh`, `local+pct` or `ssh+pct`: which transport layers a command crosses."""
         base = "local" if self.local else "ssh"
@@ -389,7 +395,7 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
         problems.append((file, _line_for(lines, (*loc, field)), ".".join((*loc, field)), msg))
 
     data = run.model_dump()
-    if host.local and host.pct is None:
+    if not host.is_remote:
         workdir = _resolve_local_path(run.workdir, base_dir)
     else:
         workdir = run.workdir
@@ -402,11 +408,11 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
     def under_workdir(p: str | None) -> str | None:
         if p is None:
             return None
-        if host.local and host.pct is None:
+        if not host.is_remote:
             return _resolve_local_path(p, Path(workdir))
         return posixpath.normpath(posixpath.join(workdir, p))
 
-    remote = not (host.local and host.pct is None)
+    remote = host.is_remote
     for key in ("log", "events", "state_dir", "model_dir", "inductor_cache_dir", "model_manifest"):
         if remote and isinstance(data[key], str) and data[key].startswith("~"):
             bad(key, f"{data[key]!r}: '~' cannot be resolved for a remote host; write an absolute path")
@@ -415,7 +421,7 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
     if data["model_manifest"] is not None:
         base = data["model_dir"] or workdir
         data["model_manifest"] = (
-            _resolve_local_path(data["model_manifest"], Path(base)) if host.local and host.pct is None
+            _resolve_local_path(data["model_manifest"], Path(base)) if not host.is_remote
             else posixpath.normpath(posixpath.join(base, data["model_manifest"]))
         )
     if data["tmux_session"] is None:
@@ -450,7 +456,7 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
     elif not any(path_is_within(cache, r) for r in data["clean_roots"]):
         bad("inductor_cache_dir", f"{cache!r} is not inside any of clean_roots {data['clean_roots']}")
     if isinstance(run.command, list):
-        python = sys.executable if host.local and host.pct is None else host.python
+        python = host.python if host.is_remote else sys.executable
         data["command"] = [python if a == PYTHON_PLACEHOLDER else a for a in run.command]
     if problems:
         raise InventoryError(problems)

@@ -36,6 +36,10 @@ class TransportTimeout(TransportError, TimeoutError):
     """A command or a wait did not finish within its timeout."""
 
 
+class PreflightRefused(Exception):
+    """The host answered, and a layer cannot run commands there now (a stopped container); exit 5, not 3."""
+
+
 class PermanentTransportError(TransportError):
     """Retrying cannot help until a person acts: host key unknown or changed, authentication refused, a host
     name that does not resolve. `logs -f` and `launch --follow` exit 3 on it at once instead of retrying.
@@ -125,6 +129,13 @@ class Transport(Protocol):
     def run(self, argv: list[str], input: bytes | None = None, timeout: float | None = None) -> Completed: ...
 
     def stream(self, argv: list[str], stdin_data: bytes = b"") -> Stream: ...
+
+    def preflight(self) -> str | None:
+        """Check that this stack can run commands now (e.g. its container is running), before a verb starts.
+
+        Returns what was checked, for the operator (None: nothing to check); raises PreflightRefused when the
+        host answered no, TransportError when it could not be asked."""
+        ...
 
     def close(self) -> None: ...
 
@@ -299,6 +310,9 @@ class LocalTransport:
         if stdin_data:
             s.write(stdin_data)
         return s
+
+    def preflight(self) -> str | None:
+        return None  # this machine runs commands whenever we do
 
     def close(self) -> None:
         pass
@@ -698,6 +712,9 @@ class SSHTransport:
             s.write(stdin_data)
         return s
 
+    def preflight(self) -> str | None:
+        return None  # reachability is proven by the agent's stream itself (exit 3 when it fails)
+
     def close(self) -> None:
         with self._lock:
             if self._conn is not None:
@@ -750,6 +767,15 @@ class PctTransport:
             msg = (r.stderr.decode(errors="replace").strip() or text or f"exit code {r.rc}")
             raise TransportError(f"pct status {self.vmid}: {msg}")
         return text.split(": ", 1)[1]
+
+    def preflight(self) -> str | None:
+        """Refuse early and clearly when the container is not running (the agent would run inside it)."""
+        self.inner.preflight()
+        state = self.status()
+        if state != "running":
+            raise PreflightRefused(f"container {self.vmid} is {state} (pct status {self.vmid}); start it with "
+                                   f"`pct start {self.vmid}` on the Proxmox host")
+        return f"container {self.vmid} running"
 
     def close(self) -> None:
         self.inner.close()

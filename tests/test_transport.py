@@ -20,6 +20,7 @@ from opsctl.config import HostConfig, SSHSettings, load_inventory, parse_invento
 from opsctl.transport import (
     LocalTransport,
     PctTransport,
+    PreflightRefused,
     SSHTransport,
     Transport,
     TransportError,
@@ -324,6 +325,30 @@ def test_pct_status_reports_state_and_pct_errors(ssh: SSHTransport, pct_host: Pc
         PctTransport(ssh, 232).status()
     with pytest.raises(ValueError):
         PctTransport(ssh, 99)
+
+
+def test_preflight_is_each_layers_own_check(ssh: SSHTransport, pct_host: PctHost) -> None:
+    """Verbs ask the stack, never its type: local and ssh have nothing to check, pct needs a running container."""
+    assert LocalTransport().preflight() is None and ssh.preflight() is None
+    pct_host.create(233, start=False)
+    stopped = PctTransport(ssh, 233)
+    assert isinstance(stopped, Transport)
+    with pytest.raises(PreflightRefused, match=r"container 233 is stopped \(pct status 233\); start it with "
+                                                r"`pct start 233` on the Proxmox host"):
+        stopped.preflight()
+    with pytest.raises(TransportError, match="pct status 234"):
+        PctTransport(ssh, 234).preflight()  # no such container: pct's own error, the host could not say
+    assert pct_host.pct("start", "233").returncode == 0
+    try:
+        assert stopped.preflight() == "container 233 running"
+    finally:
+        pct_host.pct("stop", "233")
+
+
+def test_host_is_remote_when_commands_run_elsewhere() -> None:
+    assert not HostConfig(name="l", local=True).is_remote
+    assert HostConfig(name="c", local=True, pct=200).is_remote  # a container on this machine is elsewhere too
+    assert HostConfig(name="s", ssh=SSHSettings(host="h")).is_remote
 
 
 def test_ssh_config_supplies_hostname_port_user_and_key(sshd: Sshd, tmp_path: Path,
