@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dflash.telemetry import ERROR_CLASSES
 from opsctl.runstate import RunView
 
 WARMUP_STEPS = 3  # recompiles during the first steps are expected (shapes settle); later ones are a bug
@@ -23,6 +24,18 @@ QUEUE_WINDOW = 5  # steps looked at for starvation / backlog
 QUEUE_MIN_STEPS = 3
 CRITICAL = "critical"
 WARNING = "warning"
+
+
+
+def _error_class(name: str) -> str:
+    """An `error` event class (dflash/telemetry.py ERROR_CLASSES) a rule reacts to: a renamed class fails here,
+    at import, instead of silently never alerting again."""
+    if name not in ERROR_CLASSES:
+        raise ImportError(f"opsctl.alerts: error class {name!r} is not in dflash.telemetry.ERROR_CLASSES")
+    return name
+
+
+NAN, SLOW_KERNEL, RECOMPILE, UNCOMPILED_FLEX = map(_error_class, ("nan", "slow_kernel", "recompile", "uncompiled_flex"))
 
 # Config keys that name the hidden-state reservoir's capacity (the training core's config names it).
 _CAPACITY_KEYS = ("reservoir_size", "reservoir_capacity", "queue_capacity", "queue_size", "reservoir")
@@ -161,12 +174,12 @@ class AlertTracker:
         elif kind == "error":
             cls = ev.get("class")
             message = str(ev.get("message") or "")
-            if cls == "nan" and self.nan is None:
+            if cls == NAN and self.nan is None:
                 self.nan = f"error nan: {message}"
-            elif cls == "slow_kernel":
+            elif cls == SLOW_KERNEL:
                 self.kernel_errors.append(message)
                 del self.kernel_errors[:-5]
-            elif cls in ("recompile", "uncompiled_flex"):
+            elif cls in (RECOMPILE, UNCOMPILED_FLEX):
                 self.recompile_errors.append(f"{cls}: {message}")
                 del self.recompile_errors[:-5]
 

@@ -12,10 +12,13 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflash.telemetry import PHASES
+
 # absent: the host was reached and has no such run; unreachable: the host could not be asked at all.
 STATES = ("starting", "loading", "compiling", "training", "stalled", "finished", "crashed", "killed", "absent",
           "unreachable")
-LOADING_PHASES = {"loading_target", "building_drafter", "preparing_data"}
+# Every phase the contract lists before `compiling` reads as loading (target, drafter, data).
+LOADING_PHASES = frozenset(PHASES[:PHASES.index("compiling")])
 STALL_FLOOR_S = 60.0
 STALL_FACTOR = 10.0
 

@@ -59,3 +59,26 @@ def test_each_module_imports_alone() -> None:
         got = subprocess.run([sys.executable, "-c", f"import opsctl.{name}"], capture_output=True, text=True,
                              timeout=120)
         assert got.returncode == 0, (name, got.stderr[-2000:])
+
+
+def test_client_imports_the_event_contract_instead_of_copying_it() -> None:
+    # opsctl may import two dflash modules, both torch-free: the event contract and the YAML reader.
+    for name in MODULES:
+        for node in ast.walk(ast.parse((OPSCTL / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash"):
+                assert node.module in ("dflash.telemetry", "dflash", "dflash.yamlfile"), (name, node.module)
+                if node.module == "dflash":
+                    assert [a.name for a in node.names] == ["yamlfile"], (name, ast.dump(node))
+    contract = (OPSCTL.parent / "dflash" / "telemetry.py").read_text()
+    for node in ast.walk(ast.parse(contract)):
+        if isinstance(node, ast.Import):
+            assert all(a.name.split(".")[0] in sys.stdlib_module_names for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            assert (node.module or "").split(".")[0] in sys.stdlib_module_names | {"__future__"}
+
+    from dflash import telemetry
+    from opsctl import alerts, runstate
+
+    assert runstate.LOADING_PHASES == {"loading_target", "building_drafter", "preparing_data"}
+    assert runstate.LOADING_PHASES < set(telemetry.PHASES) and "compiling" in telemetry.PHASES
+    assert {alerts.NAN, alerts.SLOW_KERNEL, alerts.RECOMPILE, alerts.UNCOMPILED_FLEX} <= set(telemetry.ERROR_CLASSES)
