@@ -173,7 +173,7 @@ class Nvml:
             except Exception:  # noqa: BLE001 - one unsupported field must not hide the rest
                 g[key] = None
 
-        get("name", lambda: _s(nv.nvmlDeviceGetName(h)))
+        get("name", lambda: _nvml_text(nv.nvmlDeviceGetName(h)))
         get("util", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu)
         get("mem_used_mb", lambda: nv.nvmlDeviceGetMemoryInfo(h).used / 2**20)
         get("mem_total_mb", lambda: nv.nvmlDeviceGetMemoryInfo(h).total / 2**20)
@@ -192,7 +192,8 @@ class Nvml:
         return g
 
 
-def _s(v: Any) -> str:
+def _nvml_text(v: Any) -> str:
+    """NVML names are bytes in older pynvml releases and str in newer ones: one text either way."""
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
@@ -236,7 +237,8 @@ class Run:
     def path(self, p: str) -> str:
         return os.path.normpath(os.path.join(self.workdir, os.path.expanduser(str(p))))
 
-    def sf(self, name: str) -> str:
+    def state_file(self, name: str) -> str:
+        """A file of this run's state dir (pid, exit_code, spec.json, tmux.sock, ...): every one is named here."""
         return os.path.join(self.state_dir, name)
 
     def argv(self) -> list[str]:
@@ -248,7 +250,7 @@ class Run:
         raise AgentError(f"command must be a non-empty argv list or a script string, got {c!r}")
 
     def tmux_socket(self) -> str:
-        sock = self.sf("tmux.sock")
+        sock = self.state_file("tmux.sock")
         if len(sock.encode()) < 100:
             return sock
         # AF_UNIX paths are limited to ~107 bytes; derive a stable short path so later calls find it again.
@@ -377,7 +379,7 @@ def leftovers(run: Run) -> list[int]:
     """Live processes the run's wrapper still holds (adopted orphans) after the main command ended.
 
     Only the wrapper's descendants (wrapper checked by start time) count, so a reused pid is never taken for one."""
-    info = read_json(run.sf("pid")) or {}
+    info = read_json(run.state_file("pid")) or {}
     wrapper = wrapper_of(info)
     return sorted(run_procs(-1, -1, {}, wrapper)) if wrapper is not None else []
 
@@ -410,8 +412,8 @@ class ProcWatch:
         return self._left[1]
 
     def snapshot(self) -> dict[str, Any]:
-        info = read_json(self.run.sf("pid")) or {}
-        code = read_exit_code(self.run.sf("exit_code"))
+        info = read_json(self.run.state_file("pid")) or {}
+        code = read_exit_code(self.run.state_file("exit_code"))
         pid = info.get("pid")
         pgid = info.get("pgid")
         if code is not None:
@@ -433,7 +435,7 @@ class ProcWatch:
         # that did not see the kill (a separate `opsctl kill` while `watch` follows) still reports `killed`.
         exited = state == "exited"
         return {"state": state, "pid": pid, "pgid": pgid, "exit_code": code, "session": self.run.session,
-                "killed_by_opsctl": os.path.exists(self.run.sf("killed")),
+                "killed_by_opsctl": os.path.exists(self.run.state_file("killed")),
                 "exception": self.exception(pid, code) if exited else None,
                 "leftovers": self.leftovers(info) if exited else []}
 
@@ -1000,11 +1002,11 @@ def previous_attempt(run: Run) -> dict[str, Any]:
     """What the last launch of this run came to: exit code, last phase, steps, its run_end, and its argv.
 
     Read from STATE_DIR (launch.json, exit_code, spec.json) and the events written since that launch."""
-    launch = read_json(run.sf("launch.json")) or {}
+    launch = read_json(run.state_file("launch.json")) or {}
     since = float(launch.get("ts", 0)) - 1.0
-    out: dict[str, Any] = {"launched": bool(launch), "exit_code": read_exit_code(run.sf("exit_code")),
+    out: dict[str, Any] = {"launched": bool(launch), "exit_code": read_exit_code(run.state_file("exit_code")),
                            "phase": None, "step": None, "total_steps": None, "run_end": None, "run_start": None,
-                           "error": None, "argv": (read_json(run.sf("spec.json")) or {}).get("argv")}
+                           "error": None, "argv": (read_json(run.state_file("spec.json")) or {}).get("argv")}
     if run.events and os.path.exists(run.events):
         with open(run.events, "rb") as fh:
             for raw in fh:
@@ -1098,7 +1100,7 @@ def old_logs(run: Run) -> list[str]:
 def prepare_cache(run: Run, real: str, prev: dict[str, Any], fresh: bool) -> str:
     """Clear or keep the run's cache dir by its policy; returns what was done and why (launch prints it)."""
     reasons: list[str] = []
-    key_file = run.sf("inductor_key.json")
+    key_file = run.state_file("inductor_key.json")
     if fresh:
         reasons.append("--fresh-cache")
     if prev.get("phase") == "compiling" and (prev.get("exit_code") not in (0, None) or prev.get("error")
@@ -1154,7 +1156,7 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("check", name="tmux", ok=False, detail="tmux is not installed on this host (apt-get install tmux)")
         return EXIT_CODES["refused"]
     # One launch at a time per run: held until this agent exits (the kernel drops it with the process).
-    lock_fd = os.open(run.sf("launch.lock"), os.O_WRONLY | os.O_CREAT, 0o644)
+    lock_fd = os.open(run.state_file("launch.lock"), os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -1236,7 +1238,7 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     # A fresh start: remove what the previous run left, so state cannot be mistaken for this run's.
     for name in ("pid", "exit_code", "killed"):
         try:
-            os.unlink(run.sf(name))
+            os.unlink(run.state_file(name))
         except FileNotFoundError:
             pass
     info = session_info(run)
@@ -1253,18 +1255,18 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     env["OPSCTL_RUN"] = run.name  # how cache_users() names the run that holds a cache dir
     env["OPSCTL_STATE_DIR"] = run.state_dir
     spec = {"argv": argv, "env": env, "workdir": run.workdir, "log": run.log, "state_dir": run.state_dir}
-    with open(run.sf("spec.json"), "w") as fh:
+    with open(run.state_file("spec.json"), "w") as fh:
         json.dump(spec, fh)
-    with open(run.sf("wrapper.py"), "w") as fh:
+    with open(run.state_file("wrapper.py"), "w") as fh:
         fh.write(wrapper_source())
-    with open(run.sf("tmux.conf"), "w") as fh:
+    with open(run.state_file("tmux.conf"), "w") as fh:
         fh.write("set-option -g remain-on-exit on\nset-option -g history-limit 10000\n")
     launch_ts = time.time()
-    with open(run.sf("launch.json"), "w") as fh:
+    with open(run.state_file("launch.json"), "w") as fh:
         json.dump({"ts": launch_ts, "session": run.session, "log": run.log, "events": run.events}, fh)
     events_offset = os.path.getsize(run.events) if run.events and os.path.exists(run.events) else 0
-    cp = tmux(run, "-f", run.sf("tmux.conf"), "new-session", "-d", "-s", run.session, "-x", "200", "-y", "50",
-              "-c", run.workdir, sys.executable, run.sf("wrapper.py"), run.sf("spec.json"))
+    cp = tmux(run, "-f", run.state_file("tmux.conf"), "new-session", "-d", "-s", run.session, "-x", "200", "-y", "50",
+              "-c", run.workdir, sys.executable, run.state_file("wrapper.py"), run.state_file("spec.json"))
     if cp.returncode != 0:
         emit("error", message=f"tmux new-session failed: {cp.stdout.strip()}", fatal=True)
         return EXIT_CODES["failed"]
@@ -1272,47 +1274,47 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     deadline = time.monotonic() + 10
     info_pid: dict[str, Any] | None = None
     while time.monotonic() < deadline:
-        info_pid = read_json(run.sf("pid"))
-        if info_pid or read_exit_code(run.sf("exit_code")) is not None:
+        info_pid = read_json(run.state_file("pid"))
+        if info_pid or read_exit_code(run.state_file("exit_code")) is not None:
             break
         time.sleep(0.02)
     if info_pid:
         emit("launched", pid=info_pid["pid"], pgid=info_pid["pgid"], session=run.session, log=run.log,
              events=run.events, socket=run.tmux_socket())
-    fol = Follower(run, nvml, 0, events_offset, 0, float(opts.get("gpu_interval", 1.0)), launch_ts - 1.0)
-    return follow_loop(fol, run, ready_deadline=time.monotonic() + run.ready_timeout,
+    follower = Follower(run, nvml, 0, events_offset, 0, float(opts.get("gpu_interval", 1.0)), launch_ts - 1.0)
+    return follow_loop(follower, run, ready_deadline=time.monotonic() + run.ready_timeout,
                        keep_following=bool(opts.get("follow")))
 
 
-def follow_loop(fol: Follower, run: Run, ready_deadline: float | None, keep_following: bool) -> int:
+def follow_loop(follower: Follower, run: Run, ready_deadline: float | None, keep_following: bool) -> int:
     """Ready / death / timeout verdicts for launch; `follow` runs it with no deadline until the run ends."""
     ready = ready_deadline is None
     while True:
-        snap = fol.poll()
-        if not ready and (fol.saw_step or fol.pattern_hit is not None):
+        snap = follower.poll()
+        if not ready and (follower.saw_step or follower.pattern_hit is not None):
             ready = True
-            how = "first step event" if fol.saw_step else f"log line matched {run.ready_pattern!r}: {fol.pattern_hit}"
-            emit("verdict", ok=True, reason="ready", detail=how, phase=fol.phase_text(), **fol.offsets())
+            how = "first step event" if follower.saw_step else f"log line matched {run.ready_pattern!r}: {follower.pattern_hit}"
+            emit("verdict", ok=True, reason="ready", detail=how, phase=follower.phase_text(), **follower.offsets())
             if not keep_following:
                 return EXIT_CODES["ok"]
         if snap["state"] in ("exited", "absent") and (snap["state"] == "exited" or ready_deadline is not None):
-            fol.poll()  # drain what the run wrote just before it died
+            follower.poll()  # drain what the run wrote just before it died
             code = snap["exit_code"]
             if ready and ready_deadline is None and snap["state"] == "absent":
                 emit("verdict", ok=False, reason="absent", detail="no process recorded for this run",
-                     phase=fol.phase_text(), **fol.offsets())
+                     phase=follower.phase_text(), **follower.offsets())
                 return EXIT_CODES["failed"]
             good = code == 0
             emit("verdict", ok=good and ready, reason="exited" if ready else "died_before_ready", exit_code=code,
-                 phase=fol.phase_text(), traceback=None if good else fol.traceback(), tail=list(fol.lines)[-30:],
+                 phase=follower.phase_text(), traceback=None if good else follower.traceback(), tail=list(follower.lines)[-30:],
                  detail="run exited with status {}{}".format(code, "" if ready else " before it was ready, in phase "
-                                                           + fol.phase_text()), **fol.offsets())
+                                                           + follower.phase_text()), **follower.offsets())
             return EXIT_CODES["ok"] if good and ready else EXIT_CODES["failed"]
         if not ready and ready_deadline is not None and time.monotonic() > ready_deadline:
-            age = None if fol.last_event_ts is None else round(time.time() - fol.last_event_ts, 1)
-            emit("verdict", ok=False, reason="timeout", phase=fol.phase_text(), last_event_age_s=age,
-                 detail="not ready after {:g} s: stuck in phase {}{}; the run was left running".format(run.ready_timeout, fol.phase_text(), "" if age is None else f", last event {age:.1f} s ago"),
-                 tail=list(fol.lines)[-10:], **fol.offsets())
+            age = None if follower.last_event_ts is None else round(time.time() - follower.last_event_ts, 1)
+            emit("verdict", ok=False, reason="timeout", phase=follower.phase_text(), last_event_age_s=age,
+                 detail="not ready after {:g} s: stuck in phase {}{}; the run was left running".format(run.ready_timeout, follower.phase_text(), "" if age is None else f", last event {age:.1f} s ago"),
+                 tail=list(follower.lines)[-10:], **follower.offsets())
             return EXIT_CODES["timeout"]
         time.sleep(POLL_S)
 
@@ -1329,23 +1331,23 @@ def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                 for raw in fh:
                     emit("old_log", file=path, line=raw.rstrip(b"\n").decode("utf-8", errors="replace"))
         emit("attempt", file=run.log, attempt=len(olds) + 1, attempts=len(olds) + 1, current=True)
-    fol = Follower(run, nvml, int(opts.get("log_offset", 0)), int(opts.get("events_offset", 0)),
+    follower = Follower(run, nvml, int(opts.get("log_offset", 0)), int(opts.get("events_offset", 0)),
                    int(opts.get("tail", 10)), float(opts.get("gpu_interval", 1.0)))
     if opts.get("once"):
-        fol.poll()  # what is there now (the last `tail` lines), then stop
-        emit("verdict", ok=True, reason="snapshot", **fol.offsets())
+        follower.poll()  # what is there now (the last `tail` lines), then stop
+        emit("verdict", ok=True, reason="snapshot", **follower.offsets())
         return EXIT_CODES["ok"]
     if not opts.get("until_exit", True):
         while True:
-            fol.poll()
+            follower.poll()
             time.sleep(POLL_S)
-    return follow_loop(fol, run, ready_deadline=None, keep_following=True)
+    return follow_loop(follower, run, ready_deadline=None, keep_following=True)
 
 
 def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
-    pw = ProcWatch(run)
-    launch = read_json(run.sf("launch.json")) or {}
-    killed = read_json(run.sf("killed"))
+    proc_watch = ProcWatch(run)
+    launch = read_json(run.state_file("launch.json")) or {}
+    killed = read_json(run.state_file("killed"))
     since = float(launch.get("ts", 0)) - 1.0
     # The events since the last run_start that a reducer needs: phase, last steps, errors, checkpoint, end.
     picked: dict[int, tuple[int, dict[str, Any]]] = {}
@@ -1384,7 +1386,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         end, ev = picked[start]
         emit("event", off=start, end=end, event=ev)
     # proc after the events: a reducer resets the exit code when it sees run_start
-    snap = pw.poll(force=True)
+    snap = proc_watch.poll(force=True)
     if nvml.ok:
         emit("gpu", gpus=nvml.sample())
     sess = session_info(run)
@@ -1442,9 +1444,9 @@ def gpu_released(nvml: Nvml, ours: set[int], before: list[tuple[int, int, float 
 
 
 def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
-    info = read_json(run.sf("pid"))
-    pw = ProcWatch(run)
-    snap = pw.poll(force=True)
+    info = read_json(run.state_file("pid"))
+    proc_watch = ProcWatch(run)
+    snap = proc_watch.poll(force=True)
     if not info or not isinstance(info.get("pid"), int):
         emit("verdict", ok=True, reason="not_running", detail=f"no process recorded in {run.state_dir}")
         return EXIT_CODES["ok"]
@@ -1461,7 +1463,7 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("verdict", ok=True, reason="not_running", detail=f"pid {pid} and process group {pgid} are gone (state {snap['state']}){untracked}",
              exit_code=snap["exit_code"])
         return EXIT_CODES["ok"]
-    with open(run.sf("killed"), "w") as fh:
+    with open(run.state_file("killed"), "w") as fh:
         json.dump({"ts": time.time(), "pid": pid, "pgid": pgid, "by": "opsctl kill"}, fh)
     events_offset = os.path.getsize(run.events) if run.events and os.path.exists(run.events) else 0
     grace = [run.kill_grace[0], run.kill_grace[1], 5.0]
@@ -1500,7 +1502,7 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     left = procs(seen_pids)
     # The wrapper records the exit status right after the run ends; the training core writes run_end first.
     deadline = time.monotonic() + 3.0
-    while read_exit_code(run.sf("exit_code")) is None and time.monotonic() < deadline:
+    while read_exit_code(run.state_file("exit_code")) is None and time.monotonic() < deadline:
         time.sleep(POLL_S)
     run_end = None
     if run.events and os.path.exists(run.events):
@@ -1514,7 +1516,7 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                 run_end = ev
             if isinstance(ev, dict) and ev.get("kind") in ("run_end", "checkpoint"):
                 emit("event", off=_off, end=_end, event=ev)
-    pw.poll()
+    proc_watch.poll()
     gpu_ok, gpu_detail = gpu_released(nvml, set(seen_pids), gpus_before, opts.get("gpus"),
                                       float(opts.get("gpu_release_wait", 10.0)))
     skipped = gpu_ok is None
@@ -1523,7 +1525,7 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     emit("check", name="gpu_released", ok=bool(gpu_ok), skipped=skipped, detail=gpu_detail)
     ok = not left and (gpu_ok or skipped)
     emit("verdict", ok=ok, reason="killed" if ok else ("survivors" if left else "gpu_held"), alive=sorted(left),
-         exit_code=read_exit_code(run.sf("exit_code")), run_end=run_end, gpu_checked=not skipped,
+         exit_code=read_exit_code(run.state_file("exit_code")), run_end=run_end, gpu_checked=not skipped,
          detail=(f"all {len(seen_pids)} processes gone" if not left else f"still alive: {sorted(left)}")
          + ("; GPU memory release not checked (no NVML)" if skipped else "") + untracked)
     return EXIT_CODES["ok"] if ok else EXIT_CODES["failed"]
@@ -1571,10 +1573,10 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("removed", path=sock, bytes=0, dry_run=dry)
         if not dry:
             os.unlink(sock)
-    if snap["state"] != "running" and not left and os.path.exists(run.sf("pid")):
-        emit("removed", path=run.sf("pid"), bytes=os.path.getsize(run.sf("pid")), dry_run=dry)
+    if snap["state"] != "running" and not left and os.path.exists(run.state_file("pid")):
+        emit("removed", path=run.state_file("pid"), bytes=os.path.getsize(run.state_file("pid")), dry_run=dry)
         if not dry:
-            os.unlink(run.sf("pid"))
+            os.unlink(run.state_file("pid"))
     return rc
 
 

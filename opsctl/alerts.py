@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dflash.telemetry import ERROR_CLASSES
-from opsctl.runstate import RunView
+from opsctl.runstate import RunView, phase_progress
 
 WARMUP_STEPS = 3  # recompiles during the first steps are expected (shapes settle); later ones are a bug
 GPU_IDLE_UTIL = 5.0  # percent
@@ -246,9 +246,7 @@ class AlertTracker:
             parts.append(f"at step {v.step}")
             yield Alert("killed", WARNING, "run killed", "; ".join(parts))
         if v.state == "stalled":
-            where = v.phase or "no phase yet"
-            if v.phase_i is not None and v.phase_n is not None:
-                where += f" {v.phase_i}/{v.phase_n}"
+            where = phase_progress(v.phase or "no phase yet", v.phase_i, v.phase_n)
             yield Alert("stalled", CRITICAL, "run stalled",
                         f"no heartbeat or step for {v.heartbeat_age_s or 0:.0f} s (stall_after "
                         f"{v.stall_after_s or 0:g} s); last seen in {where}, step {v.step}")

@@ -8,19 +8,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from opsctl import commands as c
+from opsctl import commands
 from opsctl.transport import TransportError
 
 EXIT_CODES_HELP = f"""\
 exit codes:
-  {c.EXIT_OK}  ok: the run is ready (launch), finished with status 0 (--follow, logs -f), or the verb succeeded
-  {c.EXIT_FAILED}  the run crashed / failed before it was ready / exited non-zero; kill left survivors
-  {c.EXIT_USAGE}  bad command line or hosts.yaml (the message names file, line and field)
-  {c.EXIT_TRANSPORT}  host unreachable, host key unknown or changed, authentication refused, unknown host
+  {commands.EXIT_OK}  ok: the run is ready (launch), finished with status 0 (--follow, logs -f), or the verb succeeded
+  {commands.EXIT_FAILED}  the run crashed / failed before it was ready / exited non-zero; kill left survivors
+  {commands.EXIT_USAGE}  bad command line or hosts.yaml (the message names file, line and field)
+  {commands.EXIT_TRANSPORT}  host unreachable, host key unknown or changed, authentication refused, unknown host
      (at once), or a link lost for longer than the host's reconnect_timeout (logs -f, launch --follow)
-  {c.EXIT_TIMEOUT}  launch: not ready within ready_timeout; the message names the phase it is stuck in
+  {commands.EXIT_TIMEOUT}  launch: not ready within ready_timeout; the message names the phase it is stuck in
      (the run is left running: inspect with `opsctl logs`, stop with `opsctl kill`)
-  {c.EXIT_REFUSED}  launch/clean refused: container stopped, GPUs busy, model dir != manifest, preflight
+  {commands.EXIT_REFUSED}  launch/clean refused: container stopped, GPUs busy, model dir != manifest, preflight
      command failed, run already running or already finished (nothing touched), a cache dir that fails
      validation or that another live run uses (named with its pid)
 """
@@ -136,38 +136,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    ctx = c.Ctx(hosts_file=args.hosts, accept_new_host_key=args.accept_new_host_key)
+    ctx = commands.Ctx(hosts_file=args.hosts, accept_new_host_key=args.accept_new_host_key)
     try:
         if args.verb == "launch":
-            return c.cmd_launch(ctx, args.host, args.run, force=args.force, follow=args.follow,
+            return commands.cmd_launch(ctx, args.host, args.run, force=args.force, follow=args.follow,
                                 fresh_cache=args.fresh_cache)
         if args.verb == "status":
-            return c.cmd_status(ctx, args.host, args.run, as_json=args.json)
+            return commands.cmd_status(ctx, args.host, args.run, as_json=args.json)
         if args.verb == "logs":
             if args.lines < 0:
-                raise c.OpsError("-n must be >= 0", c.EXIT_USAGE)
-            return c.cmd_logs(ctx, args.host, args.run, follow=args.follow, lines=args.lines, all_attempts=args.all)
+                raise commands.OpsError("-n must be >= 0", commands.EXIT_USAGE)
+            return commands.cmd_logs(ctx, args.host, args.run, follow=args.follow, lines=args.lines, all_attempts=args.all)
         if args.verb == "kill":
-            return c.cmd_kill(ctx, args.host, args.run)
+            return commands.cmd_kill(ctx, args.host, args.run)
         if args.verb == "clean":
-            return c.cmd_clean(ctx, args.host, args.run, dry_run=args.dry_run, logs=args.logs)
+            return commands.cmd_clean(ctx, args.host, args.run, dry_run=args.dry_run, logs=args.logs)
         if args.verb == "watch":
             from opsctl.tui import watch_main
 
-            return watch_main(c.watch_sources(ctx, args.targets), plain=args.plain,  # type: ignore[arg-type]
+            return watch_main(commands.watch_sources(ctx, args.targets), plain=args.plain,  # type: ignore[arg-type]
                               once_json=args.once or args.json, bell=args.bell)
         if args.verb == "hosts":
-            return c.cmd_hosts_check(ctx)
-    except c.OpsError as exc:
+            return commands.cmd_hosts_check(ctx)
+    except commands.OpsError as exc:
         ctx.err.print(f"[bold red]opsctl:[/] {exc}", markup=True, highlight=False)
         return exc.code
     except TransportError as exc:
         ctx.err.print(f"[bold red]opsctl:[/] {exc}")
-        return c.EXIT_TRANSPORT
+        return commands.EXIT_TRANSPORT
     except KeyboardInterrupt:
         ctx.err.print("[yellow]interrupted (the run itself keeps going; stop it with `opsctl kill`)[/]")
         return 130
-    return c.EXIT_USAGE
+    return commands.EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -20,18 +20,20 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from opsctl.agent import EXIT_CODES
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
-from opsctl.runstate import RunState, RunView, unreachable_view
+from opsctl.runstate import RunState, RunView, phase_progress, unreachable_view
 from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
 from opsctl.watch import AgentSource, follow_connection, reconnect_delay, reconnecting
 
-EXIT_OK = 0  # done / the run is ready / the run finished with status 0
-EXIT_FAILED = 1  # the run crashed or failed, or kill left survivors
-EXIT_USAGE = 2  # bad command line or hosts.yaml
-EXIT_TRANSPORT = 3  # host unreachable, host key refused, channel lost
-EXIT_TIMEOUT = 4  # the run did not become ready within ready_timeout (it was left running)
-EXIT_REFUSED = 5  # preflight refused the launch (container stopped, GPUs busy, model dir, preflight command)
+# The agent's exit codes are opsctl's (its `bye rc` is what a verb returns): one table, in the agent.
+EXIT_OK = EXIT_CODES["ok"]  # done / the run is ready / the run finished with status 0
+EXIT_FAILED = EXIT_CODES["failed"]  # the run crashed or failed, or kill left survivors
+EXIT_USAGE = EXIT_CODES["usage"]  # bad command line or hosts.yaml
+EXIT_TRANSPORT = EXIT_CODES["transport"]  # host unreachable, host key refused, channel lost
+EXIT_TIMEOUT = EXIT_CODES["timeout"]  # the run did not become ready within ready_timeout (it was left running)
+EXIT_REFUSED = EXIT_CODES["refused"]  # preflight refused the launch (container stopped, GPUs busy, model dir, ...)
 
 
 
@@ -146,7 +148,7 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
                     offsets["events_offset"] = m["end"]
                     ev = m["event"]
                     if ev.get("kind") == "phase":
-                        ctx.err.print(f"[dim]phase {_phase(ev)}[/]")
+                        ctx.err.print(f"[dim]phase {phase_progress(ev.get('phase'), ev.get('i'), ev.get('n'))}[/]")
                 elif kind == "verdict":
                     _launch_verdict(ctx, m, state, run, t0)
                 elif kind == "error":
@@ -163,13 +165,6 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
         return EXIT_FAILED if rc is None else rc
     finally:
         t.close()
-
-
-def _phase(ev: dict[str, Any]) -> str:
-    text = str(ev.get("phase"))
-    if ev.get("i") is not None and ev.get("n") is not None:
-        text += f" {ev['i']}/{ev['n']}"
-    return text
 
 
 def _launch_verdict(ctx: Ctx, m: dict[str, Any], state: RunState, run: RunConfig, t0: float) -> None:
@@ -374,9 +369,7 @@ def cmd_status(ctx: Ctx, host_name: str, run_name: str | None, as_json: bool = F
     colors = {"training": "green", "finished": "green", "crashed": "red", "killed": "yellow", "stalled": "red",
               "loading": "cyan", "compiling": "cyan", "starting": "cyan", "absent": "dim", "unreachable": "magenta"}
     for r in rows:
-        phase = r["phase"] or "-"
-        if r.get("phase_i") is not None and r.get("phase_n") is not None:
-            phase += f" {r['phase_i']}/{r['phase_n']}"
+        phase = phase_progress(r["phase"] or "-", r.get("phase_i"), r.get("phase_n"))
         step = f"{r['step']}" + (f"/{r['total_steps']}" if r.get("total_steps") else "")
         gpus = ", ".join(f"{g['index']}: {g.get('util')}% {int(g.get('mem_used_mb') or 0)} MiB" for g in r["gpus"])
         state = Text(r["state"], style=colors.get(r["state"], "white"))

@@ -11,11 +11,12 @@ import posixpath
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash import yamlfile
+from opsctl.agent import SYSTEM_DIRS  # the agent checks the same list again on the host
 
 PYTHON_PLACEHOLDER = "{python}"
 DEFAULT_HOSTS_FILE = "hosts.yaml"
@@ -23,12 +24,6 @@ ENV_HOSTS_FILE = "OPSCTL_HOSTS"
 VMID_MIN, VMID_MAX = 100, 999_999_999  # Proxmox's pve-vmid range
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-# Top-level directories whose removal (or the removal of whose direct contents) would wreck a machine.
-_SYSTEM_DIRS = {
-    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
-    "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/workspace", "/dev/shm",
-    "/var/tmp", "/var/lib", "/usr/local", "/usr/lib",
-}  # fmt: skip
 
 # The inventory used when no hosts.yaml exists: the training core's tiny CPU run on this machine.
 # tests/test_config.py checks that the shipped hosts.yaml defines the same `local`/`tiny`.
@@ -47,11 +42,20 @@ hosts:
 """
 
 
+class Problem(NamedTuple):
+    """One hosts.yaml problem: where it is and what is wrong; printed as `FILE:LINE: field.path: message`."""
+
+    file: str
+    line: int | None
+    field: str  # dotted path, e.g. hosts.gpu1.ssh.port
+    message: str
+
+
 class InventoryError(Exception):
     """A hosts.yaml problem; str() is one `FILE:LINE: field.path: message` line per problem."""
 
-    def __init__(self, problems: list[tuple[str, int | None, str, str]]) -> None:
-        self.problems = problems  # (file, line or None, dotted field path, message)
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
         super().__init__("\n".join(_format_problem(*p) for p in problems))
 
 
@@ -78,7 +82,7 @@ def dangerous_path_reason(path: str) -> str | None:
     norm = posixpath.normpath(path)
     if norm in ("/", "//"):
         return "'/' is never cleaned"
-    if norm in _SYSTEM_DIRS:
+    if norm in SYSTEM_DIRS:
         return f"{norm!r} is a system directory; use a dedicated subdirectory (e.g. {norm}/torchinductor_<user>)"
     if norm.count("/") < 2 and norm not in ("/scratch",):
         return f"{norm!r} is a top-level directory; use a dedicated subdirectory"
@@ -340,7 +344,7 @@ def _parse_yaml(text: str, file: str) -> tuple[Any, dict[tuple[str, ...], int]]:
     try:
         doc = yamlfile.parse(text, file)
     except yamlfile.YamlFileError as e:
-        raise InventoryError([(file, *p) for p in e.problems]) from None
+        raise InventoryError([Problem(file, *p) for p in e.problems]) from None
     return doc.data, doc.lines
 
 
@@ -348,8 +352,8 @@ def _line_for(lines: dict[tuple[str, ...], int], loc: tuple[str, ...]) -> int | 
     return yamlfile.line_for(lines, loc)
 
 
-def _problems_from(err: ValidationError, lines: dict[tuple[str, ...], int], file: str) -> list[tuple[str, int | None, str, str]]:
-    out = []
+def _problems_from(err: ValidationError, lines: dict[tuple[str, ...], int], file: str) -> list[Problem]:
+    out: list[Problem] = []
     for e in err.errors():
         # pydantic adds the union member name ("list[str]", "str") to the location; hide it from people.
         loc = tuple(str(p) for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float"))))
@@ -360,10 +364,10 @@ def _problems_from(err: ValidationError, lines: dict[tuple[str, ...], int], file
             msg = f"missing required field '{loc[-1]}'"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
-        prob = (file, _line_for(lines, loc), ".".join(loc), msg)
-        if out and out[-1][2] == prob[2] and e["type"] in ("list_type", "string_type"):
+        prob = Problem(file, _line_for(lines, loc), ".".join(loc), msg)
+        if out and out[-1].field == prob.field and e["type"] in ("list_type", "string_type"):
             # one union field (command: argv list | script string) failing both ways: say it once.
-            out[-1] = (file, prob[1], prob[2], "expected an argv list of strings or a script string")
+            out[-1] = prob._replace(message="expected an argv list of strings or a script string")
             continue
         out.append(prob)
     return out
@@ -389,10 +393,10 @@ def _resolve_local_path(p: str, base: Path) -> str:
 def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc: tuple[str, ...],
                 lines: dict[tuple[str, ...], int]) -> RunConfig:
     """Resolve relative paths and computed defaults, so every consumer sees the same absolute values."""
-    problems: list[tuple[str, int | None, str, str]] = []
+    problems: list[Problem] = []
 
     def bad(field: str, msg: str) -> None:
-        problems.append((file, _line_for(lines, (*loc, field)), ".".join((*loc, field)), msg))
+        problems.append(Problem(file, _line_for(lines, (*loc, field)), ".".join((*loc, field)), msg))
 
     data = run.model_dump()
     if not host.is_remote:
@@ -439,7 +443,7 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
     for i, root in enumerate(data["clean_roots"] if explicit_roots else []):
         why = dangerous_path_reason(root)
         if why:
-            problems.append((file, _line_for(lines, (*loc, "clean_roots", str(i))), ".".join((*loc, "clean_roots", str(i))),
+            problems.append(Problem(file, _line_for(lines, (*loc, "clean_roots", str(i))), ".".join((*loc, "clean_roots", str(i))),
                              f"refusing clean root: {why}"))
     cache = data["inductor_cache_dir"]
     why = dangerous_path_reason(cache)
@@ -482,30 +486,30 @@ def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | P
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     raw, lines = _parse_yaml(text, file)
     if not isinstance(raw, dict):
-        raise InventoryError([(file, 1, "", "the top level must be a mapping with a `hosts:` key")])
+        raise InventoryError([Problem(file, 1, "", "the top level must be a mapping with a `hosts:` key")])
     hosts_raw = raw.get("hosts")
-    problems: list[tuple[str, int | None, str, str]] = []
+    problems: list[Problem] = []
     if isinstance(hosts_raw, dict):
         for hname, hval in hosts_raw.items():
             if not isinstance(hname, str) or not NAME_RE.match(hname):
-                problems.append((file, _line_for(lines, ("hosts", str(hname))), f"hosts.{hname}",
+                problems.append(Problem(file, _line_for(lines, ("hosts", str(hname))), f"hosts.{hname}",
                                  "host names use letters, digits, '_', '.', '-' and start with a letter or digit"))
             if isinstance(hval, dict):
                 for key in ("name",):
                     if key in hval:
-                        problems.append((file, _line_for(lines, ("hosts", str(hname), key)), f"hosts.{hname}.{key}",
+                        problems.append(Problem(file, _line_for(lines, ("hosts", str(hname), key)), f"hosts.{hname}.{key}",
                                          "the name is the mapping key; remove this field"))
                 hval["name"] = str(hname)
                 runs = hval.get("runs")
                 if isinstance(runs, dict):
                     for rname, rval in runs.items():
                         if not isinstance(rname, str) or not NAME_RE.match(rname):
-                            problems.append((file, _line_for(lines, ("hosts", str(hname), "runs", str(rname))),
+                            problems.append(Problem(file, _line_for(lines, ("hosts", str(hname), "runs", str(rname))),
                                              f"hosts.{hname}.runs.{rname}",
                                              "run names use letters, digits, '_', '.', '-' and start with a letter or digit"))
                         if isinstance(rval, dict):
                             if "name" in rval:
-                                problems.append((file, _line_for(lines, ("hosts", str(hname), "runs", str(rname), "name")),
+                                problems.append(Problem(file, _line_for(lines, ("hosts", str(hname), "runs", str(rname), "name")),
                                                  f"hosts.{hname}.runs.{rname}.name",
                                                  "the name is the mapping key; remove this field"))
                             rval["name"] = str(rname)
@@ -523,7 +527,7 @@ def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | P
         if host.ssh is not None and host.ssh.jump is not None and host.ssh.jump in parsed.hosts:
             jh = parsed.hosts[host.ssh.jump]
             if jh.ssh is None or jh.name == hname:
-                problems.append((file, _line_for(lines, ("hosts", hname, "ssh", "jump")), f"hosts.{hname}.ssh.jump",
+                problems.append(Problem(file, _line_for(lines, ("hosts", hname, "ssh", "jump")), f"hosts.{hname}.ssh.jump",
                                  f"jump host {host.ssh.jump!r} must be another host with `ssh:` settings"))
         hosts[hname] = host
         runs[hname] = {}
@@ -559,9 +563,9 @@ def load_inventory(path: str | Path | None = None) -> Inventory:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise InventoryError([(shown, None, "", "file not found")]) from None
+        raise InventoryError([Problem(shown, None, "", "file not found")]) from None
     except (OSError, UnicodeDecodeError) as e:
-        raise InventoryError([(shown, None, "", f"cannot read: {e}")]) from None
+        raise InventoryError([Problem(shown, None, "", f"cannot read: {e}")]) from None
     inv = parse_inventory(text, file=shown, base_dir=p.resolve().parent)
     inv.path = str(p.resolve())
     return inv
@@ -580,7 +584,7 @@ def _unknown(kind: str, name: str, known: list[str], where: str = "") -> Invento
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     listing = ", ".join(sorted(known)) if known else "none"
-    return InventoryError([("hosts.yaml" if not where else where, None, "", f"unknown {kind} '{name}'{hint}; known {kind}s: {listing}")])
+    return InventoryError([Problem("hosts.yaml" if not where else where, None, "", f"unknown {kind} '{name}'{hint}; known {kind}s: {listing}")])
 
 
 def resolve(inv: Inventory, host: str, run: str | None) -> tuple[HostConfig, RunConfig | None]:
@@ -594,7 +598,7 @@ def resolve(inv: Inventory, host: str, run: str | None) -> tuple[HostConfig, Run
     runs = inv.runs.get(host, {})
     if run not in runs:
         err = _unknown("run", run, list(runs), where)
-        err.problems = [(p[0], p[1], f"hosts.{host}.runs", p[3]) for p in err.problems]
+        err.problems = [p._replace(field=f"hosts.{host}.runs") for p in err.problems]
         err.args = ("\n".join(_format_problem(*p) for p in err.problems),)
         raise err
     return h, runs[run]

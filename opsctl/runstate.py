@@ -14,19 +14,23 @@ from typing import Any
 
 from dflash.telemetry import PHASES
 
-# absent: the host was reached and has no such run; unreachable: the host could not be asked at all.
-STATES = ("starting", "loading", "compiling", "training", "stalled", "finished", "crashed", "killed", "absent",
-          "unreachable")
 # Every phase the contract lists before `compiling` reads as loading (target, drafter, data).
 LOADING_PHASES = frozenset(PHASES[:PHASES.index("compiling")])
 STALL_FLOOR_S = 60.0
 STALL_FACTOR = 10.0
 
 
+def phase_progress(phase: Any, i: Any, n: Any) -> str:
+    """`loading_target 2/3`: a phase with its i/n progress when the run reports both (the one spelling)."""
+    return f"{phase} {i}/{n}" if i is not None and n is not None else str(phase)
+
+
 @dataclass
 class RunView:
     """What a person wants to know about one run, at one instant."""
 
+    # starting, loading, compiling, training, stalled, finished, crashed, killed; absent: the host was reached
+    # and has no such run; unreachable: the host could not be asked at all.
     state: str = "absent"
     phase: str | None = None
     phase_i: int | None = None

@@ -499,8 +499,8 @@ class SSHTransport:
         import paramiko
 
         client = paramiko.SSHClient()
-        kh = self._known_hosts()
-        files = [kh] if kh.exists() else []
+        known_hosts = self._known_hosts()
+        files = [known_hosts] if known_hosts.exists() else []
         if self.settings.known_hosts is None and Path("/etc/ssh/ssh_known_hosts").is_file():
             files.append(Path("/etc/ssh/ssh_known_hosts"))
         for f in files:
@@ -508,7 +508,7 @@ class SSHTransport:
                 _load_known_hosts(client, f)
             except (OSError, UnicodeDecodeError) as e:
                 raise TransportError(f"{self.label}: cannot read known_hosts file {f}: {e}") from None
-        client.set_missing_host_key_policy(_AppendNewHostKey(kh) if self.accept_new_host_key
+        client.set_missing_host_key_policy(_AppendNewHostKey(known_hosts) if self.accept_new_host_key
                                            else paramiko.RejectPolicy())
         return client
 
@@ -552,16 +552,16 @@ class SSHTransport:
         """Connect one hop, turning paramiko's exceptions into errors that name `label` and say what to do."""
         import paramiko
 
-        kh = self._known_hosts()
+        known_hosts = self._known_hosts()
         kh_name = hop.host if int(hop.port) == 22 else f"[{hop.host}]:{hop.port}"  # type: ignore[attr-defined]
         try:
             hop.open()  # type: ignore[attr-defined]
         except paramiko.BadHostKeyException as e:
             raise PermanentTransportError(
                 f"{label}: HOST KEY MISMATCH: the server presented {e.key.get_name()} "
-                f"{e.key.fingerprint} but {kh} has a different key for it. This may be an attack or a "
+                f"{e.key.fingerprint} but {known_hosts} has a different key for it. This may be an attack or a "
                 f"reinstalled host; if you know it was reinstalled, remove the old entry with "
-                f"`ssh-keygen -R '{kh_name}' -f {kh}` and connect again.", "host_key") from None
+                f"`ssh-keygen -R '{kh_name}' -f {known_hosts}` and connect again.", "host_key") from None
         except paramiko.AuthenticationException as e:
             key = self.settings.identity_file or "your ssh agent / default keys"
             raise PermanentTransportError(f"{label}: authentication failed ({e}); tried {key}. Check `user:` and "
@@ -570,7 +570,7 @@ class SSHTransport:
         except paramiko.SSHException as e:
             if "not found in known_hosts" in str(e):
                 raise PermanentTransportError(
-                    f"{label}: host key not in known_hosts ({kh}); verify the host, then re-run with "
+                    f"{label}: host key not in known_hosts ({known_hosts}); verify the host, then re-run with "
                     f"--accept-new-host-key to trust and save it.", "host_key") from None
             raise TransportError(f"{label}: SSH error: {e}") from None
         except TimeoutError:

@@ -1,7 +1,6 @@
 """`opsctl watch`: the live Textual dashboard of one or many runs, fed by agent message streams.
 
-Only Textual lives here: sources, the per-source worker threads and RunModel are the UI-free opsctl/watch.py, so a
-dead or chatty host never freezes the rest, and `--plain` / `--once` show exactly the same model.
+Only Textual lives here; the sources, per-source worker threads and RunModel it draws are opsctl/watch.py (UI-free).
 """
 
 from __future__ import annotations

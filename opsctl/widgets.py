@@ -24,7 +24,7 @@ from textual.widget import Widget
 from textual.widgets import Button, Label, Static
 
 from opsctl.alerts import CRITICAL, Alert
-from opsctl.runstate import RunView
+from opsctl.runstate import RunView, phase_progress
 from opsctl.watch import SEV_ERROR, SEV_INFO, SEV_WARNING, LogLine, SeverityClassifier  # noqa: F401 - re-exported
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -92,8 +92,8 @@ def fmt_num(x: Any, digits: int = 3) -> str:
 def state_badge(view: RunView) -> Text:
     """The one word that says what a run is doing, with loading progress (i/N) when the run reports it."""
     label = view.state.upper()
-    if view.state == "loading" and view.phase_i is not None and view.phase_n is not None:
-        label += f" {view.phase_i}/{view.phase_n}"
+    if view.state == "loading":
+        label = phase_progress(label, view.phase_i, view.phase_n)
     return Text(f" {label} ", style=STATE_STYLES.get(view.state, "bold reverse"))
 
 
@@ -134,9 +134,7 @@ class RunSummary(_Quiet):
         t.append_text(state_badge(view))
         if view.reason:  # why: the crash's exception line and exit code, the unreachable host's error, leftovers
             t.append(f"  {view.reason}", style="bold red" if view.state in ("crashed", "unreachable") else "yellow")
-        phase = view.phase or "-"
-        if view.phase_i is not None and view.phase_n is not None:
-            phase += f" {view.phase_i}/{view.phase_n}"
+        phase = phase_progress(view.phase or "-", view.phase_i, view.phase_n)
         total = f"/{view.total_steps:,}" if view.total_steps else ""
         epoch = "-" if view.epoch is None else str(view.epoch)
         rows = [

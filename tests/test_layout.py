@@ -82,3 +82,15 @@ def test_client_imports_the_event_contract_instead_of_copying_it() -> None:
     assert runstate.LOADING_PHASES == {"loading_target", "building_drafter", "preparing_data"}
     assert runstate.LOADING_PHASES < set(telemetry.PHASES) and "compiling" in telemetry.PHASES
     assert {alerts.NAN, alerts.SLOW_KERNEL, alerts.RECOMPILE, alerts.UNCOMPILED_FLEX} <= set(telemetry.ERROR_CLASSES)
+
+
+def test_small_rules_live_once() -> None:
+    from opsctl import agent, commands, config, runstate
+
+    assert config.SYSTEM_DIRS is agent.SYSTEM_DIRS  # hosts.yaml check and the agent's check refuse the same dirs
+    assert {name: getattr(commands, f"EXIT_{name.upper()}") for name in agent.EXIT_CODES} == agent.EXIT_CODES
+    assert runstate.phase_progress("loading_target", 2, 3) == "loading_target 2/3"
+    assert runstate.phase_progress("compiling", None, 3) == "compiling"
+    problem = config.Problem("hosts.yaml", 3, "hosts.a.ssh.port", "bad")
+    assert problem == ("hosts.yaml", 3, "hosts.a.ssh.port", "bad") and problem.field == "hosts.a.ssh.port"
+    assert not hasattr(runstate, "STATES")
