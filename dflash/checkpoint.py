@@ -7,6 +7,7 @@ newer checkpoints. Delete the broken directory (the message says which) to resum
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -14,7 +15,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,28 @@ def _write_bytes(path: Path, data: bytes) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+@contextlib.contextmanager
+def atomic_directory(dst: Path) -> Iterator[Path]:
+    """Yield a sibling temp directory that becomes `dst` (absent or empty) only if the block completes.
+
+    Why: an export or a pretrained target is read by other programs under its final name, so a crash or a kill
+    mid-write must leave nothing there, only a `.NAME.tmpPID` that the next attempt removes.
+    """
+    tmp = dst.parent / f".{dst.name}.tmp{os.getpid()}"
+    if tmp.exists():  # ours by name: a crashed earlier attempt of this very process id
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        if dst.exists():
+            dst.rmdir()
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def torch_bytes(obj: Any) -> bytes:

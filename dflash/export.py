@@ -10,14 +10,13 @@ This project's own modeling file ships alongside (`modeling_dflash.py`, register
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash.checkpoint import CheckpointError, load_file, verify_checkpoint
+from dflash.checkpoint import CheckpointError, atomic_directory, load_file, verify_checkpoint
 
 # Our drafter's parameter names already follow the qwen3 layer layout; these are all the exported prefixes.
 _TOP_LEVEL = ("fc.weight", "hidden_norm.weight", "norm.weight")
@@ -114,11 +113,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
         raise ExportError(f"{src / 'drafter.pt'}: weights do not match the DFlashDraftModel layout "
                           f"(missing {missing[:5]}, unexpected {extra[:5]})")
     cfg = draft_config(meta, state)
-    tmp = dst.parent / f".{dst.name}.tmp{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(dst) as tmp:
         tensors = {k: state[k].detach().contiguous().cpu() for k in wanted}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -126,10 +121,4 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
         (tmp / "dflash_export.json").write_text(json.dumps({
             "source": str(src.resolve()), "step": int(manifest["step"]), "run_id": meta.get("run_id"),
             "target": meta["target"]}, indent=2) + "\n")
-        if dst.exists():
-            dst.rmdir()
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dflash.checkpoint import atomic_directory
 from dflash.config import ConfigError, RunConfig
 from dflash.data import (
     REGEN_MANIFEST,
@@ -203,20 +204,10 @@ def pretrain(cfg: RunConfig, docs: Sequence[Document], tok: TokenizerAdapter, ou
         "torch": torch.__version__,
     }
     log(f"pretrain-target: done in {seconds:.0f}s: held-out loss {val_loss:.3f} nats/token vs unigram {uni:.3f}")
-    tmp = dst.parent / f".{dst.name}.tmp{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(dst) as tmp:
         model.to(torch.float32).save_pretrained(str(tmp))
         _save_hf_tokenizer(tok, tmp)
         (tmp / _DONE).write_text(json.dumps(summary, indent=2) + "\n")
-        if dst.exists():
-            dst.rmdir()
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return summary
 
 
