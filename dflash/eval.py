@@ -241,13 +241,13 @@ def scheduled_doc_indices(cfg: RunConfig, tok: TokenizerAdapter, docs: Sequence[
     pieces = make_pieces(corpus.lengths(), cfg.data.max_len, cfg.data.min_len)
     if pipeline is None:
         return {p[0] for p in pieces}  # plan unknown: every scheduled piece may have been trained on
-    n_d = max(1, len(pipeline.get("feeds", [])))
+    n_drafters = max(1, len(pipeline.get("feeds", [])))
     total = int(pipeline["total_steps"])
     first = load_or_build_schedule(corpus, cfg.data, cfg.train.seed, 1, Path("/nonexistent"), write=False)
-    epochs = epochs_needed(len(first.epochs[0]), total, n_d)
+    epochs = epochs_needed(len(first.epochs[0]), total, n_drafters)
     path = run_dir / "schedule.json" if run_dir is not None else Path("/nonexistent")
     sched = load_or_build_schedule(corpus, cfg.data, cfg.train.seed, epochs, path, write=False)
-    need, g, used = total * n_d, 0, set()
+    need, g, used = total * n_drafters, 0, set()
     for ep in sched.epochs:
         for buf in ep:
             if g >= need:

@@ -499,10 +499,6 @@ def _ce_chunk(
     return (ce * weights.to(ce.dtype)).sum(), correct
 
 
-def num_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 __all__ = [
     "DFlashDrafter",
     "DraftBatch",
@@ -513,6 +509,5 @@ __all__ = [
     "chunked_cross_entropy",
     "dense_mask",
     "flex_mask_mod",
-    "num_parameters",
     "sample_anchors",
 ]
