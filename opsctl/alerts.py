@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dflash.telemetry import ERROR_CLASSES
+from dflash.telemetry import ERROR_CLASSES, RESERVOIR_CAPACITY
 from opsctl.runstate import RunView, phase_progress
 
 WARMUP_STEPS = 3  # recompiles during the first steps are expected (shapes settle); later ones are a bug
@@ -38,7 +38,6 @@ def _error_class(name: str) -> str:
 NAN, SLOW_KERNEL, RECOMPILE, UNCOMPILED_FLEX = map(_error_class, ("nan", "slow_kernel", "recompile", "uncompiled_flex"))
 
 # Config keys that name the hidden-state reservoir's capacity (the training core's config names it).
-_CAPACITY_KEYS = ("reservoir_size", "reservoir_capacity", "queue_capacity", "queue_size", "reservoir")
 _EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)\b")
 
 
@@ -72,16 +71,12 @@ def _as_float(x: Any) -> float | None:
 
 
 def _find_capacity(config: Any) -> int | None:
-    """Search the resolved config for the reservoir capacity; None when the run does not say."""
-    stack = [config]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key in _CAPACITY_KEYS and isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    return value
-                if isinstance(value, dict):
-                    stack.append(value)
+    """The reservoir capacity at the contract's path in run_start's config; None when the run does not say."""
+    node = config
+    for key in RESERVOIR_CAPACITY:
+        node = node.get(key) if isinstance(node, dict) else None
+    if isinstance(node, int) and not isinstance(node, bool) and node > 0:
+        return node
     return None
 
 

@@ -189,7 +189,7 @@ def test_queue_starvation_and_backlog() -> None:
     a = starving.alerts(T0 + 10)["queue_starved"]
     assert a.evidence == "median queue wait 1.50 s of 2.00 s step (75%), steps 2-6"
     backlog = Run()
-    backlog.feed(run_start(T0, config={"data": {"reservoir_size": 8}}), ev("phase", T0, phase="training"))
+    backlog.feed(run_start(T0, config={"data": {"reservoir": 8}}), ev("phase", T0, phase="training"))
     for n in range(1, 7):
         backlog.feed(step(n, T0 + n, depth=8))
     alerts = backlog.alerts(T0 + 7)
