@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import logging
 import platform
 import re
 import sys
@@ -173,23 +174,62 @@ _FLEX_UNCOMPILED = re.compile(r"flex_attention called without torch\.compile")
 _FLEX_WARNING_ID = "flex_attention_performance"
 
 
-class FlexWarningWatch:
-    """Catch flex-attention's "called without torch.compile()" warning inside a `with` block.
+_LIMIT_HIT = re.compile(r"recompile limit exceeded|hit config\.\w*(recompile|cache_size)_limit", re.IGNORECASE)
+_DYNAMO_LOGGER = "torch._dynamo"
 
-    torch prints it only once per process and it is also the only sign that dynamo gave up (recompile limit) and
-    fell back to eager flex with a dense score matrix; the train loop turns `triggered` into an `uncompiled_flex`
-    error event. Other warnings raised in the block are passed on unchanged. Not thread-safe (warnings state is
-    process-global), like everything in `warnings`; the trainer has no GPU threads.
+
+def recompile_limit_hits() -> int:
+    """How many frames dynamo gave up on at a recompile limit so far in this process (its own counters).
+
+    Each such frame runs uncompiled from then on: for flex_attention that is the unfused path with a dense score
+    matrix. Dynamo counts the event as an "unimplemented" graph break whose message names the limit.
+    """
+    from torch._dynamo.utils import counters
+
+    return sum(int(v) for k, v in counters["unimplemented"].items() if _LIMIT_HIT.search(str(k)))
+
+
+class _LimitLog(logging.Handler):
+    """Keeps dynamo's own "hit config.recompile_limit" warnings: they name the function and the last guard failure."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed record must not break the training step
+            return
+        if _LIMIT_HIT.search(text):
+            self.lines.append(" ".join(line.strip() for line in text.splitlines()[:3]))
+
+
+class FlexWarningWatch:
+    """Catch, inside a `with` block, the two ways compiled code silently becomes eager: flex-attention's "called
+    without torch.compile()" warning, and dynamo giving up on a frame at its recompile limit.
+
+    torch prints the flex warning only once per process and it is also the only sign that dynamo gave up (recompile
+    limit) and fell back to eager flex with a dense score matrix; dynamo's counters and its warning log say the same
+    for any compiled frame (the whole drafter step included). The train loop turns `triggered` into an
+    `uncompiled_flex` error event and `fallbacks` into a `recompile` (or `uncompiled_flex`) one. Other warnings
+    raised in the block are passed on unchanged. Not thread-safe (warnings state is process-global), like everything
+    in `warnings`; the trainer has no GPU threads.
     """
 
     def __init__(self, on_trigger: Callable[[str], None] | None = None) -> None:
         self.triggered: list[str] = []
+        self.fallbacks: list[str] = []
         self._on_trigger = on_trigger
         self._cm: warnings.catch_warnings | None = None
         self._log: list[warnings.WarningMessage] | None = None
+        self._limit_log = _LimitLog()
+        self._hits_before = 0
 
     def __enter__(self) -> FlexWarningWatch:
         _rearm_flex_warning()
+        self._hits_before = recompile_limit_hits()
+        logging.getLogger(_DYNAMO_LOGGER).addHandler(self._limit_log)
         self._cm = warnings.catch_warnings(record=True)
         self._log = self._cm.__enter__()
         warnings.filterwarnings("always", message=r"flex_attention called without torch\.compile")
@@ -201,6 +241,11 @@ class FlexWarningWatch:
         assert self._cm is not None and self._log is not None
         log = list(self._log)
         self._cm.__exit__(exc_type, exc, tb)
+        logging.getLogger(_DYNAMO_LOGGER).removeHandler(self._limit_log)
+        new_hits = recompile_limit_hits() - self._hits_before
+        if new_hits > 0:
+            named = self._limit_log.lines or [f"torch._dynamo hit its recompile limit ({new_hits} frame(s))"]
+            self.fallbacks.extend(f"{line}: that code now runs uncompiled" for line in named)
         for w in log:
             text = str(w.message)
             if _FLEX_UNCOMPILED.search(text):
@@ -210,6 +255,11 @@ class FlexWarningWatch:
                     self._on_trigger(line)
             else:
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+
+    @property
+    def flex_fell_back(self) -> bool:
+        """True when flex ran (or will run) uncompiled: its warning fired, or a fallback names flex_attention."""
+        return bool(self.triggered) or any("flex_attention" in f or "create_block_mask" in f for f in self.fallbacks)
 
 
 def _rearm_flex_warning() -> None:

@@ -6,6 +6,7 @@ Read top to bottom: config and batch types, anchor sampling, the attention mask 
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -113,7 +114,8 @@ def sample_anchors(
 
 
 def block_attention_rule(
-    q_idx: Tensor, kv: Tensor, anchors: Tensor, doc_ids: Tensor, n_ctx: int, block_size: int, window: int | None
+    q_idx: Tensor, kv: Tensor, anchors: Tensor, doc_ids: Tensor, n_ctx: int, block_size: int,
+    window: int | Tensor | None,
 ) -> Tensor:
     """The one mask rule, elementwise (broadcasting): may query `q_idx` (block q_idx // B, offset q_idx % B) read key
     index `kv`?
@@ -154,48 +156,100 @@ def dense_mask(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int | 
 
 
 def flex_mask_mod(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int | None) -> Callable[..., Tensor]:
-    """The same rule as a flex-attention mask_mod (b, h, q_idx, kv_idx) -> bool."""
+    """The same rule as a flex-attention mask_mod (b, h, q_idx, kv_idx) -> bool.
+
+    What the closure holds is what dynamo guards on when the mask is compiled: `anchors` [A] and `doc_ids` [N] (sized
+    by the config, fixed for a run), the config's block size, and the window as a 0-d tensor rather than a Python
+    int, so layers with different windows share one compiled graph instead of one graph (and one cache entry) each.
+    No window is a window longer than any query can see (N + A*B), which the rule treats exactly as None.
+    """
     n = doc_ids.shape[0]
+    limit = window if window is not None else n + anchors.shape[0] * block_size
+    window_t = torch.tensor(limit, dtype=torch.long, device=doc_ids.device)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return block_attention_rule(q_idx, kv_idx, anchors, doc_ids, n, block_size, window)
+        return block_attention_rule(q_idx, kv_idx, anchors, doc_ids, n, block_size, window_t)
 
     return mask_mod
 
 
-_COMPILED_FLEX: Callable[..., Any] | None = None
+@dataclass(frozen=True)
+class FlexShape:
+    """Everything a compiled flex graph is specialised on: one per drafter config (fixed for a run)."""
+
+    q_len: int
+    kv_len: int
+    num_anchors: int
+    n_ctx: int
+    device: str
+    backend: str = "inductor"
 
 
-def compiled_flex_attention() -> Callable[..., Any]:
-    """One compiled flex_attention per process (compiling it per call, or per thread, is what broke before)."""
-    global _COMPILED_FLEX
-    if _COMPILED_FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
+@dataclass
+class FlexKernels:
+    """The compiled flex_attention and create_block_mask of one FlexShape, each with its own recompile budget."""
 
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
+    attention: Callable[..., Any]
+    block_mask: Callable[..., Any]
 
 
-_COMPILED_BLOCK_MASK: Callable[..., Any] | None = None
+_FLEX_KERNELS: dict[FlexShape, FlexKernels] = {}
 
 
-def build_block_mask(mask_mod: Callable[..., Tensor], q_len: int, kv_len: int, device: torch.device) -> Any:
-    """The flex BlockMask for this buffer; on CUDA its construction is compiled too.
+def isolated_compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """torch.compile(fn) whose cache entries (and recompile_limit) belong to this call alone.
 
-    Eager construction evaluates mask_mod over the whole [Q, KV] grid (GBs at training sizes). torch 2.11-2.13
-    compile it through `_compile=True` (verified on the H200, see docs/gpu-checks.md); where that flag is gone we
-    compile create_block_mask ourselves, once per process.
+    Dynamo keeps its cache per code object: one process-wide compiled flex_attention shared by every shape it ever
+    sees (tests, several drafters in one process) reaches recompile_limit (8) and then runs flex eagerly (10x slower,
+    40x the memory, tests/gpu saw it). torch >= 2.13 isolates a compile call with `isolate_recompiles=True`; older
+    versions get the same effect from a copy of the function with its own code object.
     """
-    global _COMPILED_BLOCK_MASK
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        return torch.compile(fn, isolate_recompiles=True, **options)
+    return torch.compile(copy_function(fn), **options)
+
+
+def copy_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The same function with a new code object (dynamo's cache key), same globals, defaults and closure."""
+    code = fn.__code__.replace()  # type: ignore[attr-defined]
+    out = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)  # type: ignore[attr-defined]
+    out.__kwdefaults__ = fn.__kwdefaults__  # type: ignore[attr-defined]
+    out.__qualname__, out.__doc__ = fn.__qualname__, fn.__doc__
+    return out
+
+
+def flex_kernels(shape: FlexShape) -> FlexKernels:
+    """The compiled pair for `shape`, built once per process and reused by every step with that shape.
+
+    Compiled with dynamic=False (static shapes, the fastest kernels): within one FlexShape nothing the guards check
+    changes from step to step except the data, and a new shape gets a new pair instead of evicting this one.
+    """
+    kernels = _FLEX_KERNELS.get(shape)
+    if kernels is None:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        opts = {"dynamic": False, "backend": shape.backend}
+        kernels = FlexKernels(isolated_compile(flex_attention, **opts), isolated_compile(create_block_mask, **opts))
+        _FLEX_KERNELS[shape] = kernels
+    return kernels
+
+
+def compiled_flex_attention(shape: FlexShape) -> Callable[..., Any]:
+    """The compiled flex_attention for one shape (compiling per call, or per thread, is what broke before)."""
+    return flex_kernels(shape).attention
+
+
+def build_block_mask(mask_mod: Callable[..., Tensor], shape: FlexShape, device: torch.device) -> Any:
+    """The flex BlockMask for this buffer; on CUDA its construction is compiled too (per FlexShape).
+
+    Eager construction evaluates mask_mod over the whole [Q, KV] grid (GBs at training sizes); compiled, it never
+    materialises it. torch deprecates create_block_mask's `_compile=True` in favour of compiling it, as here.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    if device.type != "cuda":
-        return create_block_mask(mask_mod, None, None, q_len, kv_len, device=device)
-    if "_compile" in inspect.signature(create_block_mask).parameters:
-        return create_block_mask(mask_mod, None, None, q_len, kv_len, device=device, _compile=True)
-    if _COMPILED_BLOCK_MASK is None:
-        _COMPILED_BLOCK_MASK = torch.compile(create_block_mask, dynamic=False)
-    return _COMPILED_BLOCK_MASK(mask_mod, None, None, q_len, kv_len, device=device)
+    if device.type != "cuda" and shape.backend == "inductor":
+        return create_block_mask(mask_mod, None, None, shape.q_len, shape.kv_len, device=device)
+    return flex_kernels(shape).block_mask(mask_mod, None, None, shape.q_len, shape.kv_len, device=device)
 
 
 def resolve_attention(choice: str, device: torch.device) -> str:
@@ -344,6 +398,9 @@ class DFlashDrafter(nn.Module):
         )
         default_device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.attention_backend: str = resolve_attention(cfg.attention, default_device)
+        # torch.compile backend of the flex kernels: inductor in training; "eager" lets CPU tests run the compiled
+        # path's guards and caches without code generation.
+        self.flex_compile_backend = "inductor"
 
     def position_weight(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
         """[B] loss weight per block position: 0 for position 0 (the anchor itself), exp(-(k-1)/gamma) for k >= 1.
@@ -363,10 +420,11 @@ class DFlashDrafter(nn.Module):
 
         return attend
 
-    def _flex_attend(self, block_mask: Any, compiled: bool) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    def _flex_attend(self, block_mask: Any, shape: FlexShape | None) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """flex_attention compiled for `shape`, or eager flex when shape is None (flex-eager, debugging only)."""
         from torch.nn.attention.flex_attention import flex_attention
 
-        fn = compiled_flex_attention() if compiled else flex_attention
+        fn = compiled_flex_attention(shape) if shape is not None else flex_attention
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return fn(q[None], k[None], v[None], block_mask=block_mask, enable_gqa=True)[0]
@@ -389,8 +447,9 @@ class DFlashDrafter(nn.Module):
             if backend == "dense":
                 cache[w] = self._dense_attend(dense_mask(anchors, doc_ids, b, w))
             else:
-                block_mask = build_block_mask(flex_mask_mod(anchors, doc_ids, b, w), m, n + m, doc_ids.device)
-                cache[w] = self._flex_attend(block_mask, compiled=backend == "flex-compiled")
+                shape = FlexShape(m, n + m, anchors.shape[0], n, str(doc_ids.device), self.flex_compile_backend)
+                block_mask = build_block_mask(flex_mask_mod(anchors, doc_ids, b, w), shape, doc_ids.device)
+                cache[w] = self._flex_attend(block_mask, shape if backend == "flex-compiled" else None)
         return [cache[w] for w in self.windows]
 
     def block_states(self, batch: DraftBatch, embed_tokens: nn.Embedding, anchors: Tensor) -> Tensor:
@@ -504,10 +563,13 @@ __all__ = [
     "DraftBatch",
     "DraftOutput",
     "DrafterConfig",
+    "FlexShape",
     "anchor_candidates",
     "block_attention_rule",
     "chunked_cross_entropy",
     "dense_mask",
+    "flex_kernels",
     "flex_mask_mod",
+    "isolated_compile",
     "sample_anchors",
 ]

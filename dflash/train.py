@@ -540,13 +540,23 @@ class Trainer:
         self.sched.step()
         self.global_step += 1
         recompiles = self._recompiles()
+        self._report_fallbacks(watch)
+        self.losses.append(stats.loss)
+        self.step_event(key, stats, lr, grad_norm, t0, wait_s, recompiles)
+        return stats
+
+    def _report_fallbacks(self, watch: FlexWarningWatch) -> None:
+        """Compiled code that went eager (flex's own warning, or dynamo at its recompile limit) is an error event:
+        the run goes on, correct but many times slower and larger, and a person must see why."""
+        for line in watch.fallbacks:
+            cls = "uncompiled_flex" if "flex_attention" in line or "create_block_mask" in line else "recompile"
+            self.emit("error", **{"class": cls}, message=line[:500], traceback=None, fatal=False)
+            self.log.error("%s", line)
         if watch.triggered and not self._flex_warned:
             self._flex_warned = True
             self.emit("error", **{"class": "uncompiled_flex"}, message=watch.triggered[0][:500],
                       traceback=None, fatal=False)
-        self.losses.append(stats.loss)
-        self.step_event(key, stats, lr, grad_norm, t0, wait_s, recompiles)
-        return stats
+            self.log.error("%s", watch.triggered[0])
 
     def _enter_training(self) -> None:
         if not self._in_training:

@@ -17,9 +17,13 @@ from dflash.model import (
     DFlashDrafter,
     DraftBatch,
     DrafterConfig,
+    FlexShape,
     anchor_candidates,
+    copy_function,
     dense_mask,
+    flex_kernels,
     flex_mask_mod,
+    isolated_compile,
     sample_anchors,
 )
 
@@ -140,6 +144,102 @@ def test_flex_mask_mod_is_the_dense_mask() -> None:
         dense = dense_mask(anchors, batch.doc_ids, 4, window)
         flex = create_mask(flex_mask_mod(anchors, batch.doc_ids, 4, window), 1, 1, 20, 60, device="cpu")[0, 0]
         assert torch.equal(dense, flex)
+
+
+def _closure(fn: object) -> dict[str, object]:
+    code = fn.__code__  # type: ignore[attr-defined]
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, fn.__closure__, strict=True)}  # type: ignore[attr-defined]
+
+
+def test_flex_mask_closure_holds_only_config_sized_tensors() -> None:
+    """What dynamo guards on in the mask_mod: tensors sized by the config (A anchors, N positions), the window as a
+    0-d tensor, ints fixed by the config. Two windows give closures that differ only in tensor values, so the layers
+    of a 4 sliding + 1 full drafter share one compiled graph."""
+    batch = make_batch(40, [13, 9, 11], seed=3)
+    anchors, _ = sample_anchors(batch, 5, 4, torch.Generator().manual_seed(0))
+    closures = [_closure(flex_mask_mod(anchors, batch.doc_ids, 4, w)) for w in (None, 3, 2048)]
+    for c in closures:
+        sizes = {k: tuple(v.shape) for k, v in c.items() if isinstance(v, Tensor)}
+        assert sizes == {"anchors": (5,), "doc_ids": (40,), "window_t": ()}
+        ints = {k: v for k, v in c.items() if not isinstance(v, Tensor)}
+        assert ints == {"n": 40, "block_size": 4}  # config constants only: no per-layer window int
+    assert [int(c["window_t"]) for c in closures] == [40 + 5 * 4, 3, 2048]  # type: ignore[call-overload]
+
+
+def _flex_drafter(**kw: object) -> DFlashDrafter:
+    d = make_drafter(attention="flex", **kw)
+    d.flex_compile_backend = "eager"  # dynamo's guards and caches, without code generation on this CPU
+    return d.eval()
+
+
+def test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_back() -> None:
+    """One process, more drafter shapes than dynamo's recompile_limit (8), two windows each: every shape gets its
+    own compiled pair, nothing runs eagerly, and flex gives the dense rule's states."""
+    from torch._dynamo import config as dynamo_config
+
+    from dflash.kernels import FlexWarningWatch, recompile_limit_hits
+
+    emb, _ = frozen_target_parts()
+    limit = int(dynamo_config.recompile_limit)
+    shapes = [(n, a) for n in (48, 64, 80) for a in (3, 5, 6)][: limit + 1]
+    assert len(shapes) > limit
+    hits = recompile_limit_hits()
+    with FlexWarningWatch() as watch, torch.no_grad():
+        for i, (n, a) in enumerate(shapes):
+            flex = _flex_drafter(num_anchors=a, layer_sliding_windows=[5, None])
+            dense = make_drafter(attention="dense", num_anchors=a, layer_sliding_windows=[5, None]).eval()
+            batch = make_batch(n, [n // 3, n // 2], seed=i)
+            anchors, _ = sample_anchors(batch, a, 4, torch.Generator().manual_seed(i))
+            got = flex.block_states(batch, emb, anchors)
+            want = dense.block_states(batch, emb, anchors)
+            assert flex.attention_backend == "flex-compiled"
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert watch.fallbacks == [] and watch.triggered == [] and not watch.flex_fell_back
+    assert recompile_limit_hits() == hits
+    assert flex_kernels(FlexShape(4 * 6, 80 + 24, 6, 80, "cpu", "eager")) is flex_kernels(
+        FlexShape(4 * 6, 80 + 24, 6, 80, "cpu", "eager"))
+
+
+def test_watch_reports_dynamo_falling_back_at_the_recompile_limit() -> None:
+    """A real fallback: compiled flex_attention with recompile_limit 1 sees a second shape, dynamo gives up and runs
+    it eagerly; the watch names the function from dynamo's own counters and warning log."""
+    from torch._dynamo import config as dynamo_config
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash.kernels import FlexWarningWatch, recompile_limit_hits
+
+    fn = isolated_compile(flex_attention, backend="eager", dynamic=False)
+    hits = recompile_limit_hits()
+    with dynamo_config.patch(recompile_limit=1), FlexWarningWatch() as watch:
+        for m in (16, 32):
+            q = torch.randn(1, 2, m, 8)
+            fn(q, q, q)
+    assert recompile_limit_hits() == hits + 1
+    assert len(watch.fallbacks) == 1 and "flex_attention" in watch.fallbacks[0], watch.fallbacks
+    assert "recompile_limit" in watch.fallbacks[0] and watch.flex_fell_back
+
+
+def test_copied_functions_have_their_own_recompile_budget() -> None:
+    """The isolation older torch gets from copy_function: each copy compiles its shape once; only reusing one copy
+    for a second shape (recompile_limit 1) falls back."""
+    from torch._dynamo import config as dynamo_config
+
+    from dflash.kernels import FlexWarningWatch
+
+    def scaled(x: Tensor, k: int = 2) -> Tensor:
+        return x * k + 1
+
+    copy = copy_function(scaled)
+    assert copy.__code__ is not scaled.__code__ and copy(torch.ones(2)).tolist() == [3.0, 3.0]
+    with dynamo_config.patch(recompile_limit=1), FlexWarningWatch() as watch:
+        for n in (3, 5, 7):
+            torch.compile(copy_function(scaled), backend="eager", dynamic=False)(torch.ones(n))
+    assert watch.fallbacks == []
+    with dynamo_config.patch(recompile_limit=1), FlexWarningWatch() as watch:
+        shared = torch.compile(copy_function(scaled), backend="eager", dynamic=False)
+        for n in (3, 5):
+            shared(torch.ones(n))
+    assert len(watch.fallbacks) == 1 and "scaled" in watch.fallbacks[0]
 
 
 # ----------------------------------------------------------------------------- anchors
