@@ -30,6 +30,7 @@ from dflash.target import (
     PACKINGS,
     TargetConfig,
     check_arch,
+    check_vocab_rows,
     resolve_tap_layers,
     target_shape,
 )
@@ -428,6 +429,11 @@ def check_run(cfg: RunConfig, device_type: str, vocab: int | None = None) -> Non
     if r.hidden_size is not None and r.hidden_size != shape.hidden_size:
         raise cfg.error(f"drafter.hidden_size: must equal the target hidden size {shape.hidden_size} (the drafter "
                         f"reads the target's embedding and LM head), got {r.hidden_size}")
+    if cfg.data.tokenizer is None:  # the tiny BPE may use up to data.vocab_size ids: the embedding needs the rows
+        try:
+            check_vocab_rows(cfg.target, cfg.data.vocab_size, "the tiny tokenizer's data.vocab_size")
+        except ValueError as exc:
+            raise cfg.error(exc) from None
     if shape.vocab_size is not None:
         check_mask_token_id(cfg, shape.vocab_size, shape.vocab_from)
     elif cfg.data.tokenizer is None:  # the tiny BPE: the embedding gets its vocabulary, at most data.vocab_size

@@ -194,6 +194,7 @@ def target_arch(cfg: TargetConfig, vocab: int | None = None) -> dict[str, Any]:
     arch = {**copy.deepcopy(fam.tiny), **copy.deepcopy(cfg.arch)}
     if vocab is not None and "vocab_size" not in cfg.arch:
         arch["vocab_size"] = vocab
+    check_vocab_rows(cfg, vocab)
     n = arch["num_hidden_layers"]
     if "layer_types" in arch and len(arch["layer_types"]) != n:
         if "layer_types" in cfg.arch or not fam.layer_pattern:
@@ -201,6 +202,15 @@ def target_arch(cfg: TargetConfig, vocab: int | None = None) -> dict[str, Any]:
                              f"target.arch.num_hidden_layers={n}")
         arch["layer_types"] = [fam.layer_pattern[i % len(fam.layer_pattern)] for i in range(n)]
     return arch
+
+
+def check_vocab_rows(cfg: TargetConfig, vocab: int | None, what: str = "the tokenizer's vocabulary") -> None:
+    """target.arch.vocab_size may exceed the tokenizer's size (throughput runs at a real target's LM-head cost, e.g.
+    248,320 rows; the extra rows never appear as inputs) but never fall short: every token id is an embedding row."""
+    rows = cfg.arch.get("vocab_size")
+    if cfg.path is None and vocab is not None and isinstance(rows, int) and rows < vocab:
+        raise ValueError(f"target.arch.vocab_size: must be at least {what} ({vocab}): every token id is a row of "
+                         f"the embedding and the LM head; got {rows}")
 
 
 def target_hf_config(cfg: TargetConfig, vocab: int | None = None) -> Any:

@@ -200,9 +200,12 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
         docs = prepare_documents(cfg)
     if fresh and resume:
         raise UsageError("--fresh and --resume exclude each other")
-    if cfg.data.tokenizer is not None and cfg.drafter.mask_token_id is not None:
+    if cfg.data.tokenizer is not None and (cfg.drafter.mask_token_id is not None or "vocab_size" in cfg.target.arch):
         # A tokenizer directory's size is known once it is read (never written): still before anything is written.
-        shape = target_shape(cfg.target, load_tokenizer(cfg.data, docs, out / "tokenizer").vocab_size)
+        try:
+            shape = target_shape(cfg.target, load_tokenizer(cfg.data, docs, out / "tokenizer").vocab_size)
+        except ValueError as exc:  # target.arch.vocab_size smaller than the tokenizer
+            raise cfg.error(exc) from None
         if shape.vocab_size is not None:
             check_mask_token_id(cfg, shape.vocab_size, shape.vocab_from)
     check_out(out, roles, resume=resume, fresh=fresh)

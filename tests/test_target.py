@@ -223,3 +223,31 @@ def test_an_explicit_arch_vocab_size_is_the_embedding_even_with_a_smaller_tokeni
     assert target_arch(TargetConfig(), vocab=512)["vocab_size"] == 512
     with pytest.raises(ValueError, match=r"^target.arch.layer_types: has 2 entries for target.arch.num_hidden_layers=3"):
         target_arch(TargetConfig(arch={"num_hidden_layers": 3, "layer_types": ["full_attention"] * 2}))
+
+
+def test_a_random_target_takes_a_real_size_vocabulary_over_a_small_tokenizer() -> None:
+    """Throughput runs need the real LM-head cost (Qwen3.6-27B: 248,320 rows) with the tiny tokenizer: the extra rows
+    are embedding/LM-head rows no input id reaches; the hidden states of real ids are computed as usual."""
+    from dflash.target import target_shape
+
+    cfg = TargetConfig(arch={"vocab_size": 248_320, "num_hidden_layers": 3}, seed=1)
+    assert target_shape(cfg, vocab=300).vocab_size == 248_320
+    t = Target(cfg, num_draft_layers=1, device=CPU, vocab=300)
+    assert t.vocab_size == 248_320
+    assert t.lm_head.weight.shape == (248_320, 64) and t.embed_tokens.weight.shape == (248_320, 64)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    hs = t.hidden_states(ids, torch.ones_like(ids))
+    assert hs.shape == (2, 12, 64) and torch.isfinite(hs).all()
+
+
+def test_an_arch_vocab_size_smaller_than_the_tokenizer_is_refused_by_name() -> None:
+    from dflash.target import target_arch, target_shape
+
+    small = TargetConfig(arch={"vocab_size": 256})
+    want = r"^target.arch.vocab_size: must be at least the tokenizer's vocabulary \(300\).*got 256$"
+    for build in (lambda: target_arch(small, vocab=300), lambda: target_shape(small, vocab=300),
+                  lambda: Target(small, num_draft_layers=1, device=CPU, vocab=300)):
+        with pytest.raises(ValueError, match=want):
+            build()
+    assert target_arch(small, vocab=256)["vocab_size"] == 256  # equal is fine
+    assert target_arch(small)["vocab_size"] == 256  # tokenizer not known yet: nothing to compare

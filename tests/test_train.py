@@ -236,3 +236,16 @@ def test_fresh_checks_the_whole_config_before_deleting_anything(tmp_path: Path) 
             train(bad, tmp_path, fresh=True)
         assert sorted(s for s, _ in list_checkpoints(tmp_path)) == [1, 2]
         assert (tmp_path / "events.jsonl").read_bytes() == events
+
+
+def test_arch_vocab_size_below_the_tiny_tokenizers_size_is_a_config_error() -> None:
+    """The tiny BPE may use up to data.vocab_size ids; an embedding with fewer rows is refused before the run starts,
+    naming the field; more rows (a real target's LM-head cost) pass."""
+    from dflash.config import ConfigError, check_run
+
+    small = run_config(target={"arch": {"num_hidden_layers": 4, "hidden_size": 32, "vocab_size": 300}})
+    with pytest.raises(ConfigError, match=r"target.arch.vocab_size: must be at least the tiny tokenizer's "
+                                          r"data.vocab_size \(512\).*got 300"):
+        check_run(small, "cpu")
+    big = run_config(target={"arch": {"num_hidden_layers": 4, "hidden_size": 32, "vocab_size": 248_320}})
+    check_run(big, "cpu")
