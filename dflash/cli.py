@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="tokens generated per prompt (default: target.regen's, else data.max_len - prompt)")
     rg.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     rg.add_argument("--prompt-tokens", type=int, default=None, help="text prompt length (default: target.regen's, else data.max_len/4)")
-    rg.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts (corpus order)")
+    rg.add_argument("--num-prompts", type=int, default=None, help="at most N prompts, spread evenly over the corpus")
     rg.add_argument("--batch-size", type=int, default=None, help="prompts decoded together (default 128)")
     rg.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     return p

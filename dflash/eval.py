@@ -468,9 +468,17 @@ def tie_margin(target: TargetLM, prefix: Sequence[int], expected: int | None, go
     return None
 
 
+def reference_generations(target: TargetLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                          stop_ids: Sequence[int] = ()) -> list[Generation]:
+    """The target's own greedy decoding of every prompt (after one untimed warm-up): the lossless reference and the
+    baseline speed. Computed once, it serves evaluations at several block sizes (`evaluate(references=...)`)."""
+    target_greedy(target, prompts[0], min(4, max_new_tokens), stop_ids)
+    return [target_greedy(target, prompt, max_new_tokens, stop_ids) for prompt in prompts]
+
+
 def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              stop_ids: Sequence[int] = (), baseline_ngram: bool = False, train_acc: bool = True,
-             tie_tol: float | None = None) -> dict[str, Any]:
+             tie_tol: float | None = None, references: Sequence[Generation] | None = None) -> dict[str, Any]:
     """Decode every prompt with the target alone, with DFlash (and prompt lookup); check each output lossless.
 
     Lossless means token-identical to the target's own greedy decoding, except where the two diverge at a numerical
@@ -481,17 +489,18 @@ def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequenc
         tie_tol = default_tie_tol(next(target.model.parameters()).dtype)
     b = drafter.cfg.block_size
     dflash = DFlashProposer(drafter, target.embed_tokens, target.lm_head)
+    if references is not None and len(references) != len(prompts):
+        raise ValueError(f"{len(references)} references for {len(prompts)} prompts")
+    refs = list(references) if references is not None else \
+        reference_generations(target, prompts, max_new_tokens, stop_ids)
     # Warm-up (allocator, kernel selection) so the first timed prompt is not charged for it.
-    target_greedy(target, prompts[0], min(4, max_new_tokens), stop_ids)
     speculative_generate(target, dflash, prompts[0], min(2 * b, max_new_tokens), b, stop_ids)
-    refs: list[Generation] = []
     gens: list[Generation] = []
     ngram: list[Generation] = []
     errors: list[str] = []
     ties: list[dict[str, Any]] = []
     for i, prompt in enumerate(prompts):
-        ref = target_greedy(target, prompt, max_new_tokens, stop_ids)
-        refs.append(ref)
+        ref = refs[i]
         runs = [("dflash", dflash, gens)] + ([("ngram", NgramProposer(), ngram)] if baseline_ngram else [])
         for name, proposer, sink in runs:
             g = speculative_generate(target, proposer, prompt, max_new_tokens, b, stop_ids)

@@ -45,7 +45,7 @@ class RegenSettings:
     max_new_tokens: int | None = None  # None -> data.max_len - prompt_tokens (a record fits one training piece)
     temperature: float = 0.0  # 0 = greedy (the target's own greedy continuation)
     prompt_tokens: int | None = None  # text prompts; None -> data.max_len // 4
-    num_prompts: int | None = None  # cap (the first N in corpus order); None = every prompt
+    num_prompts: int | None = None  # cap: N prompts spread evenly over the corpus (in corpus order); None = all
     batch_size: int = 128  # prompts per forward (CPU decode cost is per step, nearly flat in the batch)
     seed: int = 0
 
@@ -84,6 +84,19 @@ def corpus_prompts(docs: Sequence[Document], tok: TokenizerAdapter, prompt_token
                 if m["role"] == "assistant" and t > 0:
                     out.append(Prompt(f"{i}:turn{t}", tok.chat_prompt(d.messages[:t])))
     return out
+
+
+def spread(prompts: Sequence[Prompt], num: int) -> list[Prompt]:
+    """`num` prompts evenly spaced over all of them, in corpus order (all when there are no more than `num`).
+
+    Why not the first N: corpora are read in file-name order, so the first N prompts come from a handful of files and
+    a drafter trained on their continuations learns those files instead of the target (measured on the H200 bench:
+    1536 leading prompts, training accuracy 64 % at block position 1 vs 22 % on held-out text).
+    """
+    n = len(prompts)
+    if num >= n:
+        return list(prompts)
+    return [prompts[(i * n) // num] for i in range(num)]
 
 
 def _done_ids(records: Path) -> set[str]:
@@ -202,7 +215,7 @@ def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: R
 
     prompts = corpus_prompts(docs, tok, s.prompt_tokens, cfg.data.max_len)
     if s.num_prompts is not None:
-        prompts = prompts[: s.num_prompts]
+        prompts = spread(prompts, s.num_prompts)
     if not prompts:
         raise DataError(f"{cfg.source}: no prompt of more than {s.prompt_tokens} tokens in the corpus")
     records = dst / RECORDS
@@ -322,4 +335,6 @@ def _progress(total: int) -> Any:
     return tqdm(total=total, desc="regen", unit="prompt", file=sys.stderr)
 
 
-__all__ = ["Prompt", "RegenSettings", "corpus_prompts", "generate_batch", "regen", "regenerated_documents"]
+__all__ = [
+    "Prompt", "RegenSettings", "corpus_prompts", "generate_batch", "regen", "regenerated_documents", "spread",
+]

@@ -5,6 +5,7 @@ Targets are real transformers models (tiny, random init); the slow reference dec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -266,6 +267,28 @@ def test_evaluate_reports_a_broken_rollback_with_its_position(monkeypatch: pytes
     res = evaluate(target, _drafter(), [prompt()], 16, train_acc=False)
     assert res["lossless"] is False
     assert "prompt 0 (dflash): output differs from the target's greedy decoding at new token" in res["errors"][0]
+
+
+def test_references_computed_once_serve_every_block_size() -> None:
+    """evaluate(references=...) must judge against the given greedy outputs exactly as if it had decoded them itself
+    (the H200 bench evaluates one drafter at B=8 and B=16 against one set of references)."""
+    from dflash.eval import evaluate, reference_generations
+
+    target = TargetLM(hybrid_target(), [0, 2])
+    prompts = [prompt(seed=s) for s in (1, 2)]
+    drafter = _drafter()
+    refs = reference_generations(target, prompts, 16)
+    assert [r.tokens for r in refs] == [target_greedy(target, p, 16).tokens for p in prompts]
+    own = evaluate(target, drafter, prompts, 16, train_acc=False)
+    reused = evaluate(target, drafter, prompts, 16, train_acc=False, references=refs)
+    for key in ("tau", "accept_hist", "accept_by_position", "lossless", "new_tokens"):
+        assert reused[key] == own[key], key
+    # A reference that is not the target's output is caught as a lossless failure, so references are really used.
+    wrong = [dataclasses.replace(refs[0], tokens=[(t + 1) % VOCAB for t in refs[0].tokens]), refs[1]]
+    res = evaluate(target, drafter, prompts, 16, train_acc=False, references=wrong)
+    assert res["lossless"] is False and "prompt 0 (dflash)" in res["errors"][0]
+    with pytest.raises(ValueError, match="1 references for 2 prompts"):
+        evaluate(target, drafter, prompts, 16, train_acc=False, references=refs[:1])
 
 
 def test_heldout_documents_of_configured_data_were_never_scheduled(tmp_path: Path) -> None:

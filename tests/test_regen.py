@@ -23,7 +23,7 @@ from dflash.cli import main
 from dflash.config import config_from_dict
 from dflash.data import DataError, load_tokenizer, read_documents, tokenize
 from dflash.pretrain import replace_fields, resolve_target
-from dflash.regen import RECORDS, RegenSettings, corpus_prompts, regen
+from dflash.regen import RECORDS, Prompt, RegenSettings, corpus_prompts, regen, spread
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = RegenSettings(num_prompts=256, prompt_tokens=12, max_new_tokens=36, batch_size=128)
@@ -45,6 +45,13 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (path / RECORDS).read_text().splitlines()]
 
 
+def test_spread_takes_evenly_spaced_prompts_in_corpus_order() -> None:
+    ps = [Prompt(f"{i}:0", [i]) for i in range(10)]
+    assert [p.id for p in spread(ps, 3)] == ["0:0", "3:0", "6:0"]
+    assert [p.id for p in spread(ps, 4)] == ["0:0", "2:0", "5:0", "7:0"]
+    assert spread(ps, 10) == ps and spread(ps, 50) == ps and spread(ps, 1) == ps[:1]
+
+
 def _plain_greedy(model: Any, ids: list[int], n: int) -> list[int]:
     """The target's greedy continuation the slow way: the whole sequence through the model at every step, no cache."""
     seq = list(ids)
@@ -61,8 +68,12 @@ def test_records_keep_ids_supervise_only_generated_tokens_and_are_the_targets_gr
     docs = read_documents(resolved.data)
     tok = load_tokenizer(resolved.data, docs, resolved.data.tokenizer_cache)
     recs = _records(regen_dir)
-    want = corpus_prompts(docs, tok, 12, resolved.data.max_len)[:256]
+    every = corpus_prompts(docs, tok, 12, resolved.data.max_len)
+    want = spread(every, 256)
     assert [r["id"] for r in recs] and sorted(r["id"] for r in recs) == sorted(p.id for p in want)
+    # The cap spreads over the corpus: the records reach its last documents, not just the first 256 prompts' files.
+    doc_of = [int(p.id.split(":")[0]) for p in every]
+    assert len(every) > 256 and max(int(r["id"].split(":")[0]) for r in recs) > max(doc_of[:256])
     by_id = {p.id: p for p in want}
     for r in recs:
         doc, start = (int(x) for x in r["id"].split(":"))
