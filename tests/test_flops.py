@@ -1,0 +1,145 @@
+"""The FLOPs model (dflash/flops.py) against hand-computed counts for tiny configs and against torch's own
+FlopCounterMode on real CPU forwards and backwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from dflash.flops import (
+    DrafterShape,
+    causal_pairs,
+    delta_rule_per_token,
+    drafter_attention_pairs,
+    drafter_step_flops,
+    measure_matmul_tflops,
+    mfu,
+    target_forward_flops,
+    target_layer_costs,
+)
+from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig, dense_mask, sample_anchors
+from dflash.target import TargetConfig, build_target_model, target_hf_config
+
+
+def _meta_target(family: str = "qwen3_5", vocab: int = 512) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(target_hf_config(TargetConfig(family=family), vocab))
+
+
+def test_target_layer_weights_and_per_token_counts_match_a_hand_count() -> None:
+    """TINY_ARCH (hidden 64, inter 128, 4q/2kv x 16, GDN 2k/4v x 16, conv 4), counted by hand:
+    GDN layer: in_proj_qkv 128x64 + in_proj_z 64x64 + in_proj_a/b 4x64 each + conv 128x4 + out_proj 64x64 = 17,408,
+    full layer: q_proj 128x64 (gated: 2 x 4 x 16 rows) + k, v 32x64 + o 64x64 = 16,384; MLP 3 x 128 x 64 = 24,576."""
+    costs = target_layer_costs(_meta_target())
+    assert [c.kind for c in costs] == ["linear_attention", "linear_attention", "full_attention"] * 2
+    assert costs[0].weights == 17_408 + 24_576 and costs[2].weights == 16_384 + 24_576
+    # the delta rule, per value head and token, dk = dv = 16, chunk 64: 6*16*16 + 2*64*(3*16 + 2*16) + 2/3 * 64^2
+    assert delta_rule_per_token(16, 16) == pytest.approx(1536 + 10_240 + 2730.6667, rel=1e-6)
+    assert costs[0].per_token() == pytest.approx(2 * 41_984 + 4 * (1536 + 10_240 + 2730.6667), rel=1e-6)
+    assert costs[2].per_token() == 2 * 40_960 and costs[0].per_pair() == 0
+    assert costs[2].per_pair() == 2 * 4 * (16 + 16)  # QK^T and PV, 4 query heads
+
+
+def test_target_forward_counts_layers_run_real_tokens_and_in_document_pairs() -> None:
+    costs = target_layer_costs(_meta_target())
+    assert causal_pairs([3, 5]) == 6 + 15
+    f = target_forward_flops(costs, [3, 5], layers_run=3)
+    per_token = 2 * costs[0].per_token() + costs[2].per_token()
+    assert (f.tokens, f.layers_run, f.lm_head) == (8, 3, 0.0)
+    assert f.linear == pytest.approx(8 * per_token) and f.attention == 21 * 256
+    full = target_forward_flops(costs, [3, 5], layers_run=6, hidden_size=64, vocab_size=512, lm_head=True)
+    assert full.lm_head == 2 * 64 * 512 * 8 and full.attention == 2 * 21 * 256
+    assert full.total == pytest.approx(full.linear + full.attention + full.lm_head)
+
+
+def test_target_linear_count_equals_torch_flop_counter_on_a_real_forward() -> None:
+    """Independent check on a full-attention (qwen3) target: torch's FlopCounterMode over the decoder's real
+    forward counts the same projection FLOPs (mm) as the weights-based model."""
+    model = build_target_model(TargetConfig(family="qwen3"), vocab=128).eval()
+    costs = target_layer_costs(model)
+    ids = torch.randint(0, 128, (1, 10))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model.model(input_ids=ids)
+    mm = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "mm" in str(op) and "bmm" not in str(op))
+    assert mm == target_forward_flops(costs, [10], layers_run=len(costs)).linear
+
+
+def _batch(n: int, lengths: list[int], hidden_dim: int, vocab: int, seed: int) -> DraftBatch:
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.full((n,), -1, dtype=torch.long)
+    pos = torch.zeros(n, dtype=torch.long)
+    start = 0
+    for d, length in enumerate(lengths):
+        doc[start:start + length], pos[start:start + length] = d, torch.arange(length)
+        start += length
+    return DraftBatch(hidden=torch.randn(n, hidden_dim, generator=g), input_ids=torch.randint(0, vocab - 1, (n,), generator=g),
+                      loss_mask=doc >= 0, position_ids=pos, doc_ids=doc)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
+def test_drafter_attention_pairs_equal_the_dense_mask_count(window: int | None) -> None:
+    for seed in range(3):
+        batch = _batch(48, [13, 9, 20], 8, 50, seed)
+        anchors, _ = sample_anchors(batch, 7, 4, torch.Generator().manual_seed(seed))
+        want = int(dense_mask(anchors, batch.doc_ids, 4, window).sum())
+        got = drafter_attention_pairs(batch.position_ids[anchors], batch.doc_ids[anchors] >= 0, 4, window)
+        assert got == want
+
+
+def _shape(pairs: list[int], **kw: object) -> DrafterShape:
+    base: dict[str, object] = dict(hidden=8, num_taps=2, num_heads=2, num_kv_heads=1, head_dim=4, intermediate=16,
+                                   vocab=10, n_ctx=12, num_anchors=2, block_size=3, pairs=pairs)
+    base.update(kw)
+    return DrafterShape(**base)  # type: ignore[arg-type]
+
+
+def test_drafter_step_flops_match_a_hand_count() -> None:
+    """H 8, 2 taps, 2q/1kv x 4, inter 16, V 10, N 12, A 2, B 3 (M 6), two layers with 20 and 30 allowed pairs."""
+    f = drafter_step_flops(_shape([20, 30]))
+    assert f.parts == {
+        "fc": 2 * 12 * 16 * 8,  # [N, K*H] @ [K*H, H]
+        "q_o_proj": 2 * (2 * 6 * 8 * 8 * 2),  # two layers: q and o, [M, H] x [H, 8]
+        "kv_proj": 2 * (2 * 18 * 8 * 4 * 2),  # k and v over N + M = 18 rows, [H, 4]
+        "mlp": 2 * (2 * 6 * 8 * 16 * 3),
+        "attention": 4 * 8 * (20 + 30),  # QK^T + PV over the allowed pairs, 2 heads x 4
+        "lm_head": 2 * 6 * 8 * 10,
+    }
+    layers = 3072 + 4608 + 9216 + 1600  # q/o, k/v, MLP, attention
+    assert f.model == sum(f.parts.values()) + 2 * layers + 3072 + 960  # bwd: layers 2x, fc 1x, lm head 1x
+    assert f.hardware == f.model + 0.5 * 1600 + 960  # attention bwd recompute, CE logits recompute
+    ck = drafter_step_flops(_shape([20, 30], grad_checkpoint=True))
+    assert ck.model == f.model and ck.hardware == f.hardware + layers
+    tiles = drafter_step_flops(_shape([20, 30], flex_hw_pairs=[36, 36]))
+    assert tiles.model == f.model and tiles.hardware == pytest.approx(f.model + 3 * 32 * 22 + 0.5 * 32 * 72 + 960)
+
+
+def test_drafter_hardware_count_equals_torch_flop_counter_on_a_dense_step() -> None:
+    """Independent check of every matmul but attention: torch's FlopCounterMode over the dense CPU drafter's forward
+    and backward counts exactly the model's projections, fc, LM head (forward, and input gradient) and the CE logits
+    recomputed in backward. (It does not count SDPA's CPU math path; the attention pairs are checked against the
+    dense mask above.)"""
+    h, vocab, n, a, b = 16, 40, 32, 3, 4
+    cfg = DrafterConfig(num_layers=2, num_heads=4, num_kv_heads=2, block_size=b, num_anchors=a,
+                        mask_token_id=vocab - 1, intermediate_size=24, attention="dense", ce_chunk=5)
+    torch.manual_seed(0)
+    d = DFlashDrafter(cfg, target_hidden_size=h, num_taps=2)
+    emb = torch.nn.Embedding(vocab, h).requires_grad_(False)
+    head = torch.nn.Linear(h, vocab, bias=False).requires_grad_(False)
+    batch = _batch(n, [12, 15], 2 * h, vocab, 0)
+    with FlopCounterMode(display=False) as counter:
+        d(batch, emb, head, generator=torch.Generator().manual_seed(0)).loss.backward()
+    m = a * b
+    shape = DrafterShape(hidden=h, num_taps=2, num_heads=4, num_kv_heads=2, head_dim=4, intermediate=24, vocab=vocab,
+                         n_ctx=n, num_anchors=a, block_size=b, pairs=[m * (n + m)] * 2)
+    f = drafter_step_flops(shape)
+    assert counter.get_total_flops() == f.model - 3 * f.parts["attention"] + f.parts["lm_head"]
+
+
+def test_matmul_rate_and_mfu() -> None:
+    rate = measure_matmul_tflops("cpu", n=128, iters=2, dtype=torch.float32)
+    assert 0 < rate < 100  # a CPU does well under 100 TFLOP/s
+    assert mfu(2e12, 1.0, 4.0) == 0.5
