@@ -147,6 +147,36 @@ def loop_costs(lm: Any, drafter: Any, prompt: list[int], block: int, reps: int =
     return out
 
 
+def probe(dev: torch.device, block: int) -> int:
+    """Where a decoding step's time goes, before anything is trained: loop costs in float32 and bfloat16, and the
+    profiler's top operators over a few greedy decode steps (the loop has been host-bound on the GPU)."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.speculative import TargetLM, target_greedy
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(vocab_size=8192, **TARGET_ARCH)).to(dev).eval()
+    drafter = DFlashDrafter(DrafterConfig(num_layers=2, num_heads=16, num_kv_heads=4, block_size=block,
+                                          mask_token_id=8191, attention="dense"), TARGET_ARCH["hidden_size"], 2).to(dev)
+    prompt = torch.randint(0, 8000, (64,)).tolist()
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        drafter.to(dtype)
+        lm = TargetLM(model, [1, 9])
+        costs = loop_costs(lm, drafter, prompt, block)
+        print(f"probe {dtype}: " + ", ".join(f"{k} {v} ms" for k, v in costs.items()), flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    lm = TargetLM(model, [1, 9])
+    target_greedy(lm, prompt, 4)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        target_greedy(lm, prompt, 9)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="work directory (default: a new temp dir)")
@@ -154,11 +184,12 @@ def main() -> int:
     ap.add_argument("--stdlib-chars", type=int, default=6_000_000)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--pretrain-steps", type=int, default=2400)
-    ap.add_argument("--pretrain-seconds", type=float, default=150.0, help="wall-clock budget of target pretraining")
+    ap.add_argument("--pretrain-seconds", type=float, default=120.0, help="wall-clock budget of target pretraining")
     ap.add_argument("--regen-prompts", type=int, default=0,
                     help="prompts to regenerate, spread over the corpus (0 = every prompt of the train files)")
     ap.add_argument("--regen-batch", type=int, default=1024, help="prompts decoded together (the loop is host-bound)")
-    ap.add_argument("--drafter-steps", type=int, default=1000)
+    ap.add_argument("--regen-seconds", type=float, default=90.0, help="wall-clock budget of regeneration")
+    ap.add_argument("--drafter-steps", type=int, default=800)
     ap.add_argument("--drafter-lr", type=float, default=8e-4)
     ap.add_argument("--anchors", type=int, default=1024, help="anchors (blocks) per training step")
     ap.add_argument("--train-block", type=int, default=16,
@@ -168,6 +199,9 @@ def main() -> int:
     ap.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="target and drafter dtype in evaluation; float32 makes the lossless check free of bf16 ties")
     ap.add_argument("--blocks", default="8,16", help="block sizes to evaluate the drafter at")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU: checks the plumbing, not the numbers")
+    ap.add_argument("--probe", action="store_true",
+                    help="only time the decoding loop's pieces on a random-init target of the bench's size, then exit")
     args = ap.parse_args()
 
     from dflash.config import config_from_dict
@@ -184,6 +218,8 @@ def main() -> int:
     if dev.type != "cuda" and not smoke:
         print("no CUDA device: run with --smoke for a CPU plumbing check", file=sys.stderr)
         return 2
+    if args.probe:
+        return probe(dev, args.train_block)
     work = Path(args.out or tempfile.mkdtemp(prefix="dflash-quality-"))
     work.mkdir(parents=True, exist_ok=True)
     stages: dict[str, float] = {}
@@ -240,7 +276,7 @@ def main() -> int:
     prompt_tokens = 32 if smoke else 64
     rs = RegenSettings(num_prompts=64 if smoke else (args.regen_prompts or None), prompt_tokens=prompt_tokens,
                        max_new_tokens=max_len - prompt_tokens, batch_size=64 if smoke else args.regen_batch)
-    regen(tcfg, docs, data_dir, rs, device=dev)
+    regen(tcfg, docs, data_dir, rs, device=dev, max_seconds=None if smoke else args.regen_seconds)
     stage("regen", t0)
 
     # 4. one drafter at --train-block, trained on the regenerated records (resumed if a call ran out before)

@@ -169,8 +169,11 @@ def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
 
 
 def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: RegenSettings, *,
-          device: torch.device | None = None, log: Log = print) -> dict[str, Any]:
+          device: torch.device | None = None, log: Log = print, max_seconds: float | None = None) -> dict[str, Any]:
     """Run the config's target over the corpus prompts and append records to OUT/regen.jsonl (resumable).
+
+    `max_seconds` stops after the batch that crosses it (a time-boxed benchmark); the records so far are complete
+    and the same call later continues with the rest.
 
     `cfg` must already name its target (dflash.pretrain.resolve_target has run). Returns a summary.
     """
@@ -224,7 +227,7 @@ def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: R
     log(f"regen: {len(prompts)} prompts ({len(done & {p.id for p in prompts})} already done), up to "
         f"{s.max_new_tokens} new tokens each, temperature {s.temperature}, into {records}")
     if not todo:
-        return {"prompts": len(prompts), "written": 0, "records": str(records), "new_tokens": 0}
+        return {"prompts": len(prompts), "written": 0, "records": str(records), "new_tokens": 0, "complete": True}
 
     tcfg = cfg.target if cfg.target.path else \
         replace_fields(cfg.target, arch={**cfg.target.arch, "vocab_size": tok.vocab_size})
@@ -257,10 +260,12 @@ def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: R
                 rec = {"id": p.id, "input_ids": [*p.ids, *gen], "loss_mask": [0] * len(p.ids) + [1] * len(gen),
                        "prompt_tokens": len(p.ids), "end": why}
                 fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
                 written += 1
                 new_tokens += len(gen)
+            # One fsync per batch, not per record (a 1024-prompt GPU batch would pay 1024 of them); a kill still
+            # loses nothing written (the page cache keeps it) and a torn last line is cut off on resume.
+            fh.flush()
+            os.fsync(fh.fileno())
             elapsed = time.perf_counter() - t0
             if bar is not None:
                 bar.update(len(batch))
@@ -270,10 +275,14 @@ def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: R
                 eta = elapsed / written * (len(todo) - written)
                 log(f"regen: {written}/{len(todo)} prompts, {new_tokens} tokens, "
                     f"{new_tokens / max(elapsed, 1e-9):.0f} tok/s, eta {eta:.0f}s")
+            if max_seconds is not None and elapsed >= max_seconds and b + 1 < len(batches):
+                log(f"regen: time budget of {max_seconds:.0f}s reached after {written}/{len(todo)} prompts; "
+                    "the same command continues where this stopped")
+                break
     if bar is not None:
         bar.close()
     return {"prompts": len(prompts), "written": written, "records": str(records), "new_tokens": new_tokens,
-            "seconds": round(time.perf_counter() - t0, 1)}
+            "seconds": round(time.perf_counter() - t0, 1), "complete": written == len(todo)}
 
 
 def _target_identity(cfg: RunConfig) -> dict[str, Any]:

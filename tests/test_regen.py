@@ -173,6 +173,17 @@ def test_a_killed_regen_resumes_without_losing_or_repeating_a_prompt(resolved: A
     assert "were made with another settings" in capsys.readouterr().err
 
 
+def test_a_time_budget_stops_after_a_whole_batch_and_the_next_call_finishes(resolved: Any, tmp_path: Path) -> None:
+    docs = read_documents(resolved.data)
+    settings = RegenSettings(num_prompts=12, prompt_tokens=12, max_new_tokens=4, batch_size=5)
+    first = regen(resolved, docs, tmp_path / "d", settings, log=lambda _m: None, max_seconds=0.0)
+    assert first["written"] == 5 and first["complete"] is False  # one whole batch, then the budget stops it
+    second = regen(resolved, docs, tmp_path / "d", settings, log=lambda _m: None)
+    assert second["written"] == 7 and second["complete"] is True
+    ids = [r["id"] for r in _records(tmp_path / "d")]
+    assert len(ids) == len(set(ids)) == 12
+
+
 def test_drafter_trained_on_regenerated_data_is_accepted_more_than_on_the_raw_corpus(
         resolved: Any, regen_dir: Path, tmp_path: Path) -> None:
     from dflash.eval import embedded_heldout, evaluate, load_checkpoint, prompts_from_documents
