@@ -24,6 +24,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from dflash import yamlfile
 from dflash.model import DrafterConfig
 from dflash.target import (
+    ATTENTIONS,
     DEFAULT_FAMILY,
     DTYPES,
     FAMILIES,
@@ -215,6 +216,7 @@ class TargetSection(TargetConfig):
     _strict = _STRICT
     _dtype = _v(_one_of("auto", *DTYPES), "dtype")
     _packing = _v(_one_of(*PACKINGS), "packing")
+    _attention = _v(_one_of(*ATTENTIONS), "attention")
 
     _family = _v(_one_of(*FAMILIES), "family")
 

@@ -7,6 +7,7 @@ same seed gives the same losses whichever way the job is laid out.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -167,24 +168,65 @@ class Reservoir:
 
 
 # ---------------------------------------------------------------------------------------------- buffers -> DraftBatch
-def compute_batch(target: Any, corpus: TokenizedCorpus, pieces: Sequence[Piece], token_budget: int) -> DraftBatch:
-    """Run the target on one buffer and lay the result out as a fixed-shape DraftBatch of token_budget positions."""
+@dataclass
+class HostBuffer:
+    """One buffer laid out on the host (CPU work only): what the target forward and the DraftBatch need."""
+
+    arrays: dict[str, torch.Tensor]  # buffer_arrays: [token_budget] ids, loss mask, positions, doc ids
+    real: int  # real tokens (the rest of the token budget is padding)
+    rows: tuple[torch.Tensor, torch.Tensor] | None  # packing pad: [R, T] right-padded ids and attention mask
+    packed_ids: torch.Tensor | None  # packing varlen: [1, N] ids of the packed row
+    cu_seqlens: torch.Tensor | None  # packing varlen: [D+1] boundaries (a dummy tail document when fixed_shape)
+
+
+def prepare_buffer(corpus: TokenizedCorpus, pieces: Sequence[Piece], token_budget: int, packing: str,
+                   fixed_shape: bool = False) -> HostBuffer:
+    """The host half of a buffer: ids, masks and boundaries, without touching the GPU (bench/ times it apart).
+
+    fixed_shape: the packed row is always token_budget long, its padding tail one more (dummy) document, so the
+    target forward sees one shape per run (what compiling it or capturing a CUDA graph needs); its states are
+    dropped. Costs the forward over the tail.
+    """
     arrays = buffer_arrays(corpus, pieces, token_budget)
     lengths = [n for _, _, n in pieces]
     real = sum(lengths)
+    if packing != "varlen":
+        return HostBuffer(arrays, real, buffer_rows(corpus, pieces, pad_id=0), None, None)
+    bounds = [0, *itertools.accumulate(lengths)]
+    n = real
+    if fixed_shape and real < token_budget:
+        bounds.append(token_budget)
+        n = token_budget
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    return HostBuffer(arrays, real, None, arrays["input_ids"][:n].unsqueeze(0), cu)
+
+
+def run_target(target: Any, host: HostBuffer, token_budget: int) -> DraftBatch:
+    """The device half: the target forward over a prepared buffer -> a fixed-shape DraftBatch of token_budget."""
     kh = target.hidden_size * len(target.tap_layers)
-    hidden = torch.zeros(token_budget, kh, dtype=target.dtype, device=target.device)
-    if target.packing == "varlen":
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        hs = target.hidden_states_packed(arrays["input_ids"][:real].unsqueeze(0), cu)
-        hidden[:real] = hs[0]
+    real = host.real
+    if host.packed_ids is not None:
+        assert host.cu_seqlens is not None
+        hs = target.hidden_states_packed(host.packed_ids, host.cu_seqlens)[0]
+        # A copy out of the inference-mode result (the drafter saves it for backward); a fixed shape's dummy tail
+        # stays zero like any padding.
+        hidden = torch.zeros(token_budget, kh, dtype=target.dtype, device=target.device)
+        hidden[:real] = hs[:real]
     else:
-        ids, att = buffer_rows(corpus, pieces, pad_id=0)
+        assert host.rows is not None
+        ids, att = host.rows
         hs = target.hidden_states(ids, att)  # [R, T, KH]
-        valid = att.to(hs.device).bool()
-        hidden[:real] = hs[valid]  # row-major order == the packed order of buffer_arrays
-    return DraftBatch(hidden=hidden, input_ids=arrays["input_ids"], loss_mask=arrays["loss_mask"],
-                      position_ids=arrays["position_ids"], doc_ids=arrays["doc_ids"])
+        hidden = torch.zeros(token_budget, kh, dtype=target.dtype, device=target.device)
+        hidden[:real] = hs[att.to(hs.device).bool()]  # row-major order == the packed order of buffer_arrays
+    a = host.arrays
+    return DraftBatch(hidden=hidden, input_ids=a["input_ids"], loss_mask=a["loss_mask"],
+                      position_ids=a["position_ids"], doc_ids=a["doc_ids"])
+
+
+def compute_batch(target: Any, corpus: TokenizedCorpus, pieces: Sequence[Piece], token_budget: int,
+                  fixed_shape: bool = False) -> DraftBatch:
+    """Run the target on one buffer and lay the result out as a fixed-shape DraftBatch of token_budget positions."""
+    return run_target(target, prepare_buffer(corpus, pieces, token_budget, target.packing, fixed_shape), token_budget)
 
 
 def batch_real_tokens(batch: DraftBatch) -> int:

@@ -81,6 +81,11 @@ FAMILIES: dict[str, TargetFamily] = {f.name: f for f in (
 DEFAULT_FAMILY = "qwen3_5"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PACKINGS = ("auto", "pad", "varlen")
+# target.attention: how the full-attention layers attend. sdpa: transformers' default (a packed row gets a
+# block-diagonal mask, which SDPA runs densely); varlen: PyTorch's fused varlen flash attention over the documents'
+# cu_seqlens; flex_attention: transformers' flex path (a compiled document mask).
+ATTENTIONS = ("sdpa", "varlen", "flex_attention")
+VARLEN_ATTENTION = "document_varlen"  # registered in transformers' AttentionInterface ("flash" in a name means flash-attn to it)
 _ARCH_POSITIVE = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "vocab_size")
 
@@ -123,6 +128,7 @@ class TargetConfig:
     packing: str = "auto"  # auto: varlen only if fla (+ causal-conv1d) is really bound, else pad; "pad" | "varlen"
     seed: int = 0  # random-init seed (deterministic weights)
     allow_slow_kernels: bool = False
+    attention: str = "sdpa"  # full-attention layers: sdpa | varlen | flex_attention (see ATTENTIONS)
 
 
 def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -380,12 +386,17 @@ class Target:
     ) -> None:
         if cfg.packing not in PACKINGS:
             raise ValueError(f"target.packing must be one of {', '.join(PACKINGS)}; got {cfg.packing!r}")
+        if cfg.attention not in ATTENTIONS:
+            raise ValueError(f"target.attention must be one of {', '.join(ATTENTIONS)}; got {cfg.attention!r}")
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model = build_target_model(cfg, vocab, device=self.device, dtype=self.dtype, on_progress=on_progress)
         self.model.to(self.device)
         self.model.eval()
+        if cfg.attention != "sdpa":
+            name = register_varlen_attention() if cfg.attention == "varlen" else cfg.attention
+            self.model.set_attn_implementation(name)
         self.model.requires_grad_(False)
         self.config = self.model.config
         self.decoder = self._decoder(self.model)
@@ -477,7 +488,8 @@ class Target:
         """[1, N] packed documents with boundaries `cu_seqlens` ([D+1], starting 0, ending N) -> [1, N, K*H].
 
         Only on the fla varlen path: every linear-attention kernel receives the boundaries (cu_seqlens for the delta
-        rule, seq_idx for the conv) and full attention gets a block-diagonal mask from the per-document positions.
+        rule, seq_idx for the conv); full attention gets them too (a fused varlen kernel with target.attention
+        varlen, else a block-diagonal mask transformers builds from the per-document positions).
         """
         if self.packing != "varlen":
             raise RuntimeError(
@@ -486,21 +498,101 @@ class Target:
             )
         if input_ids.ndim != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"packed input_ids must be [1, N], got {tuple(input_ids.shape)}")
-        n = input_ids.shape[1]
-        cu = cu_seqlens.to(self.device, torch.long)  # fla documents cu_seqlens as LongTensor
-        if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] <= cu[:-1]).any()):
-            raise ValueError(f"cu_seqlens must be strictly increasing from 0 to N={n}, got {cu.tolist()}")
-        lengths = cu[1:] - cu[:-1]
-        doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=self.device, dtype=torch.int32), lengths)
-        starts = cu[:-1].long()[doc.long()]
-        position_ids = (torch.arange(n, device=self.device) - starts).unsqueeze(0)
-        max_len = int(lengths.max())
+        idx = packed_indices(cu_seqlens, input_ids.shape[1])
+        dev = self.device
         return self._tapped(
-            input_ids=input_ids.to(self.device),
-            position_ids=position_ids,
-            cu_seq_lens_q=cu,
+            input_ids=to_device(input_ids, dev),
+            position_ids=to_device(idx.position_ids, dev).unsqueeze(0),
+            cu_seq_lens_q=(cu := to_device(idx.cu_seqlens, dev)),
             cu_seq_lens_k=cu,
-            max_length_q=max_len,
-            max_length_k=max_len,
-            seq_idx=doc.unsqueeze(0),
+            max_length_q=idx.max_len,
+            max_length_k=idx.max_len,
+            seq_idx=to_device(idx.seq_idx, dev).unsqueeze(0),
+            cu_seqlens_cpu=idx.cu_seqlens,  # fla's chunk op sizes its chunk index from this: no device sync
         )
+
+
+@dataclass
+class PackedIndices:
+    """What the varlen kernels need about a packed row, computed on the host from the boundaries alone."""
+
+    cu_seqlens: Tensor  # [D+1] long (fla documents LongTensor cu_seqlens)
+    position_ids: Tensor  # [N] long, position inside its document
+    seq_idx: Tensor  # [N] int32, document index (causal-conv1d)
+    max_len: int
+
+
+def packed_indices(cu_seqlens: Tensor, n: int) -> PackedIndices:
+    """Check the boundaries and derive positions and document ids on the CPU.
+
+    Done on the device, each check (`int(cu[-1])`), the longest document (`int(lengths.max())`) and
+    `repeat_interleave` without an output size is a host sync that stalls the launch stream; here none is, and the
+    caller's boundaries (built on the host from Python lengths) never make a round trip through the GPU.
+    """
+    cu = cu_seqlens.detach().to("cpu", torch.long)
+    if cu.ndim != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be strictly increasing from 0 to N={n}, got {cu.tolist()}")
+    lengths = cu[1:] - cu[:-1]
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths, output_size=n)
+    position_ids = torch.arange(n) - cu[:-1][doc.long()]
+    return PackedIndices(cu_seqlens=cu, position_ids=position_ids, seq_idx=doc, max_len=int(lengths.max()))
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """Host -> device without a sync: pinned memory and a non-blocking copy on CUDA (a no-op where t already is)."""
+    if t.device == device or device.type != "cuda":
+        return t.to(device)
+    if t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+# ---------------------------------------------------------------------------------------------- varlen attention
+def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                             attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                             **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' attention interface ([B, H, T, D] in, [B, T, H, D] out) over PyTorch's varlen flash attention.
+
+    A packed row ([1, N] with cu_seq_lens_q) runs causal attention inside each document, fused, with no mask; the
+    block-diagonal mask SDPA would get instead cannot run as a fused kernel and costs N^2. Without cu_seq_lens
+    (right-padded rows) it is SDPA with is_causal: exact for every real token, since padding only follows them.
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                      is_causal=query.shape[2] > 1)
+    if query.shape[0] != 1:
+        raise ValueError(f"varlen attention takes one packed row, got a batch of {query.shape[0]}")
+    from torch.nn.attention.varlen import varlen_attn
+
+    t, hq, hkv = query.shape[2], query.shape[1], key.shape[1]
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    params = inspect.signature(varlen_attn).parameters
+    opts: dict[str, Any] = {"scale": scaling}
+    if "enable_gqa" in params:
+        opts["enable_gqa"] = hq != hkv
+    elif hq != hkv:
+        k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    if "is_causal" in params:
+        opts["is_causal"] = True
+    else:
+        opts["window_size"] = (-1, 0)  # causal
+    cu32 = cu.to(torch.int32)
+    max_q = int(kwargs.get("max_length_q") or 0)
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu32, cu32, max_q, max_q, **opts)
+    return out.reshape(1, t, hq, -1), None
+
+
+def register_varlen_attention() -> str:
+    """Register varlen_attention_forward with transformers (idempotent) and return its name.
+
+    Registered attention functions get no mask from transformers (only built-in implementations do), which is what
+    varlen wants: the boundaries come as cu_seq_lens, and padded rows are right-padded and causal.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+    return VARLEN_ATTENTION

@@ -143,3 +143,28 @@ def test_matmul_rate_and_mfu() -> None:
     rate = measure_matmul_tflops("cpu", n=128, iters=2, dtype=torch.float32)
     assert 0 < rate < 100  # a CPU does well under 100 TFLOP/s
     assert mfu(2e12, 1.0, 4.0) == 0.5
+
+
+def test_step_phases_dry_run_prints_the_flops_model_and_refuses_a_gpu_run_without_one() -> None:
+    """bench/step_phases.py on this CPU machine: --dry-run gives the model for a config; a real run says it needs a
+    GPU instead of timing the CPU."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "bench" / "step_phases.py"), str(root / "configs" / "h200-4b-like.yaml")]
+    dry = subprocess.run([*cmd, "--dry-run", "--buffers", "2", "--peak-tflops", "1000"], capture_output=True,
+                         text=True, timeout=300, check=True)
+    report = json.loads(dry.stdout)
+    assert (report["layers_run"], report["of_layers"], report["taps"]) == (30, 32, [1, 15, 29])
+    fl = report["tflop_per_step"]
+    assert fl["step_model"] == pytest.approx(fl["target_forward"] + fl["drafter_model"])
+    assert fl["drafter_hardware"] > fl["drafter_model"] > fl["drafter_lm_head_fwd_bwd"] > 0
+    assert report["ms_at_100pct_mfu"]["step"] == pytest.approx(fl["step_model"])  # TFLOP at 1000 TFLOP/s = ms
+    # ~2 x 3.7B parameters (the 4B-like body without embeddings) x 30/32 layers per token, plus attention
+    assert 5e-3 < report["target_params_per_token_tflop"] < 8e-3
+    if not torch.cuda.is_available():
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr

@@ -203,3 +203,32 @@ def test_two_drafter_ranks_ddp_split_equals_colocated_ddp(tmp_path: Path) -> Non
     assert start["roles"] == {"drafter": [0, 1], "target": [2]}
     steps = [e for e in events if e["kind"] == "step"]
     assert len(steps) == 5 and all(e["rank"] == 0 for e in steps)
+
+
+def test_a_buffer_is_prepared_on_the_host_for_either_packing_and_a_fixed_shape() -> None:
+    """The host half of a buffer: varlen gets one packed row and its boundaries (with fixed_shape, always
+    token_budget long, the padding tail one more document); pad gets right-padded rows. No tensor on a device."""
+    from dflash.data import TokenizedCorpus
+    from dflash.pipeline import prepare_buffer
+
+    g = torch.Generator().manual_seed(0)
+    corpus = TokenizedCorpus(ids=[torch.randint(1, 50, (n,), generator=g) for n in (12, 7, 30)],
+                             loss_mask=[torch.ones(n, dtype=torch.bool) for n in (12, 7, 30)], fingerprint="t")
+    pieces = [(0, 2, 10), (2, 5, 5), (1, 0, 7)]
+    var = prepare_buffer(corpus, pieces, 32, "varlen")
+    assert var.real == 22 and var.cu_seqlens is not None and var.packed_ids is not None and var.rows is None
+    assert var.cu_seqlens.tolist() == [0, 10, 15, 22] and var.cu_seqlens.dtype == torch.int32
+    assert torch.equal(var.packed_ids[0], torch.cat([corpus.ids[0][2:12], corpus.ids[2][5:10], corpus.ids[1]]))
+    fixed = prepare_buffer(corpus, pieces, 32, "varlen", fixed_shape=True)
+    assert fixed.cu_seqlens is not None and fixed.packed_ids is not None
+    assert fixed.cu_seqlens.tolist() == [0, 10, 15, 22, 32] and fixed.packed_ids.shape == (1, 32)
+    assert torch.equal(fixed.packed_ids[0, :22], var.packed_ids[0]) and not fixed.packed_ids[0, 22:].any()
+    full = prepare_buffer(corpus, [(2, 0, 30), (0, 0, 2)], 32, "varlen", fixed_shape=True)
+    assert full.cu_seqlens is not None and full.cu_seqlens.tolist() == [0, 30, 32]  # no tail: nothing to add
+    pad = prepare_buffer(corpus, pieces, 32, "pad")
+    assert pad.rows is not None and pad.packed_ids is None
+    ids, att = pad.rows
+    assert ids.shape == (3, 10) and att.sum(1).tolist() == [10, 5, 7]
+    for buf in (var, fixed, pad):
+        assert all(t.device.type == "cpu" for t in buf.arrays.values())
+        assert torch.equal(buf.arrays["doc_ids"], var.arrays["doc_ids"])

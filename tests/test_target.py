@@ -251,3 +251,45 @@ def test_an_arch_vocab_size_smaller_than_the_tokenizer_is_refused_by_name() -> N
             build()
     assert target_arch(small, vocab=256)["vocab_size"] == 256  # equal is fine
     assert target_arch(small)["vocab_size"] == 256  # tokenizer not known yet: nothing to compare
+
+
+def test_packed_indices_come_from_the_host_boundaries_alone() -> None:
+    """Positions, document ids and the longest document for the varlen kernels, derived on the CPU (no device
+    round trip, so no host sync in the forward); bad boundaries are refused with the boundaries shown."""
+    from dflash.target import packed_indices
+
+    idx = packed_indices(torch.tensor([0, 3, 5, 9], dtype=torch.int32), 9)
+    assert idx.position_ids.tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3]
+    assert idx.seq_idx.tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2] and idx.seq_idx.dtype == torch.int32
+    assert idx.cu_seqlens.dtype == torch.long and idx.cu_seqlens.device.type == "cpu" and idx.max_len == 4
+    # the fixed-shape buffer's tail is one more document: positions restart there
+    tail = packed_indices(torch.tensor([0, 3, 5, 8]), 8)
+    assert tail.position_ids.tolist()[-3:] == [0, 1, 2] and tail.seq_idx.tolist()[-1] == 2
+    for bad, n in (([0, 3, 3, 9], 9), ([1, 9], 9), ([0, 4], 9), ([0], 0)):
+        with pytest.raises(ValueError, match="cu_seqlens must be strictly increasing"):
+            packed_indices(torch.tensor(bad), n)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])
+def test_varlen_attention_target_equals_sdpa_on_right_padded_rows(family: str) -> None:
+    """target.attention varlen registers its attention with transformers; padded rows (the only path on CPU) then get
+    no mask and attend causally, which is exact for every real token of a right-padded row."""
+    from transformers import AttentionInterface
+
+    from dflash.target import VARLEN_ATTENTION
+
+    cfg = TargetConfig(family=family, seed=4)
+    sdpa = Target(cfg, num_draft_layers=2, device=CPU)
+    varlen = Target(TargetConfig(family=family, seed=4, attention="varlen"), num_draft_layers=2, device=CPU)
+    assert VARLEN_ATTENTION in AttentionInterface._global_mapping
+    assert varlen.model.config._attn_implementation == VARLEN_ATTENTION
+    lengths = [7, 19, 1, 12]
+    ids = torch.zeros(4, 19, dtype=torch.long)
+    mask = torch.zeros(4, 19, dtype=torch.long)
+    for i, (n, d) in enumerate(zip(lengths, random_ids(lengths, seed=5), strict=True)):
+        ids[i, :n], mask[i, :n] = d, 1
+    a, b = sdpa.hidden_states(ids, mask), varlen.hidden_states(ids, mask)
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(b[i, :n], a[i, :n], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="target.attention must be one of sdpa, varlen, flex_attention"):
+        Target(TargetConfig(attention="flash"), num_draft_layers=2, device=CPU)

@@ -1,0 +1,197 @@
+"""What bench/step_phases.py and bench/target_forward.py share: the config with overrides, synthetic buffers,
+the FLOPs of a buffer, CUDA-event timing and host-sync counting.
+
+Synthetic data (random ids over the config's vocabulary, documents of random length packed by the run's own
+schedule code): the cost of a step depends on shapes and document lengths, not on what the tokens say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import statistics
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from dflash.config import RunConfig, check_run, load_config  # noqa: E402
+from dflash.data import Piece, TokenizedCorpus, make_pieces, pack_epoch  # noqa: E402
+from dflash.flops import (  # noqa: E402
+    DrafterShape,
+    TargetLayerCost,
+    drafter_attention_pairs,
+    drafter_step_flops,
+    target_forward_flops,
+    target_layer_costs,
+)
+from dflash.model import DraftBatch, sample_anchors  # noqa: E402
+from dflash.target import resolve_tap_layers, target_hf_config  # noqa: E402
+
+
+def load(path: str, vocab: int | None = None, attention: str | None = None) -> RunConfig:
+    """The config, with target.arch.vocab_size / target.attention overridden, checked as `dflash train` would."""
+    cfg = load_config(path)
+    changes: dict[str, Any] = {}
+    if vocab is not None:
+        changes["arch"] = {**cfg.target.arch, "vocab_size": vocab}
+    if attention is not None:
+        changes["attention"] = attention
+    if changes:
+        cfg.target = dataclasses.replace(cfg.target, **changes)
+    check_run(cfg, "cuda")
+    return cfg
+
+
+def synthetic_corpus(cfg: RunConfig, tokens: int, seed: int = 0) -> TokenizedCorpus:
+    """Random-id documents totalling about `tokens`, lengths log-uniform in [min_len, 2 max_len] (long documents are
+    split into max_len pieces by the schedule, as real ones are), ids below the tiny tokenizer's data.vocab_size."""
+    d = cfg.data
+    rng = random.Random(f"bench:{seed}")
+    g = torch.Generator().manual_seed(seed)
+    ids, masks, total = [], [], 0
+    lo, hi = math.log(max(2, d.min_len)), math.log(2 * d.max_len)
+    while total < tokens:
+        n = int(math.exp(rng.uniform(lo, hi)))
+        ids.append(torch.randint(0, d.vocab_size, (n,), generator=g))
+        masks.append(torch.ones(n, dtype=torch.bool))
+        total += n
+    return TokenizedCorpus(ids=ids, loss_mask=masks, fingerprint=f"synthetic:{seed}")
+
+
+def synthetic_buffers(cfg: RunConfig, count: int, seed: int = 0) -> tuple[TokenizedCorpus, list[list[Piece]]]:
+    """`count` buffers packed by the run's own schedule (dflash.data.pack_epoch), fullest first."""
+    d = cfg.data
+    corpus = synthetic_corpus(cfg, int(d.token_budget * (count + 2) * 1.1), seed)
+    pieces = make_pieces(corpus.lengths(), d.max_len, d.min_len)
+    buffers = pack_epoch(pieces, d.token_budget, d.max_len, d.num_buckets, seed, 0)
+    buffers.sort(key=lambda b: -sum(n for _, _, n in b))
+    if len(buffers) < count:
+        raise SystemExit(f"only {len(buffers)} synthetic buffers, asked for {count}")
+    return corpus, buffers[:count]
+
+
+def target_costs(cfg: RunConfig) -> tuple[list[TargetLayerCost], list[int], Any]:
+    """Per-layer costs of the config's target (from a weightless instance), its taps and its HF config."""
+    from transformers import AutoModelForCausalLM
+
+    hf = target_hf_config(cfg.target, cfg.data.vocab_size)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    text = hf.get_text_config()
+    taps = resolve_tap_layers(cfg.target.tap_layers, int(text.num_hidden_layers), cfg.drafter.num_layers)
+    return target_layer_costs(model), taps, text
+
+
+def drafter_shape(cfg: RunConfig, hidden: int, vocab: int, pairs: list[int], num_taps: int) -> DrafterShape:
+    r = cfg.drafter
+    return DrafterShape(hidden=hidden, num_taps=num_taps,
+                        num_heads=r.num_heads, num_kv_heads=r.num_kv_heads, head_dim=r.head_dim or hidden // r.num_heads,
+                        intermediate=r.intermediate_size or 3 * hidden, vocab=vocab, n_ctx=cfg.data.token_budget,
+                        num_anchors=r.num_anchors, block_size=r.block_size, pairs=pairs,
+                        grad_checkpoint=r.grad_checkpoint)
+
+
+def layer_windows(cfg: RunConfig) -> list[int | None]:
+    r = cfg.drafter
+    return list(r.layer_sliding_windows) if r.layer_sliding_windows is not None else [r.sliding_window] * r.num_layers
+
+
+def anchor_pairs(cfg: RunConfig, batch: DraftBatch, anchors: torch.Tensor) -> list[int]:
+    """Allowed (query, key) pairs per drafter layer for these anchors (one host sync per window: after timing)."""
+    b = cfg.drafter.block_size
+    pos, in_doc = batch.position_ids[anchors], batch.doc_ids[anchors] >= 0
+    cache: dict[int | None, int] = {}
+    for w in layer_windows(cfg):
+        if w not in cache:
+            cache[w] = drafter_attention_pairs(pos, in_doc, b, w)
+    return [cache[w] for w in layer_windows(cfg)]
+
+
+def host_batch(arrays: dict[str, torch.Tensor], hidden_dim: int = 0) -> DraftBatch:
+    """A DraftBatch of a buffer's host arrays (no hidden states: enough to sample anchors and count pairs)."""
+    n = arrays["input_ids"].shape[0]
+    return DraftBatch(hidden=torch.zeros(n, hidden_dim), input_ids=arrays["input_ids"], loss_mask=arrays["loss_mask"],
+                      position_ids=arrays["position_ids"], doc_ids=arrays["doc_ids"])
+
+
+def buffer_flops(cfg: RunConfig, costs: Sequence[TargetLayerCost], taps: Sequence[int], hidden: int, vocab: int,
+                 pieces: Sequence[Piece], pairs: list[int]) -> dict[str, float]:
+    """Model FLOPs of one step on this buffer: the target forward (layers up to the deepest tap, real tokens) and
+    the drafter step (model and hardware)."""
+    t = target_forward_flops(costs, [n for _, _, n in pieces], layers_run=max(taps) + 1)
+    dr = drafter_step_flops(drafter_shape(cfg, hidden, vocab, pairs, len(taps)))
+    return {"target": t.total, "target_attention": t.attention, "drafter": dr.model, "drafter_hw": dr.hardware,
+            "drafter_lm_head": dr.parts["lm_head"] * 2, "tokens": float(t.tokens)}
+
+
+def sample_buffer_pairs(cfg: RunConfig, arrays: dict[str, torch.Tensor], seed: int) -> list[int]:
+    """Anchors drawn as the drafter draws them (sample_anchors), their allowed pairs per layer (CPU)."""
+    batch = host_batch(arrays)
+    anchors, _ = sample_anchors(batch, cfg.drafter.num_anchors, cfg.drafter.block_size,
+                                torch.Generator().manual_seed(seed))
+    return anchor_pairs(cfg, batch, anchors)
+
+
+class Events:
+    """Named CUDA events on the current stream; elapsed milliseconds between any two (GPU time, not host time)."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, torch.cuda.Event] = {}
+
+    def mark(self, name: str) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.marks[name] = ev
+
+    def ms(self, a: str, b: str) -> float:
+        return self.marks[a].elapsed_time(self.marks[b])
+
+
+def time_cuda(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[list[float], Any]:
+    """Milliseconds of `fn` on the GPU (events around each call, synchronised once at the end), and its last result."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    torch.cuda.synchronize()
+    pairs = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = fn()
+        b.record()
+        pairs.append((a, b))
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in pairs], out
+
+
+def count_host_syncs(fn: Callable[[], Any]) -> tuple[int, list[str]]:
+    """How many synchronising CUDA calls `fn` makes (torch's sync debug mode), with the first few call sites."""
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    where = [f"{Path(w.filename).name}:{w.lineno}" for w in syncs[:8]]
+    return len(syncs), where
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+def require_cuda(script: str) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA GPU (none here); --dry-run prints the FLOPs model without one")

@@ -1,0 +1,226 @@
+"""Where one colocated training step's time goes, per phase, measured with CUDA events on one GPU.
+
+Phases of a step, in the trainer's order: data (host: laying out the buffer), target forward, drafter forward +
+backward, optimizer (clip + AdamW + zero_grad), and the host gap (GPU idle between the optimizer of one step and the
+target forward of the next: the trainer's per-step syncs and Python). Each with model FLOPs (dflash/flops.py),
+achieved TFLOP/s and MFU against the bf16 matmul rate measured in the same run; the drafter also with hardware
+FLOPs (recompute). Plus tokens/s, peak memory, recompiles after warm-up, dynamo fallbacks, host syncs per target
+forward.
+
+  python3 bench/step_phases.py bench/h200-27b-like.yaml                 # on the GPU machine
+  python3 bench/step_phases.py bench/h200-27b-like.yaml --dry-run       # anywhere: the FLOPs model of a step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import benchlib  # noqa: E402
+import torch  # noqa: E402
+
+from dflash.flops import as_row, measure_matmul_tflops  # noqa: E402
+from dflash.pipeline import prepare_buffer, run_target  # noqa: E402
+
+
+def dry_run(args: argparse.Namespace) -> dict[str, Any]:
+    """The FLOPs model of a step on the config's synthetic buffers (no GPU, no weights)."""
+    cfg = benchlib.load(args.config, args.vocab, args.attention)
+    costs, taps, text = benchlib.target_costs(cfg)
+    hidden, vocab = int(text.hidden_size), int(text.vocab_size)
+    corpus, buffers = benchlib.synthetic_buffers(cfg, args.buffers, args.seed)
+    rows = []
+    for i, pieces in enumerate(buffers):
+        host = prepare_buffer(corpus, pieces, cfg.data.token_budget, "varlen")
+        pairs = benchlib.sample_buffer_pairs(cfg, host.arrays, args.seed + i)
+        rows.append({**benchlib.buffer_flops(cfg, costs, taps, hidden, vocab, pieces, pairs), "docs": len(pieces),
+                     "pairs": pairs})
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("target", "target_attention", "drafter", "drafter_hw",
+                                                              "drafter_lm_head", "tokens")}
+    step = mean["target"] + mean["drafter"]
+    peak = args.peak_tflops
+    out = {
+        "config": args.config, "layers_run": max(taps) + 1, "of_layers": len(costs), "taps": taps,
+        "target_params_per_token_tflop": sum(c.per_token() for c in costs[: max(taps) + 1]) / 1e12,
+        "buffers": len(rows), "real_tokens_mean": mean["tokens"], "docs_mean": sum(r["docs"] for r in rows) / len(rows),
+        "tflop_per_step": {"target_forward": mean["target"] / 1e12,
+                           "target_full_attention": mean["target_attention"] / 1e12,
+                           "drafter_model": mean["drafter"] / 1e12, "drafter_hardware": mean["drafter_hw"] / 1e12,
+                           "drafter_lm_head_fwd_bwd": mean["drafter_lm_head"] / 1e12, "step_model": step / 1e12},
+        "at_peak_tflops": peak,
+        "ms_at_100pct_mfu": {"target_forward": mean["target"] / peak / 1e9, "drafter": mean["drafter"] / peak / 1e9,
+                             "step": step / peak / 1e9},
+    }
+    return out
+
+
+def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the config's target and drafter, run warm-up + timed steps, report every phase."""
+    from dflash.kernels import FlexWarningWatch, dynamo_counts, recompile_limit_hits
+    from dflash.model import DFlashDrafter, sample_anchors
+    from dflash.target import Target
+
+    benchlib.require_cuda("bench/step_phases.py")
+    cfg = benchlib.load(args.config, args.vocab, args.attention)
+    device = torch.device("cuda")
+    peak = measure_matmul_tflops(device)
+    print(f"bf16 matmul rate measured: {peak:.0f} TFLOP/s", flush=True)
+    costs, taps, text = benchlib.target_costs(cfg)
+    total = args.warmup + args.steps
+    corpus, buffers = benchlib.synthetic_buffers(cfg, total, args.seed)
+    t0 = time.perf_counter()
+    target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=cfg.data.vocab_size)
+    print(f"target built in {time.perf_counter() - t0:.1f} s: {target.num_layers} layers, vocab {target.vocab_size}, "
+          f"packing {target.packing}, attention {cfg.target.attention}, kernels {target.kernels}", flush=True)
+    dcfg = cfg.drafter
+    torch.manual_seed(cfg.train.seed)
+    drafter = DFlashDrafter(dcfg, target.hidden_size, len(target.tap_layers)).to(device)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    t = cfg.train
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
+    compiled = t.compile in ("auto", "true")
+    step_model = torch.compile(drafter, backend=t.compile_backend) if compiled else drafter
+    gen = torch.Generator(device=device).manual_seed(t.seed)
+    n = cfg.data.token_budget
+    ev_prev: benchlib.Events | None = None
+    per_step: list[dict[str, Any]] = []
+    fallbacks: list[str] = []
+    frames_warm = hits_warm = 0
+    for i, pieces in enumerate(buffers):
+        if i == args.warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            frames_warm, hits_warm = dynamo_counts()["frames"], recompile_limit_hits()
+        ev = benchlib.Events()
+        h0 = time.perf_counter()
+        host = prepare_buffer(corpus, pieces, n, target.packing, fixed_shape=args.fixed_shape)
+        data_s = time.perf_counter() - h0
+        ev.mark("start")
+        h1 = time.perf_counter()
+        batch = run_target(target, host, n).to(device, non_blocking=True)
+        target_enqueue_s = time.perf_counter() - h1
+        ev.mark("target")
+        anchors, keep = sample_anchors(batch, dcfg.num_anchors, dcfg.block_size, gen)
+        drafter.train()
+        h2 = time.perf_counter()
+        with FlexWarningWatch() as watch, torch.autocast("cuda", dtype=torch.bfloat16):
+            out = step_model(batch, target.embed_tokens, target.lm_head, anchors=anchors, keep=keep)
+        out.loss.backward()
+        drafter_enqueue_s = time.perf_counter() - h2
+        ev.mark("drafter")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ev.mark("optimizer")
+        # What the trainer reads back every step (loss, counts, grad norm): host syncs, as in dflash train.
+        loss, tokens, gnorm = float(out.loss.detach()), int(out.num_tokens), float(grad_norm)
+        fallbacks += watch.fallbacks + watch.triggered
+        rec: dict[str, Any] = {"step": i, "loss": loss, "tokens": tokens, "grad_norm": gnorm, "data_s": data_s,
+                               "target_enqueue_s": target_enqueue_s, "drafter_enqueue_s": drafter_enqueue_s,
+                               "wall_s": time.perf_counter() - h0, "ev": ev, "prev": ev_prev, "pieces": pieces,
+                               "anchors": anchors, "arrays": host.arrays}  # not the batch: its hidden is ~1 GB
+        per_step.append(rec)
+        ev_prev = ev
+        if i == 0:
+            print(f"first step (compiles) {rec['wall_s']:.1f} s", flush=True)
+    torch.cuda.synchronize()
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30
+    recompiles = dynamo_counts()["frames"] - frames_warm
+    limit_hits = recompile_limit_hits() - hits_warm
+    timed = per_step[args.warmup:]
+    hidden, vocab = target.hidden_size, target.vocab_size
+    rows_ms: dict[str, list[float]] = {k: [] for k in ("target", "drafter", "optimizer", "gap", "step")}
+    fl: dict[str, list[float]] = {k: [] for k in ("target", "drafter", "drafter_hw", "tokens")}
+    for rec in timed:
+        ev, prev = rec["ev"], rec["prev"]
+        rows_ms["target"].append(ev.ms("start", "target"))
+        rows_ms["drafter"].append(ev.ms("target", "drafter"))
+        rows_ms["optimizer"].append(ev.ms("drafter", "optimizer"))
+        if prev is not None:
+            rows_ms["gap"].append(prev.marks["optimizer"].elapsed_time(ev.marks["start"]))
+            rows_ms["step"].append(prev.marks["start"].elapsed_time(ev.marks["start"]))
+        pairs = benchlib.anchor_pairs(cfg, benchlib.host_batch(rec["arrays"]), rec["anchors"].cpu())
+        f = benchlib.buffer_flops(cfg, costs, taps, hidden, vocab, rec["pieces"], pairs)
+        for k in fl:
+            fl[k].append(f[k])
+    med = {k: benchlib.median(v) for k, v in rows_ms.items()}
+    mean_fl = {k: sum(v) / len(v) for k, v in fl.items()}
+    s = lambda k: med[k] / 1e3  # noqa: E731
+    phases = [
+        as_row("data (host)", 0.0, benchlib.median([r["data_s"] for r in timed]), peak, {"kind": "host wall"}),
+        as_row("target forward", mean_fl["target"], s("target"), peak,
+               {"host_enqueue_ms": round(benchlib.median([r["target_enqueue_s"] for r in timed]) * 1e3, 1)}),
+        as_row("drafter fwd+bwd", mean_fl["drafter"], s("drafter"), peak,
+               {"hfu": round(mean_fl["drafter_hw"] / s("drafter") / (peak * 1e12), 4),
+                "host_enqueue_ms": round(benchlib.median([r["drafter_enqueue_s"] for r in timed]) * 1e3, 1)}),
+        as_row("optimizer", 0.0, s("optimizer"), peak),
+        as_row("host gap (GPU idle)", 0.0, s("gap"), peak),
+        as_row("step", mean_fl["target"] + mean_fl["drafter"], s("step"), peak,
+               {"tokens_per_s": round(mean_fl["tokens"] / s("step"))}),
+    ]
+    syncs, where = benchlib.count_host_syncs(lambda: run_target(target, prepare_buffer(
+        corpus, buffers[-1], n, target.packing, fixed_shape=args.fixed_shape), n))
+    return {
+        "config": args.config, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "bf16_matmul_tflops": round(peak, 1), "steps_timed": len(timed), "warmup": args.warmup,
+        "first_step_s": round(per_step[0]["wall_s"], 1), "real_tokens_per_step": round(mean_fl["tokens"]),
+        "target": {"layers_run": max(taps) + 1, "of": target.num_layers, "vocab": vocab, "packing": target.packing,
+                   "attention": cfg.target.attention, "fixed_shape": args.fixed_shape},
+        "phases": phases, "peak_memory_gib": round(peak_mem, 1), "recompiles_after_warmup": recompiles,
+        "recompile_limit_hits": limit_hits, "fallbacks": fallbacks[:5],
+        "host_syncs_per_target_forward": syncs, "host_sync_sites": where,
+        "losses_first_last": [per_step[0]["loss"], per_step[-1]["loss"]],
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"\n{report['device']}, torch {report['torch']}: bf16 matmul {report['bf16_matmul_tflops']} TFLOP/s; "
+          f"{report['steps_timed']} timed steps after {report['warmup']}, first step {report['first_step_s']} s")
+    print(f"{'phase':22} {'ms':>9} {'TFLOP':>8} {'TFLOP/s':>8} {'MFU':>6}  other")
+    for r in report["phases"]:
+        other = {k: v for k, v in r.items() if k not in ("phase", "ms", "tflop", "tflops_per_s", "mfu")}
+        mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else "     -"
+        tps = f"{r['tflops_per_s']:8.1f}" if r["tflop"] else "       -"
+        print(f"{r['phase']:22} {r['ms']:9.1f} {r['tflop']:8.2f} {tps} {mfu}  {other or ''}")
+    print(f"peak memory {report['peak_memory_gib']} GiB; recompiles after warm-up {report['recompiles_after_warmup']}; "
+          f"recompile-limit fallbacks {report['recompile_limit_hits']} {report['fallbacks'] or ''}; "
+          f"host syncs per target forward {report['host_syncs_per_target_forward']} {report['host_sync_sites']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("config", help="a dflash run config (e.g. bench/h200-27b-like.yaml, configs/h200-4b-like.yaml)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed first steps: compile, allocator (default 3)")
+    p.add_argument("--vocab", type=int, help="override target.arch.vocab_size (e.g. 248320, the real LM-head cost)")
+    p.add_argument("--attention", choices=("sdpa", "varlen", "flex_attention"), help="override target.attention")
+    p.add_argument("--fixed-shape", action="store_true", help="pad every packed target row to token_budget")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dry-run", action="store_true", help="print the FLOPs model of a step; needs no GPU")
+    p.add_argument("--buffers", type=int, default=4, help="--dry-run: synthetic buffers averaged (default 4)")
+    p.add_argument("--peak-tflops", type=float, default=788.0,
+                   help="--dry-run: the rate for 'ms at 100%% MFU' (default 788, measured on an H200)")
+    p.add_argument("--json", help="also write the report here")
+    args = p.parse_args(argv)
+    if args.steps < 2 or args.warmup < 1:
+        p.error("--steps must be >= 2 and --warmup >= 1 (the first step compiles)")
+    report = dry_run(args) if args.dry_run else gpu_run(args)
+    if args.dry_run:
+        print(json.dumps(report, indent=1))
+    else:
+        print_table(report)
+        print(json.dumps(report, default=str))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
