@@ -192,6 +192,7 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def require_cuda(script: str) -> None:
+def require_cuda(script: str, hint: str = "") -> None:
+    """Refuse to time anything without a GPU: CPU figures would be taken for GPU ones."""
     if not torch.cuda.is_available():
-        raise SystemExit(f"{script}: needs a CUDA GPU (none here); --dry-run prints the FLOPs model without one")
+        raise SystemExit(f"{script}: needs a CUDA GPU (none here){hint}")

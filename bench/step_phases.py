@@ -66,7 +66,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     from dflash.model import DFlashDrafter, sample_anchors
     from dflash.target import Target
 
-    benchlib.require_cuda("bench/step_phases.py")
+    benchlib.require_cuda("bench/step_phases.py", "; --dry-run prints the FLOPs model without one")
     cfg = benchlib.load(args.config, args.vocab, args.attention)
     device = torch.device("cuda")
     peak = measure_matmul_tflops(device)

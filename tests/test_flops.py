@@ -168,3 +168,25 @@ def test_step_phases_dry_run_prints_the_flops_model_and_refuses_a_gpu_run_withou
     if not torch.cuda.is_available():
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr
+
+
+def test_target_forward_bench_parses_its_rows_and_refuses_a_cpu_run() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    import target_forward
+
+    assert target_forward.parse_rows("8x2048,1x16384") == [(8, 2048), (1, 16384)]
+    assert target_forward.parse_attentions("sdpa,varlen") == ["sdpa", "varlen"]
+    for bad in ("8y2", "0x5"):
+        with pytest.raises(Exception, match="expected RxT"):
+            target_forward.parse_rows(bad)
+    with pytest.raises(Exception, match="choose from sdpa, varlen, flex_attention"):
+        target_forward.parse_attentions("flash")
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, str(root / "bench" / "target_forward.py"),
+                              str(root / "bench" / "h200-27b-like.yaml")], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr

@@ -302,3 +302,59 @@ def test_load_from_directory_onto_the_gpu(tmp_path: Path) -> None:
     assert rel(loaded.hidden_states(ids, mask), built.hidden_states(ids, mask)) < 1e-3  # same bf16 weights
     print(f"load progress reports: {len(progress)}, last {progress[-1]}")
     assert progress[-1] == (1, 1)
+
+
+@pytest.mark.skipif(not HAVE_FAST, reason="needs flash-linear-attention and causal-conv1d")
+@pytest.mark.parametrize("attention", ["varlen", "flex_attention"])
+def test_target_attention_options_equal_padded_per_document(attention: str) -> None:
+    """target.attention varlen (PyTorch's varlen flash attention) and flex_attention (transformers' document mask)
+    give every packed document the states the padded forward gives it; so does a fixed-shape row (token budget,
+    the tail one dummy document) through the pipeline."""
+    from dflash.data import TokenizedCorpus
+    from dflash.pipeline import compute_batch
+
+    sdpa = Target(TargetConfig(arch=GPU_ARCH), num_draft_layers=2, device=DEV)
+    other = Target(TargetConfig(arch=GPU_ARCH, attention=attention), num_draft_layers=2, device=DEV)
+    lengths = [300, 1000, 77, 2000, 1, 619]
+    g = torch.Generator(device="cpu").manual_seed(3)
+    docs = [torch.randint(0, GPU_ARCH["vocab_size"], (n,), generator=g) for n in lengths]
+    ids = torch.zeros(len(docs), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, d in enumerate(docs):
+        ids[i, : len(d)], mask[i, : len(d)] = d, 1
+    padded = sdpa.hidden_states(ids.to(DEV), mask.to(DEV))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    packed = other.hidden_states_packed(torch.cat(docs)[None], cu)
+    errors = [rel(packed[0, int(cu[i]) : int(cu[i + 1])], padded[i, : lengths[i]]) for i in range(len(lengths))]
+    corpus = TokenizedCorpus(ids=docs, loss_mask=[torch.ones(n, dtype=torch.bool) for n in lengths], fingerprint="g")
+    pieces = [(i, 0, n) for i, n in enumerate(lengths)]
+    budget = sum(lengths) + 500
+    fixed = compute_batch(other, corpus, pieces, budget, fixed_shape=True)
+    loose = compute_batch(other, corpus, pieces, budget)
+    print(f"{attention}: packed vs padded rel err per doc {[f'{e:.2e}' for e in errors]}; fixed-shape vs not "
+          f"{rel(fixed.hidden, loose.hidden):.2e}")
+    assert max(errors) < 2e-2
+    assert rel(fixed.hidden, loose.hidden) < 1e-2 and not fixed.hidden[sum(lengths):].any()
+
+
+def test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_back() -> None:
+    """The tests/gpu failure of issue 11: one process, many drafter shapes (64..512 anchors, two windows), inductor.
+    Every shape gets its own compiled flex pair; dynamo never gives up and nothing runs eager flex."""
+    from torch._dynamo import config as dynamo_config
+
+    from dflash.kernels import recompile_limit_hits
+
+    shapes = [(a, n) for a in (64, 128, 256, 512) for n in (2048, 4096, 3072)][: int(dynamo_config.recompile_limit) + 2]
+    hits = recompile_limit_hits()
+    times = []
+    with FlexWarningWatch() as watch:
+        for i, (a, n) in enumerate(shapes):
+            d, emb, head = _drafter("flex", a)
+            emb, head = emb.to(torch.bfloat16), head.to(torch.bfloat16)
+            batch = _buffer(n, [n // 2, n // 4, n // 8], 2 * H, VOCAB, seed=40 + i)
+            anchors, keep = sample_anchors(batch, a, 16, torch.Generator(device=DEV).manual_seed(i))
+            _step(d, batch, emb, head, anchors, keep, bf16=True)
+            _, _, dt = _step(d, batch, emb, head, anchors, keep, bf16=True)
+            times.append(round(dt * 1e3, 1))
+    print(f"{len(shapes)} shapes, second-step ms {times}; fallbacks {watch.fallbacks}")
+    assert watch.fallbacks == [] and watch.triggered == [] and recompile_limit_hits() == hits
