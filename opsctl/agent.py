@@ -48,43 +48,23 @@ def wrapper_source() -> str:
         return fh.read()
 
 
-# The last line of a Python traceback: `KeyboardInterrupt`, `RuntimeError: boom`, `torch.OutOfMemoryError: ...`.
-_EXC_LINE = re.compile(r"[A-Za-z_][\w.]*(:.*)?$")
+def _wrapper_rules() -> dict[str, Any]:
+    """The wrapper's text run as a module (not as __main__): the rules it shares with the agent (attempt history,
+    log rotation, a log's crash line, extra arguments), written once, used on both sides of the tmux boundary."""
+    ns: dict[str, Any] = {"__name__": "opsctl_wrapper_rules"}
+    exec(compile(wrapper_source(), "opsctl-wrapper", "exec"), ns)
+    return ns
 
 
-def traceback_from_lines(lines: list[str]) -> str | None:
-    """The last Python traceback in a log: its header, the indented frames, and the exception line.
-
-    stdout reaches the log through its own pipe and can land inside or after stderr's traceback, so other
-    unindented lines between the header and the exception line are left out."""
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("Traceback (most recent call last)"):
-            out = [lines[i]]
-            for line in lines[i + 1:]:
-                if line and not line[0].isspace():
-                    if _EXC_LINE.match(line):
-                        out.append(line)
-                        break
-                    continue
-                out.append(line)
-            return "\n".join(out)
-    return None
-
-
-def crash_line(log: str, window: int = 256 << 10) -> str | None:
-    """The exception line of the last traceback in the log's last `window` bytes (None when there is none)."""
-    try:
-        with open(log, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            fh.seek(max(0, size - window))
-            text = fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return None
-    tb = traceback_from_lines(text.splitlines())
-    if not tb:
-        return None
-    last = tb.splitlines()[-1]
-    return last if not last[:1].isspace() and not last.startswith("Traceback") else None
+_W = _wrapper_rules()
+traceback_from_lines = _W["traceback_from_lines"]
+crash_line = _W["crash_line"]
+history_add = _W["history_add"]
+read_history = _W["read_history"]
+with_args = _W["with_args"]
+proc_starttime = _W["proc_starttime"]
+RESTARTING_FILE: str = _W["RESTARTING_FILE"]
+NOTIFIERS_FILE: str = _W["NOTIFIERS_FILE"]
 
 
 # -- output -------------------------------------------------------------------------------------------------
@@ -354,14 +334,16 @@ def wrapper_of(info: dict[str, Any]) -> int | None:
     return w if st is not None and st[3] == start and st[0] not in ("Z", "X") else None
 
 
-def run_procs(pid: int, pgid: int, known: dict[int, int], wrapper: int | None = None) -> dict[int, int]:
+def run_procs(pid: int, pgid: int, known: dict[int, int], wrapper: int | None = None,
+              exclude: frozenset[int] = frozenset()) -> dict[int, int]:
     """Live processes of the run: its process group, descendants of its pid (also those that left the group),
     every descendant of the wrapper (which, as a subreaper, adopts double-forked daemons), and processes seen
-    before (tracked by start time, so a reused pid is not mistaken for ours). The wrapper itself is not one."""
+    before (tracked by start time, so a reused pid is not mistaken for ours). The wrapper itself is not one, nor
+    are `exclude` (the wrapper's notify commands) and what they start."""
     procs = all_procs()
     found: dict[int, int] = {}
     for p, (state, ppid, pg, start) in procs.items():
-        if state in ("Z", "X") or p == wrapper:
+        if state in ("Z", "X") or p == wrapper or p in exclude or ppid in exclude:
             continue
         if pg == pgid or p == pid or known.get(p) == start or (wrapper is not None and ppid == wrapper):
             found[p] = start
@@ -375,13 +357,23 @@ def run_procs(pid: int, pgid: int, known: dict[int, int], wrapper: int | None = 
     return found
 
 
+def notifiers(run: Run) -> frozenset[int]:
+    """The notify commands the wrapper runs now (pid and start time checked): its children, not the run's."""
+    try:
+        with open(run.state_file(NOTIFIERS_FILE)) as fh:
+            pairs = json.load(fh)
+    except (OSError, ValueError):
+        return frozenset()
+    return frozenset(int(p) for p, start in pairs if isinstance(p, int) and proc_starttime(p) == start)
+
+
 def leftovers(run: Run) -> list[int]:
     """Live processes the run's wrapper still holds (adopted orphans) after the main command ended.
 
     Only the wrapper's descendants (wrapper checked by start time) count, so a reused pid is never taken for one."""
     info = read_json(run.state_file("pid")) or {}
     wrapper = wrapper_of(info)
-    return sorted(run_procs(-1, -1, {}, wrapper)) if wrapper is not None else []
+    return sorted(run_procs(-1, -1, {}, wrapper, notifiers(run))) if wrapper is not None else []
 
 
 class ProcWatch:
@@ -416,8 +408,20 @@ class ProcWatch:
         code = read_exit_code(self.run.state_file("exit_code"))
         pid = info.get("pid")
         pgid = info.get("pgid")
+        restart = read_json(self.run.state_file(RESTARTING_FILE)) if code is None else None
+        if restart is not None and wrapper_of(info) is None:
+            restart = None  # the wrapper died during its back-off: nothing will restart
+        ended = None
         if code is not None:
             state = "exited"
+            try:
+                ended = os.path.getmtime(self.run.state_file("exit_code"))  # written once, when the run ended
+            except OSError:
+                pass
+        elif restart is not None:
+            state = "restarting"  # the attempt crashed; the wrapper starts the next one at restart["at"]
+            ended = restart.get("ended")
+            self.gone_since = None
         elif isinstance(pid, int) and alive(pid):
             state = "running"
             self.gone_since = None
@@ -434,15 +438,19 @@ class ProcWatch:
         # The `killed` marker (written by `kill`, removed by `launch`) rides on every `proc` message, so a stream
         # that did not see the kill (a separate `opsctl kill` while `watch` follows) still reports `killed`.
         exited = state == "exited"
+        if restart is not None:
+            code = restart.get("exit_code")
         return {"state": state, "pid": pid, "pgid": pgid, "exit_code": code, "session": self.run.session,
                 "killed_by_opsctl": os.path.exists(self.run.state_file("killed")),
-                "exception": self.exception(pid, code) if exited else None,
-                "leftovers": self.leftovers(info) if exited else []}
+                "exception": restart.get("exception") if restart else (self.exception(pid, code) if exited else None),
+                "leftovers": self.leftovers(info) if exited else [],
+                "attempt": info.get("attempt"), "started": info.get("started"), "ended": ended,
+                "restarts": info.get("restarts"), "restart_max": info.get("restart_max"), "restart": restart}
 
     def poll(self, force: bool = False) -> dict[str, Any]:
         snap = self.snapshot()
         key = (snap["state"], snap["pid"], snap["exit_code"], snap["killed_by_opsctl"], tuple(snap["leftovers"]),
-               snap["exception"])
+               snap["exception"], snap["attempt"])
         if force or key != self.last:
             self.last = key
             emit("proc", **snap)
@@ -1064,37 +1072,17 @@ def finished_refusal(run: Run, prev: dict[str, Any], argv: list[str]) -> str | N
             f"or give it another --out")
 
 
-def rotate_logs(run: Run) -> str:
-    """Keep earlier attempts' logs: LOG -> LOG.1 -> ... -> LOG.keep_logs (the oldest beyond it goes).
+def rotate_logs(run: Run) -> tuple[str, int]:
+    """Keep earlier attempts' logs: LOG -> LOG.1 -> ... -> LOG.keep_logs (the oldest beyond it goes); returns what
+    was done and the rotation count an attempt records as its `log_seq` (the wrapper's rule, shared).
 
     Every launch used to truncate the log, so the traceback that made the user relaunch was gone."""
-    log = run.log
-    try:
-        size = os.path.getsize(log)
-    except OSError:
-        return "no earlier log"
-    if size == 0:
-        return "earlier log was empty"
-    n = run.keep_logs
-    dropped = os.path.exists(f"{log}.{n}")
-    for i in range(n - 1, 0, -1):
-        if os.path.exists(f"{log}.{i}"):
-            os.replace(f"{log}.{i}", f"{log}.{i + 1}")
-    os.replace(log, log + ".1")
-    return "earlier attempt's log kept as {}.1{}".format(
-        os.path.basename(log), f" (the oldest, {os.path.basename(log)}.{n}, dropped: keep_logs {n})" if dropped else "")
+    return _W["rotate_logs"](run.log, run.keep_logs, run.state_dir)  # type: ignore[no-any-return]
 
 
 def old_logs(run: Run) -> list[str]:
     """Earlier attempts' logs, oldest first (LOG.N ... LOG.1)."""
-    d, base = os.path.split(run.log)
-    try:
-        names = os.listdir(d or ".")
-    except OSError:
-        return []
-    nums = sorted((int(m.group(1)) for m in (re.fullmatch(re.escape(base) + r"\.(\d+)", n) for n in names) if m),
-                  reverse=True)
-    return [f"{run.log}.{i}" for i in nums]
+    return _W["old_logs"](run.log)  # type: ignore[no-any-return]
 
 
 def prepare_cache(run: Run, real: str, prev: dict[str, Any], fresh: bool) -> str:
@@ -1147,37 +1135,57 @@ def _count_tree(real: str) -> tuple[int, int]:
 # -- verbs --------------------------------------------------------------------------------------------------
 def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     force = bool(opts.get("force"))
-    argv = run.argv()
+    extra = [str(a) for a in opts.get("extra_args") or []]  # `opsctl launch HOST RUN -- ARGS`: this attempt only
+    argv = with_args(run.argv(), extra)
     if not os.path.isdir(run.workdir):
         emit("check", name="workdir", ok=False, detail=f"{run.workdir} is not a directory")
         return EXIT_CODES["refused"]
     os.makedirs(run.state_dir, exist_ok=True)
-    if shutil.which("tmux") is None:
-        emit("check", name="tmux", ok=False, detail="tmux is not installed on this host (apt-get install tmux)")
+    failed: list[str] = []
+
+    def check(name: str, good: bool, detail: str) -> None:
+        emit("check", name=name, ok=good, detail=detail)
+        if not good:
+            failed.append(f"{name}: {detail}")
+
+    def refused() -> int:
+        """A refused launch is an attempt too (history says why), numbered like the others."""
+        now = time.time()
+        history_add(run.state_dir, started=now, ended=now, outcome="refused", reason="; ".join(failed),
+                    argv=argv, extra_args=extra, by="launch")
         return EXIT_CODES["refused"]
+
+    if shutil.which("tmux") is None:
+        check("tmux", False, "tmux is not installed on this host (apt-get install tmux)")
+        return refused()
     # One launch at a time per run: held until this agent exits (the kernel drops it with the process).
     lock_fd = os.open(run.state_file("launch.lock"), os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        emit("check", name="not_running", ok=False, detail="another opsctl launch of this run is in progress")
-        return EXIT_CODES["refused"]
+        check("not_running", False, "another opsctl launch of this run is in progress")
+        return refused()
     prev = ProcWatch(run).snapshot()
     if prev["state"] == "running":
-        emit("check", name="not_running", ok=False,
-             detail="run already running (pid {}, tmux session {}); kill it first".format(prev["pid"], run.session))
-        return EXIT_CODES["refused"]
+        check("not_running", False,
+              "run already running (pid {}, tmux session {}); kill it first".format(prev["pid"], run.session))
+        return refused()
+    if prev["state"] == "restarting":
+        r = prev.get("restart") or {}
+        check("not_running", False, "run is restarting (restart {} of {} after attempt {} exited {}); kill it "
+              "first".format(r.get("n"), r.get("max"), r.get("attempt"), r.get("exit_code")))
+        return refused()
     left = leftovers(run)
     if left:
-        emit("check", name="not_running", ok=False,
-             detail=f"the previous run exited but left processes alive (pids {left}); kill them first (opsctl kill)")
-        return EXIT_CODES["refused"]
+        check("not_running", False,
+              f"the previous run exited but left processes alive (pids {left}); kill them first (opsctl kill)")
+        return refused()
     emit("check", name="not_running", ok=True, detail=f"no live process recorded in {run.state_dir}")
     prev = previous_attempt(run)
     why = finished_refusal(run, prev, argv)
     if why:  # before anything is touched: the finished run's files and state stay exactly as they are
-        emit("check", name="not_finished", ok=False, detail=why)
-        return EXIT_CODES["refused"]
+        check("not_finished", False, why)
+        return refused()
 
     ok = True
     if nvml.ok:
@@ -1186,17 +1194,17 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                 if not gpus or g["index"] in gpus]
         if busy and not force:
             ok = False
-        emit("check", name="gpus_free", ok=not busy or force,
-             detail=("busy: " + ", ".join(f"gpu{i} pid {p} {int(m or 0)} MiB" for i, p, m in busy)
-                     + (" (ignored: --force)" if force else "")) if busy
-             else "no compute processes on " + (", ".join(f"gpu{i}" for i in gpus) if gpus else "any GPU"))
+        check("gpus_free", not busy or force,
+              ("busy: " + ", ".join(f"gpu{i} pid {p} {int(m or 0)} MiB" for i, p, m in busy)
+               + (" (ignored: --force)" if force else "")) if busy
+              else "no compute processes on " + (", ".join(f"gpu{i}" for i in gpus) if gpus else "any GPU"))
     else:
         emit("check", name="gpus_free", ok=True, detail="not checked: nvml " + nvml.status)
 
     if run.args.get("model_dir"):
         good, detail = check_manifest(run.path(run.args["model_dir"]),
                                       run.path(run.args["model_manifest"]) if run.args.get("model_manifest") else None)
-        emit("check", name="model_dir", ok=good, detail=detail)
+        check("model_dir", good, detail)
         ok = ok and good
 
     pre = run.args.get("preflight")
@@ -1212,7 +1220,7 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
             detail = f"exit {cp.returncode}" + ((": " + " | ".join(out[-5:])) if out else "")
         except (OSError, subprocess.TimeoutExpired) as exc:
             good, detail = False, str(exc)
-        emit("check", name="preflight", ok=good, detail=detail)
+        check("preflight", good, detail)
         ok = ok and good
 
     real = ""
@@ -1220,9 +1228,8 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         real = run.validated_cache()
         users = cache_users(real)
         if users:
-            emit("check", name="inductor_cache", ok=False,
-                 detail=f"{real} is in use by {describe_users(users)}: not cleared, not shared; give this run "
-                        f"its own inductor_cache_dir (the default is <state_dir>/inductor)")
+            check("inductor_cache", False, f"{real} is in use by {describe_users(users)}: not cleared, not shared; "
+                  f"give this run its own inductor_cache_dir (the default is <state_dir>/inductor)")
             ok = False
         elif ok:
             emit("check", name="inductor_cache", ok=True,
@@ -1230,13 +1237,13 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         else:
             emit("check", name="inductor_cache", ok=True, detail=f"{real} is valid; not touched (launch refused)")
     except (AgentError, OSError) as exc:
-        emit("check", name="inductor_cache", ok=False, detail=str(exc))
+        check("inductor_cache", False, str(exc))
         ok = False
     if not ok:
-        return EXIT_CODES["refused"]
+        return refused()
 
     # A fresh start: remove what the previous run left, so state cannot be mistaken for this run's.
-    for name in ("pid", "exit_code", "killed"):
+    for name in ("pid", "exit_code", "killed", RESTARTING_FILE):
         try:
             os.unlink(run.state_file(name))
         except FileNotFoundError:
@@ -1245,7 +1252,8 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     if info["exists"]:
         tmux(run, "kill-session", "-t", "=" + run.session)
     os.makedirs(os.path.dirname(run.log), exist_ok=True)
-    emit("check", name="log", ok=True, detail=rotate_logs(run))
+    rotated, log_seq = rotate_logs(run)
+    emit("check", name="log", ok=True, detail=rotated)
     with open(run.log, "wb"):
         pass  # this attempt's log starts empty (the earlier ones were rotated, never truncated); offsets at 0
     env = dict(run.env)
@@ -1254,14 +1262,19 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["OPSCTL_RUN"] = run.name  # how cache_users() names the run that holds a cache dir
     env["OPSCTL_STATE_DIR"] = run.state_dir
-    spec = {"argv": argv, "env": env, "workdir": run.workdir, "log": run.log, "state_dir": run.state_dir}
+    launch_ts = time.time()
+    aid = history_add(run.state_dir, started=launch_ts, by="launch", argv=argv, extra_args=extra, log_seq=log_seq)
+    # The wrapper runs the attempts: the first one (its id allocated here) and, by the restart policy, the next.
+    spec = {"argv": argv, "env": env, "workdir": run.workdir, "log": run.log, "state_dir": run.state_dir,
+            "name": run.name, "host": str(opts.get("host") or socket.gethostname()), "attempt": aid,
+            "events": run.events, "restart": run.args.get("restart"), "notify": run.args.get("notify"),
+            "stall_after": run.args.get("stall_after"), "keep_logs": run.keep_logs, "extra_args": extra}
     with open(run.state_file("spec.json"), "w") as fh:
         json.dump(spec, fh)
     with open(run.state_file("wrapper.py"), "w") as fh:
         fh.write(wrapper_source())
     with open(run.state_file("tmux.conf"), "w") as fh:
         fh.write("set-option -g remain-on-exit on\nset-option -g history-limit 10000\n")
-    launch_ts = time.time()
     with open(run.state_file("launch.json"), "w") as fh:
         json.dump({"ts": launch_ts, "session": run.session, "log": run.log, "events": run.events}, fh)
     events_offset = os.path.getsize(run.events) if run.events and os.path.exists(run.events) else 0
@@ -1280,7 +1293,7 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         time.sleep(0.02)
     if info_pid:
         emit("launched", pid=info_pid["pid"], pgid=info_pid["pgid"], session=run.session, log=run.log,
-             events=run.events, socket=run.tmux_socket())
+             events=run.events, socket=run.tmux_socket(), attempt=aid, argv=argv)
     follower = Follower(run, nvml, 0, events_offset, 0, float(opts.get("gpu_interval", 1.0)), launch_ts - 1.0)
     return follow_loop(follower, run, ready_deadline=time.monotonic() + run.ready_timeout,
                        keep_following=bool(opts.get("follow")))
@@ -1348,7 +1361,9 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     proc_watch = ProcWatch(run)
     launch = read_json(run.state_file("launch.json")) or {}
     killed = read_json(run.state_file("killed"))
-    since = float(launch.get("ts", 0)) - 1.0
+    started = (read_json(run.state_file("pid")) or {}).get("started")
+    # The current attempt's events (a restart starts a new one after the launch)
+    since = max(float(launch.get("ts", 0)), float(started) if isinstance(started, (int, float)) else 0.0) - 1.0
     # The events since the last run_start that a reducer needs: phase, last steps, errors, checkpoint, end.
     picked: dict[int, tuple[int, dict[str, Any]]] = {}
     steps: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque(maxlen=20)
@@ -1451,9 +1466,31 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("verdict", ok=True, reason="not_running", detail=f"no process recorded in {run.state_dir}")
         return EXIT_CODES["ok"]
     pid, pgid = int(info["pid"]), int(info.get("pgid") or info["pid"])
+    if wrapper_of(info) is not None and read_exit_code(run.state_file("exit_code")) is None:
+        # First the marker: the wrapper never starts another attempt once it exists (restart policy), and it
+        # records the attempt this kill ends as `killed`.
+        with open(run.state_file("killed"), "w") as fh:
+            json.dump({"ts": time.time(), "pid": pid, "pgid": pgid, "by": "opsctl kill"}, fh)
+    if snap["state"] == "restarting":
+        r = snap.get("restart") or {}
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            if read_exit_code(run.state_file("exit_code")) is not None:
+                proc_watch.poll()
+                emit("verdict", ok=True, reason="killed", alive=[], exit_code=r.get("exit_code"), gpu_checked=False,
+                     detail="restart cancelled: attempt {} had exited {}; restart {} of {} will not happen".format(
+                         r.get("attempt"), r.get("exit_code"), r.get("n"), r.get("max")))
+                return EXIT_CODES["ok"]
+            now = read_json(run.state_file("pid")) or {}
+            if isinstance(now.get("pid"), int) and now["pid"] != pid:  # it started just before the marker: kill it
+                info, pid, pgid = now, int(now["pid"]), int(now.get("pgid") or now["pid"])
+                break
+            time.sleep(POLL_S)
+    quiet = notifiers(run)
 
     def procs(seen: dict[int, int]) -> dict[int, int]:
-        return run_procs(pid, pgid, seen, wrapper_of(info))  # the wrapper re-checked: it exits after the last one
+        # the wrapper re-checked: it exits after the last one
+        return run_procs(pid, pgid, seen, wrapper_of(info), quiet)  # type: ignore[arg-type]
 
     # Without the subreaper (not Linux, or an older wrapper) a double-forked daemon is out of our sight: say so.
     untracked = "" if info.get("subreaper") else "; detached descendants (double-forked daemons) could not be tracked: {}".format(
@@ -1595,8 +1632,21 @@ def verb_hello(run: Run | None, nvml: Nvml, opts: dict[str, Any]) -> int:
     return EXIT_CODES["ok"]
 
 
+def verb_history(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
+    """Every attempt of the run, oldest first; an attempt with no end recorded is `running` or `restarting` when
+    it is the live one, else `lost` (its wrapper died before it could write the end: SIGKILL, a reboot)."""
+    attempts = read_history(run.state_dir, run.log, run.keep_logs)
+    snap = ProcWatch(run).snapshot()
+    for a in attempts:
+        if a.get("outcome") is None:
+            live = a.get("id") == snap.get("attempt") and snap["state"] in ("running", "restarting")
+            a["outcome"] = ("running" if snap["state"] == "running" else "restarting") if live else "lost"
+    emit("history", attempts=attempts, state=snap["state"], current=snap.get("attempt"))
+    return EXIT_CODES["ok"]
+
+
 VERBS = {"launch": verb_launch, "follow": verb_follow, "status": verb_status, "kill": verb_kill,
-         "clean": verb_clean, "hello": verb_hello}
+         "clean": verb_clean, "hello": verb_hello, "history": verb_history}
 
 
 def main(argv: list[str]) -> None:

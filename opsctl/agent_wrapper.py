@@ -8,23 +8,243 @@ On Linux it is a child subreaper (prctl PR_SET_CHILD_SUBREAPER): a descendant wh
 daemon) is re-parented to the wrapper instead of pid 1, so `kill` finds it among the wrapper's descendants. The
 wrapper records the exit status when the main command ends, then stays (reaping) until every such leftover is gone:
 while it lives, the leftovers stay findable; the tmux pane turns dead only after them.
+
+Every start of the command is an *attempt* recorded in STATE_DIR/history.jsonl. The wrapper is also where the
+run's restart policy lives (a crashed attempt is started again, with the resume arguments, after the back-off:
+it needs no client connected) and where `notify` commands are fired on crashed / finished / stalled / restarting.
+The agent runs this same text (exec'd into a namespace) for the rules both halves share: the attempt history, log
+rotation, the crash line of a log, and how extra arguments join a command.
 """
 
 # Keep this file ASCII only and stdlib only: the client ships its text inside the agent's blob (agent.WRAPPER_SLOT).
 
 from __future__ import annotations
 
+import collections
+import fcntl
 import json
 import os
+import re
 import select
+import shlex
 import signal
+import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
 
+# A run is stalled when no heartbeat, phase or step came for max(STALL_FLOOR_S, STALL_FACTOR x median step time)
+# (or the run's stall_after): the wrapper's notifications and the client's views (runstate) use this one rule.
+STALL_FLOOR_S = 60.0
+STALL_FACTOR = 10.0
+NOTIFY_TIMEOUT_S = 30.0  # a notify command still running after this is killed (and the failure logged)
+HISTORY_FILE = "history.jsonl"  # one JSON object per line; lines of one attempt `id` merge, later keys win
+ROTATIONS_FILE = "log_rotations"  # how many times the log was rotated: maps an attempt's log_seq to LOG.N
+RESTARTING_FILE = "restarting"  # exists while the wrapper waits out the back-off before the next attempt
+NOTIFIERS_FILE = "notifiers.json"  # live notify commands: the wrapper's children that are not the run's processes
 
+
+# -- rules shared with the agent ------------------------------------------------------------------------------
+def atomic_write(path: str, text: str) -> None:
+    """Write-then-rename, so a reader never sees a half-written pid, exit_code or state file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as fh:
+            obj = json.load(fh)
+        return obj if isinstance(obj, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+# The last line of a Python traceback: `KeyboardInterrupt`, `RuntimeError: boom`, `torch.OutOfMemoryError: ...`.
+_EXC_LINE = re.compile(r"[A-Za-z_][\w.]*(:.*)?$")
+
+
+def traceback_from_lines(lines: list[str]) -> str | None:
+    """The last Python traceback in a log: its header, the indented frames, and the exception line.
+
+    stdout reaches the log through its own pipe and can land inside or after stderr's traceback, so other
+    unindented lines between the header and the exception line are left out."""
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last)"):
+            out = [lines[i]]
+            for line in lines[i + 1:]:
+                if line and not line[0].isspace():
+                    if _EXC_LINE.match(line):
+                        out.append(line)
+                        break
+                    continue
+                out.append(line)
+            return "\n".join(out)
+    return None
+
+
+def crash_line(log: str, window: int = 256 << 10) -> str | None:
+    """The exception line of the last traceback in the log's last `window` bytes (None when there is none)."""
+    try:
+        with open(log, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            fh.seek(max(0, size - window))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    tb = traceback_from_lines(text.splitlines())
+    if not tb:
+        return None
+    last = tb.splitlines()[-1]
+    return last if not last[:1].isspace() and not last.startswith("Traceback") else None
+
+
+def _rotations(state_dir: str) -> int:
+    try:
+        with open(os.path.join(state_dir, ROTATIONS_FILE)) as fh:
+            return int(fh.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def rotate_logs(log: str, keep: int, state_dir: str) -> tuple[str, int]:
+    """Keep earlier attempts' logs: LOG -> LOG.1 -> ... -> LOG.keep (the oldest beyond it goes).
+
+    Returns what was done and the rotation count after it: an attempt records that count as its `log_seq`, so its
+    log is found again later as LOG.(count now - log_seq), however many attempts came since."""
+    done = _rotations(state_dir)
+    try:
+        size = os.path.getsize(log)
+    except OSError:
+        return "no earlier log", done
+    if size == 0:
+        return "earlier log was empty", done
+    keep = max(1, keep)
+    dropped = os.path.exists(f"{log}.{keep}")
+    for i in range(keep - 1, 0, -1):
+        if os.path.exists(f"{log}.{i}"):
+            os.replace(f"{log}.{i}", f"{log}.{i + 1}")
+    os.replace(log, log + ".1")
+    atomic_write(os.path.join(state_dir, ROTATIONS_FILE), f"{done + 1}\n")
+    base = os.path.basename(log)
+    return "earlier attempt's log kept as {}.1{}".format(
+        base, f" (the oldest, {base}.{keep}, dropped: keep_logs {keep})" if dropped else ""), done + 1
+
+
+def old_logs(log: str) -> list[str]:
+    """Earlier attempts' logs, oldest first (LOG.N ... LOG.1)."""
+    d, base = os.path.split(log)
+    try:
+        names = os.listdir(d or ".")
+    except OSError:
+        return []
+    nums = sorted((int(m.group(1)) for m in (re.fullmatch(re.escape(base) + r"\.(\d+)", n) for n in names) if m),
+                  reverse=True)
+    return [f"{log}.{i}" for i in nums]
+
+
+_SHELLS = ("sh", "bash", "dash", "zsh")
+
+
+def with_args(argv: list[str], extra: list[str]) -> list[str]:
+    """The command with `extra` arguments appended. A `sh -c SCRIPT` command gets them quoted onto the script
+    (appended after it they would become $0, $1 and never reach the program)."""
+    if not extra:
+        return list(argv)
+    if len(argv) == 3 and os.path.basename(argv[0]) in _SHELLS and argv[1] == "-c":
+        return [argv[0], "-c", argv[2] + " " + " ".join(shlex.quote(a) for a in extra)]
+    return list(argv) + list(extra)
+
+
+def resume_argv(argv: list[str], resume_args: list[str]) -> list[str]:
+    """The argv a restart runs: the resume arguments appended, unless the command already carries them."""
+    n = len(resume_args)
+    if not n or any(argv[i:i + n] == resume_args for i in range(len(argv) - n + 1)):
+        return list(argv)
+    if len(argv) == 3 and os.path.basename(argv[0]) in _SHELLS and argv[1] == "-c":
+        if " ".join(shlex.quote(a) for a in resume_args) in argv[2]:
+            return list(argv)
+    return with_args(argv, resume_args)
+
+
+def history_add(state_dir: str, **fields: Any) -> int:
+    """Append one record to the attempt history and return its attempt id; without `id` a new attempt is
+    numbered (under a lock: the agent and the wrapper both add attempts). One write per line, O_APPEND."""
+    path = os.path.join(state_dir, HISTORY_FILE)
+    lock = os.open(os.path.join(state_dir, "history.lock"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if fields.get("id") is None:
+            fields["id"] = max((int(r["id"]) for r in _history_lines(path)), default=0) + 1
+        data = (json.dumps(fields, separators=(",", ":"), default=str) + "\n").encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(lock)
+    return int(fields["id"])
+
+
+def _history_lines(path: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    try:
+        with open(path, "rb") as fh:
+            for raw in fh:
+                if not raw.endswith(b"\n"):
+                    break  # a writer died mid-line: the rest is not a record
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("id"), int):
+                    out.append(rec)
+    except OSError:
+        pass
+    return out
+
+
+def read_history(state_dir: str, log: str, keep_logs: int) -> list[dict[str, Any]]:
+    """Every attempt, oldest first, its records merged; `log` is the file that holds its log now (None when that
+    log was rotated out, removed by `clean --logs`, or empty and reused by the next attempt)."""
+    merged: dict[int, dict[str, Any]] = {}
+    for rec in _history_lines(os.path.join(state_dir, HISTORY_FILE)):
+        merged.setdefault(rec["id"], {}).update(rec)
+    out = [merged[k] for k in sorted(merged)]
+    now = _rotations(state_dir)
+    seqs = [a.get("log_seq") for a in out]
+    for i, a in enumerate(out):
+        seq = a.pop("log_seq", None)
+        a["log"] = None
+        if not isinstance(seq, int) or seq in seqs[i + 1:]:
+            continue
+        k = now - seq
+        path = log if k == 0 else f"{log}.{k}"
+        if 0 <= k <= keep_logs and os.path.exists(path):
+            a["log"] = path
+    return out
+
+
+def proc_starttime(pid: int | str = "self") -> int | None:
+    """A process's start time in clock ticks (/proc/PID/stat field 22): with the pid, it names it uniquely."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# -- the wrapper ------------------------------------------------------------------------------------------------
 def _subreaper() -> str | None:
     """None when we became a child subreaper, else why not (then detached descendants cannot be tracked)."""
     try:
@@ -37,48 +257,361 @@ def _subreaper() -> str | None:
         return f"prctl(PR_SET_CHILD_SUBREAPER) unavailable: {exc.__class__.__name__}: {exc}"
 
 
-def _reap_orphans(main_pid: int) -> None:
-    """Reap adopted orphans as they exit, never the main command (Popen.wait reaps that one): peek with WNOWAIT
-    first, so a long run that sheds detached helpers does not pile up zombies under the wrapper."""
+# Held while a child is started and its pid noted, and while the orphan reaper reaps: the reaper must never take
+# the exit status of an attempt or a notify command (their Popen.wait needs it), however fast that one exits.
+_SPAWN = threading.Lock()
+
+
+def _reap_orphans(current: list[int]) -> None:
+    """Reap adopted orphans as they exit, never the main command or a notify command (their Popen.wait reaps
+    them): peek with WNOWAIT first, so a long run that sheds detached helpers does not pile up zombies."""
     while True:
-        try:
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | os.WNOHANG)
-        except (ChildProcessError, OSError):
-            info = None
-        if info is None or info.si_pid == main_pid:
-            time.sleep(0.5)
-            continue
-        try:
-            os.waitpid(info.si_pid, os.WNOHANG)
-        except (ChildProcessError, OSError):
-            pass
-
-
-def _starttime() -> int | None:
-    """Our start time in clock ticks (/proc/self/stat field 22): with the pid, it names this process uniquely."""
-    try:
-        with open("/proc/self/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _atomic(path: str, text: str) -> None:
-    """Write-then-rename, so the agent never reads a half-written pid or exit_code file."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+        with _SPAWN:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+            except (ChildProcessError, OSError):
+                info = None
+            if info is not None and info.si_pid not in current:
+                try:
+                    os.waitpid(info.si_pid, os.WNOHANG)
+                except (ChildProcessError, OSError):
+                    pass
+                continue
+        time.sleep(0.5)
 
 
 def _ignore(signum: int, frame: Any) -> None:
     pass  # a handler (not SIG_IGN) so the run itself still gets default signal behaviour after exec
 
 
+class Notifier:
+    """Fires the run's `notify` argv on a state transition, in a thread: it never blocks the run, and each
+    outcome (exit status, or why it could not run) is appended to STATE_DIR/notify.log."""
+
+    def __init__(self, argv: list[str] | None, state_dir: str, env: dict[str, str], workdir: str,
+                 children: list[int]) -> None:
+        self.argv = [str(a) for a in argv] if argv else []
+        self.state_dir = state_dir
+        self.env = env
+        self.workdir = workdir
+        self.children = children  # pids the orphan reaper must leave to their Popen
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+        self.live: dict[int, int | None] = {}
+
+    def fire(self, state: str, fields: dict[str, Any]) -> None:
+        if not self.argv:
+            return
+        env = dict(self.env)
+        env["OPSCTL_STATE"] = state
+        for k, v in fields.items():
+            env["OPSCTL_" + k.upper()] = "" if v is None else str(v)
+        t = threading.Thread(target=self._run, args=(state, env), daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def _log(self, text: str) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            with open(os.path.join(self.state_dir, "notify.log"), "a") as fh:
+                fh.write(f"{stamp} {text}\n")
+        except OSError:
+            pass
+
+    def _publish(self) -> None:
+        try:
+            atomic_write(os.path.join(self.state_dir, NOTIFIERS_FILE),
+                         json.dumps([[p, s] for p, s in self.live.items()]) + "\n")
+        except OSError:
+            pass
+
+    def _run(self, state: str, env: dict[str, str]) -> None:
+        what = f"{state} attempt {env.get('OPSCTL_ATTEMPT')}: {shlex.join(self.argv)}"
+        with tempfile.TemporaryFile() as out:
+            try:
+                with self.lock, _SPAWN:
+                    p = subprocess.Popen(self.argv, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+                    self.children.append(p.pid)
+                    self.live[p.pid] = proc_starttime(p.pid)
+                    self._publish()
+            except OSError as exc:
+                self._log(f"FAILED {what}: cannot start: {exc}")
+                return
+            try:
+                rc = p.wait(NOTIFY_TIMEOUT_S)
+                why = "" if rc == 0 else f"exit {rc}"
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                rc = p.wait()
+                why = f"timed out after {NOTIFY_TIMEOUT_S:g} s (killed)"
+            finally:
+                with self.lock:
+                    self.live.pop(p.pid, None)
+                    if p.pid in self.children:
+                        self.children.remove(p.pid)
+                    self._publish()
+            out.seek(0)
+            tail = " | ".join(out.read().decode("utf-8", "replace").strip().splitlines()[-3:])
+        self._log((f"FAILED {what}: {why}" if why else f"ok {what}") + (f": {tail}" if tail else ""))
+
+    def wait(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        for t in list(self.threads):
+            t.join(max(0.0, end - time.monotonic()))
+
+
+class EventsWatch:
+    """Tails the run's events file for one attempt: first/last step, last checkpoint, run_end, and the progress
+    clock that says `stalled` (the notification fires once per stall; progress ends the stall)."""
+
+    def __init__(self, path: str | None, stall_after: float | None) -> None:
+        self.path = path
+        self.stall_after_cfg = stall_after
+        self.lock = threading.Lock()
+        self.reset(time.time())
+
+    def reset(self, since: float) -> None:
+        with self.lock:
+            self.offset, self.head = 0, b""
+            if self.path:
+                try:
+                    with open(self.path, "rb") as fh:
+                        self.offset = os.fstat(fh.fileno()).st_size
+                        self.head = fh.read(64)
+                except OSError:
+                    pass
+            self.since = since - 1.0
+            self.first_step: int | None = None
+            self.last_step: int | None = None
+            self.checkpoint: str | None = None
+            self.run_end: dict[str, Any] | None = None
+            self.last_progress: float | None = None
+            self.step_times: collections.deque[float] = collections.deque(maxlen=20)
+            self.stalled = False
+
+    def poll(self) -> None:
+        if not self.path:
+            return
+        with self.lock:
+            try:
+                with open(self.path, "rb") as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    head = fh.read(64)
+                    if size < self.offset or not (head.startswith(self.head) or self.head.startswith(head)):
+                        self.offset = 0  # truncated (a fresh run_start), maybe grown again: read it from its start
+                    self.head = head
+                    fh.seek(self.offset)
+                    data = fh.read(8 << 20)
+            except OSError:
+                return
+            cut = data.rfind(b"\n") + 1
+            self.offset += cut
+            for raw in data[:cut].splitlines():
+                try:
+                    ev = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict):
+                    self._note(ev)
+
+    def _note(self, ev: dict[str, Any]) -> None:
+        ts = ev.get("ts")
+        if not isinstance(ts, (int, float)) or ts < self.since:
+            return
+        kind = ev.get("kind")
+        if kind in ("run_start", "phase", "heartbeat", "step", "checkpoint"):
+            self.last_progress = float(ts)
+            self.stalled = False
+        if kind == "step" and isinstance(ev.get("step"), int):
+            self.first_step = ev["step"] if self.first_step is None else self.first_step
+            self.last_step = ev["step"]
+            st = ev.get("step_time_s")
+            if isinstance(st, (int, float)) and st == st and st >= 0:
+                self.step_times.append(float(st))
+        elif kind == "run_start" and isinstance(ev.get("resumed_from"), int) and self.last_step is None:
+            self.last_step = ev["resumed_from"]
+        elif kind == "checkpoint" and ev.get("path"):
+            self.checkpoint = str(ev["path"])
+        elif kind == "run_end":
+            self.run_end = ev
+            if isinstance(ev.get("step"), int):
+                self.last_step = ev["step"]
+
+    def stall_after(self) -> float:
+        if self.stall_after_cfg:
+            return float(self.stall_after_cfg)
+        if self.step_times:
+            return max(STALL_FLOOR_S, STALL_FACTOR * statistics.median(self.step_times))
+        return STALL_FLOOR_S
+
+    def check_stall(self) -> float | None:
+        """The silence in seconds when the run just became stalled (once per stall), else None."""
+        with self.lock:
+            if self.stalled or self.last_progress is None or self.run_end is not None:
+                return None
+            age = time.time() - self.last_progress
+            if age > self.stall_after():
+                self.stalled = True
+                return age
+            return None
+
+
+class Attempt:
+    """One start of the command: tee its output to the log (minus lines the run wrote there itself), wait."""
+
+    def __init__(self, spec: dict[str, Any], argv: list[str], env: dict[str, str], children: list[int]) -> None:
+        self.spec = spec
+        self.argv = argv
+        self.env = env
+        self.children = children
+        self.logf = open(spec["log"], "ab+", buffering=0)  # read too: put() looks for lines the run wrote itself
+        self.lock = threading.Lock()
+        # A run that writes the log file itself (a logging FileHandler next to a stdout StreamHandler, as dflash
+        # does) would see every line twice. Such a handler writes the file before stdout, so when a stdout line
+        # arrives its copy is already in the file: read what others appended since we last looked (minus what we
+        # wrote ourselves) and drop stdout lines found there. stderr (tracebacks, warnings) always goes in.
+        self.scan: dict[str, Any] = {"pos": os.fstat(self.logf.fileno()).st_size, "ours": {}, "foreign": {}}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> str | None:
+        """Start the command; None, or why it could not start (written to the log too)."""
+        with _SPAWN:
+            try:
+                self.proc = subprocess.Popen(self.argv, cwd=self.spec["workdir"], env=self.env,
+                                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                             start_new_session=True)
+            except OSError as exc:
+                msg = f"opsctl: cannot start {self.argv!r}: {exc}"
+                self.logf.write((msg + "\n").encode())
+                return msg
+            self.children.append(self.proc.pid)
+        return None
+
+    @staticmethod
+    def _count(d: dict[bytes, int], line: bytes, k: int) -> None:
+        n = d.get(line, 0) + k
+        if n > 0:
+            d[line] = n
+        else:
+            d.pop(line, None)
+
+    def _rescan(self) -> None:
+        scan, fd = self.scan, self.logf.fileno()
+        size = os.fstat(fd).st_size
+        if size < scan["pos"]:
+            scan["pos"] = 0  # truncated by the run
+        if size <= scan["pos"]:
+            return
+        data = os.pread(fd, size - scan["pos"], scan["pos"])
+        cut = data.rfind(b"\n") + 1
+        scan["pos"] += cut
+        for line in data[:cut].split(b"\n")[:-1]:
+            if scan["ours"].get(line):
+                self._count(scan["ours"], line, -1)
+            else:
+                self._count(scan["foreign"], line, 1)
+        if len(scan["foreign"]) > 20000:  # lines the run logs to the file only: forget them
+            scan["foreign"].clear()
+
+    def put(self, data: bytes, is_stdout: bool) -> None:
+        with self.lock:
+            lines = data.split(b"\n")
+            tail = lines.pop()  # b"" when data ends with a newline
+            keep = []
+            if is_stdout:
+                try:
+                    self._rescan()
+                except OSError:
+                    pass  # never let the pump die: the run would block on a full pipe
+            for line in lines:
+                if is_stdout and self.scan["foreign"].get(line):
+                    self._count(self.scan["foreign"], line, -1)  # the run already wrote this line to the log
+                    continue
+                keep.append(line + b"\n")
+                self._count(self.scan["ours"], line, 1)
+            out = b"".join(keep) + tail
+            if out:
+                self.logf.write(out)
+            try:
+                sys.stdout.buffer.write(data)
+                sys.stdout.buffer.flush()
+            except OSError:
+                pass
+
+    def safe_put(self, data: bytes, is_stdout: bool) -> None:
+        try:
+            self.put(data, is_stdout)
+        except Exception:
+            pass  # keep draining the pipe whatever happens to the log: a full pipe would block the run
+
+    def pump(self, fd: int, is_stdout: bool) -> None:
+        buf = b""
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.3)
+            if not ready:
+                if buf:  # a partial line (a progress bar, a prompt): hand it over rather than sit on it
+                    self.safe_put(buf, is_stdout)
+                    buf = b""
+                continue
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                if buf:
+                    self.safe_put(buf, is_stdout)
+                return
+            buf += chunk
+            cut = buf.rfind(b"\n") + 1
+            if cut:  # whole lines only, so stdout and stderr never interleave inside a line
+                self.safe_put(buf[:cut], is_stdout)
+                buf = buf[cut:]
+
+    def wait(self) -> int:
+        """The attempt's exit status (128 + N for a death by signal N), once its output is drained."""
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None and proc.stderr is not None
+        threads = [threading.Thread(target=self.pump, args=(proc.stdout.fileno(), True), daemon=True),
+                   threading.Thread(target=self.pump, args=(proc.stderr.fileno(), False), daemon=True)]
+        for t in threads:
+            t.start()
+        rc = proc.wait()
+        if proc.pid in self.children:
+            self.children.remove(proc.pid)
+        self.signal = -rc if rc < 0 else None
+        # Drain what the run wrote before it died (threads end at EOF at once), but a child that keeps the pipes
+        # open must not hold back the exit status: 0.8 s at most keeps "crash reported within 1 s of death".
+        end = time.time() + 0.8
+        for t in threads:
+            t.join(max(0.0, end - time.time()))
+        return rc if rc >= 0 else 128 - rc
+
+    def close(self) -> None:
+        try:
+            self.logf.close()
+        except OSError:
+            pass
+
+
+def _say(text: str) -> None:
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except OSError:
+        pass
+
+
+def _restart_count(times: list[float], within: float | None, now: float) -> int:
+    """Restarts that count against `max`: all of this launch's, or those of the last `within` seconds."""
+    return len(times) if not within else sum(1 for t in times if now - t < within)
+
+
 def main() -> None:
-    """Run spec.json's command (argv[1]) to its end, then stay until its leftovers are gone."""
+    """Run spec.json's command (argv[1]) attempt after attempt (restart policy), then stay until leftovers end."""
     with open(sys.argv[1]) as fh:
         spec = json.load(fh)
     state = spec["state_dir"]
@@ -88,130 +621,128 @@ def main() -> None:
     env.pop("TMUX", None)
     env.pop("TMUX_PANE", None)
     env.update(spec["env"])
-    argv = spec["argv"]
+    policy = spec.get("restart") or {}
+    restart_max = int(policy.get("max") or 0) if policy.get("when") == "on-failure" else 0
+    backoff = float(policy.get("backoff_s") or 0)
+    within = policy.get("within_s")
+    argv = list(spec["argv"])
+    resume = resume_argv(argv, [str(a) for a in policy.get("resume_args") or []])
+    run_name = str(spec.get("name") or env.get("OPSCTL_RUN") or "run")
+    children: list[int] = []
+    notifier = Notifier(spec.get("notify"), state, {**env, "OPSCTL_HOST": str(spec.get("host") or socket.gethostname()),
+                                                    "OPSCTL_RUN": run_name}, spec["workdir"], children)
+    watch = EventsWatch(spec.get("events"), spec.get("stall_after"))
+    killed_file = os.path.join(state, "killed")
+    restarting_file = os.path.join(state, RESTARTING_FILE)
     reaper_error = _subreaper()
-    logf = open(spec["log"], "ab+", buffering=0)  # read too: put() looks for lines the run wrote itself
-    try:
-        proc = subprocess.Popen(argv, cwd=spec["workdir"], env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    except OSError as exc:
-        msg = f"opsctl: cannot start {argv!r}: {exc}\n"
-        logf.write(msg.encode())
-        _atomic(os.path.join(state, "exit_code"), "127\n")
-        return
-    _atomic(os.path.join(state, "pid"), json.dumps({"pid": proc.pid, "pgid": proc.pid,
-            "wrapper_pid": os.getpid(), "wrapper_start": _starttime(), "subreaper": reaper_error is None,
-            "subreaper_error": reaper_error, "started": time.time()}) + "\n")
-    lock = threading.Lock()
-    # A run that writes the log file itself (a logging FileHandler next to a stdout StreamHandler, as dflash
-    # does) would see every line twice. Such a handler writes the file before stdout, so when a stdout line
-    # arrives its copy is already in the file: read what others appended since we last looked (minus what we
-    # wrote ourselves) and drop stdout lines found there. stderr (tracebacks, warnings) always goes in.
-    scan: dict[str, Any] = {"pos": os.fstat(logf.fileno()).st_size, "ours": {}, "foreign": {}}
-
-    def _count(d: dict[bytes, int], line: bytes, k: int) -> None:
-        n = d.get(line, 0) + k
-        if n > 0:
-            d[line] = n
-        else:
-            d.pop(line, None)
-
-    def _rescan() -> None:
-        size = os.fstat(logf.fileno()).st_size
-        if size < scan["pos"]:
-            scan["pos"] = 0  # truncated by the run
-        if size <= scan["pos"]:
-            return
-        data = os.pread(logf.fileno(), size - scan["pos"], scan["pos"])
-        cut = data.rfind(b"\n") + 1
-        scan["pos"] += cut
-        for line in data[:cut].split(b"\n")[:-1]:
-            if scan["ours"].get(line):
-                _count(scan["ours"], line, -1)
-            else:
-                _count(scan["foreign"], line, 1)
-        if len(scan["foreign"]) > 20000:  # lines the run logs to the file only: forget them
-            scan["foreign"].clear()
-
-    def put(data: bytes, is_stdout: bool) -> None:
-        with lock:
-            lines = data.split(b"\n")
-            tail = lines.pop()  # b"" when data ends with a newline
-            keep = []
-            if is_stdout:
-                try:
-                    _rescan()
-                except OSError:
-                    pass  # never let the pump die: the run would block on a full pipe
-            for line in lines:
-                if is_stdout and scan["foreign"].get(line):
-                    _count(scan["foreign"], line, -1)  # the run already wrote this line to the log
-                    continue
-                keep.append(line + b"\n")
-                _count(scan["ours"], line, 1)
-            out = b"".join(keep) + tail
-            if out:
-                logf.write(out)
-            try:
-                sys.stdout.buffer.write(data)
-                sys.stdout.buffer.flush()
-            except OSError:
-                pass
-
-    def safe_put(data: bytes, is_stdout: bool) -> None:
-        try:
-            put(data, is_stdout)
-        except Exception:
-            pass  # keep draining the pipe whatever happens to the log: a full pipe would block the run
-
-    def pump(fd: int, is_stdout: bool) -> None:
-        buf = b""
-        while True:
-            ready, _, _ = select.select([fd], [], [], 0.3)
-            if not ready:
-                if buf:  # a partial line (a progress bar, a prompt): hand it over rather than sit on it
-                    safe_put(buf, is_stdout)
-                    buf = b""
-                continue
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                if buf:
-                    safe_put(buf, is_stdout)
-                return
-            buf += chunk
-            cut = buf.rfind(b"\n") + 1
-            if cut:  # whole lines only, so stdout and stderr never interleave inside a line
-                safe_put(buf[:cut], is_stdout)
-                buf = buf[cut:]
-
-    assert proc.stdout is not None and proc.stderr is not None
-    threads = [threading.Thread(target=pump, args=(proc.stdout.fileno(), True), daemon=True),
-               threading.Thread(target=pump, args=(proc.stderr.fileno(), False), daemon=True)]
-    for t in threads:
-        t.start()
     if reaper_error is None and hasattr(os, "waitid"):
-        threading.Thread(target=_reap_orphans, args=(proc.pid,), daemon=True).start()
-    rc = proc.wait()
-    code = rc if rc >= 0 else 128 - rc
-    # Drain what the run wrote before it died (threads end at EOF at once), but a child that keeps the pipes open
-    # must not hold back the exit status: 0.8 s at most keeps "crash reported within 1 s of death".
-    end = time.time() + 0.8
-    for t in threads:
-        t.join(max(0.0, end - time.time()))
-    _atomic(os.path.join(state, "exit_code"), f"{code}\n")
-    try:
-        sys.stdout.write(f"\n[opsctl] run exited with status {code}\n")
-        sys.stdout.flush()
-    except OSError:
-        pass
+        threading.Thread(target=_reap_orphans, args=(children,), daemon=True).start()
+    aid = spec.get("attempt")
+    restart_times: list[float] = []
+    current = {"attempt": aid, "running": False}
+
+    def stall_monitor() -> None:
+        while True:
+            time.sleep(0.5)
+            watch.poll()
+            if not current["running"]:
+                continue
+            age = watch.check_stall()
+            if age is not None:
+                notifier.fire("stalled", {"attempt": current["attempt"], "step": watch.last_step,
+                                          "reason": f"no heartbeat, phase or step for {age:.0f} s "
+                                                    f"(stall_after {watch.stall_after():.0f} s)"})
+
+    threading.Thread(target=stall_monitor, daemon=True).start()
+    code = 127
+    while True:
+        started = time.time()
+        watch.reset(started)
+        attempt = Attempt(spec, argv if not restart_times else resume, env, children)
+        why_not = attempt.start()
+        if why_not is not None:
+            attempt.close()
+            if aid is not None:
+                history_add(state, id=aid, ended=time.time(), outcome="crashed", exit_code=127, exception=why_not)
+            atomic_write(os.path.join(state, "exit_code"), "127\n")
+            notifier.fire("crashed", {"attempt": aid, "step": None, "reason": why_not + " (exit 127)"})
+            break
+        assert attempt.proc is not None
+        atomic_write(os.path.join(state, "pid"), json.dumps({
+            "pid": attempt.proc.pid, "pgid": attempt.proc.pid, "wrapper_pid": os.getpid(),
+            "wrapper_start": proc_starttime(), "subreaper": reaper_error is None, "subreaper_error": reaper_error,
+            "started": started, "attempt": aid, "restarts": len(restart_times), "restart_max": restart_max}) + "\n")
+        if aid is not None:
+            history_add(state, id=aid, pid=attempt.proc.pid, started=started)
+        try:
+            os.unlink(restarting_file)
+        except FileNotFoundError:
+            pass
+        current.update(attempt=aid, running=True)
+        code = attempt.wait()
+        current["running"] = False
+        ended = time.time()
+        attempt.close()
+        watch.poll()
+        killed = os.path.exists(killed_file)
+        run_end = watch.run_end or {}
+        if killed:
+            outcome = "killed"
+        elif code == 0:
+            outcome = "finished"
+        else:
+            outcome = "crashed"
+        exception = crash_line(spec["log"]) if outcome == "crashed" else None  # a kill's KeyboardInterrupt is no news
+        # A kill (opsctl's marker, a signal that ended the process, or a run that says it stopped on a signal)
+        # never restarts: someone wanted it to stop.
+        by_signal = attempt.signal is not None or run_end.get("reason") == "signal"
+        used = _restart_count(restart_times, within, ended)
+        again = outcome == "crashed" and not by_signal and used < restart_max
+        what = exception or (f"killed by signal {signal.Signals(attempt.signal).name}" if attempt.signal else None)
+        reason = f"{what} (exit {code})" if what else f"exit {code}"
+        if aid is not None:
+            history_add(state, id=aid, ended=ended, outcome=outcome, exit_code=code, exception=exception,
+                        signal=None if attempt.signal is None else signal.Signals(attempt.signal).name,
+                        first_step=watch.first_step, last_step=watch.last_step, checkpoint=watch.checkpoint,
+                        run_end=run_end.get("reason"))
+        if not again:
+            atomic_write(os.path.join(state, "exit_code"), f"{code}\n")
+            _say(f"\n[opsctl] run exited with status {code}")
+            if outcome == "crashed" and restart_max and not by_signal:
+                reason += f"; restart limit reached ({used} of {restart_max})"
+            if outcome in ("finished", "crashed"):
+                notifier.fire(outcome, {"attempt": aid, "step": watch.last_step, "reason": reason})
+            break
+        n = used + 1
+        at = ended + backoff
+        atomic_write(restarting_file, json.dumps({"attempt": aid, "n": n, "max": restart_max, "at": at,
+                                                  "ended": ended, "exit_code": code, "exception": exception}) + "\n")
+        _say(f"\n[opsctl] run exited with status {code}; restart {n} of {restart_max} in {backoff:g} s")
+        notifier.fire("restarting", {"attempt": aid, "step": watch.last_step,
+                                     "reason": f"{reason}; restart {n} of {restart_max} in {backoff:g} s"})
+        while time.time() < at and not os.path.exists(killed_file):
+            time.sleep(0.1)
+        if os.path.exists(killed_file):  # `opsctl kill` during the back-off: no new attempt
+            atomic_write(os.path.join(state, "exit_code"), f"{code}\n")
+            try:
+                os.unlink(restarting_file)
+            except FileNotFoundError:
+                pass
+            _say("[opsctl] restart cancelled: the run was killed")
+            break
+        restart_times.append(time.time())
+        rotated, seq = rotate_logs(spec["log"], int(spec.get("keep_logs") or 10), state)
+        with open(spec["log"], "wb"):
+            pass  # the new attempt's log starts empty, like a launch's
+        previous = aid
+        aid = history_add(state, started=time.time(), by="restart", restart=n, restart_of=previous,
+                          argv=resume, extra_args=spec.get("extra_args") or [], log_seq=seq)
+        _say(f"[opsctl] attempt {aid} (restart {n} of {restart_max}): {rotated}")
+    notifier.wait(NOTIFY_TIMEOUT_S + 1)
     # Leftovers the run left behind (adopted orphans, see above): reap them until none is left.
     try:
         if os.waitpid(-1, os.WNOHANG) == (0, 0):
-            sys.stdout.write("[opsctl] waiting for processes the run left behind (opsctl kill ends them)\n")
-            sys.stdout.flush()
+            _say("[opsctl] waiting for processes the run left behind (opsctl kill ends them)")
     except (ChildProcessError, OSError):
         pass
     while True:

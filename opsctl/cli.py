@@ -72,6 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after ready, keep streaming the log until the run ends; exit with its status")
     s.add_argument("--fresh-cache", action="store_true",
                    help="empty the run's inductor cache first, whatever inductor_cache_policy says")
+    s.add_argument("extra_args", nargs="*", metavar="-- ARGS",
+                   help="after --: arguments appended to the run's command for this attempt only (e.g. "
+                        "`opsctl launch box r -- --max-steps 200`); recorded in `opsctl history`")
+
+    s = sub.add_parser("history", formatter_class=fmt, help="every attempt of a run: start, duration, how it ended",
+                       description="Every launch of the run is an attempt, and so is every restart the run's "
+                       "restart policy made: its id, start time, duration, how it ended (finished, crashed with "
+                       "its exception line, killed, refused with the reason, running, restarting, lost), exit "
+                       "code, first and last step, the log file that holds it now (LOG, LOG.1, ...), its last "
+                       "checkpoint and the extra arguments it was given. Newest last. Read from the run's state "
+                       "dir on the host, so every client sees the same history.",
+                       epilog="""examples:
+  opsctl history pve-box qwen27b          one row per attempt
+  opsctl history pve-box qwen27b --json   the same as a JSON list (one object per attempt)""")
+    s.add_argument("host")
+    s.add_argument("run")
+    s.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
 
     s = sub.add_parser("status", formatter_class=fmt, help="state, phase, step, loss, tokens/s, GPUs",
                        description="One snapshot per run: state (starting, loading, compiling, training, "
@@ -134,13 +151,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _verb_of(argv: list[str]) -> str | None:
+    """The verb of a command line: its first word that is neither an option nor the value of --hosts."""
+    value = False
+    for a in argv:
+        if value:
+            value = False
+        elif a == "--hosts":
+            value = True
+        elif not a.startswith("-"):
+            return a
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # `launch HOST RUN [options] -- ARGS`: what follows `--` is the run's, whatever it looks like (argparse alone
+    # cannot take it once an option came between RUN and `--`).
+    given = sys.argv[1:] if argv is None else list(argv)
+    extra: list[str] | None = None
+    if "--" in given and _verb_of(given[:given.index("--")]) == "launch":
+        given, extra = given[:given.index("--")], given[given.index("--") + 1:]
+    args = parser.parse_args(given)
     ctx = commands.Ctx(hosts_file=args.hosts, accept_new_host_key=args.accept_new_host_key)
     try:
         if args.verb == "launch":
+            if args.extra_args:
+                raise commands.OpsError(f"unexpected arguments {' '.join(args.extra_args)!r}: arguments for the "
+                                        "run's command go after --, e.g. opsctl launch HOST RUN -- --max-steps 200",
+                                        commands.EXIT_USAGE)
             return commands.cmd_launch(ctx, args.host, args.run, force=args.force, follow=args.follow,
-                                fresh_cache=args.fresh_cache)
+                                       fresh_cache=args.fresh_cache, extra_args=extra)
+        if args.verb == "history":
+            from opsctl.history import cmd_history
+
+            return cmd_history(ctx, args.host, args.run, as_json=args.json)
         if args.verb == "status":
             return commands.cmd_status(ctx, args.host, args.run, as_json=args.json)
         if args.verb == "logs":

@@ -119,7 +119,7 @@ def _print_verdict_failure(ctx: Ctx, m: dict[str, Any]) -> None:
 
 # -- launch -------------------------------------------------------------------------------------------------
 def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, follow: bool = False,
-               fresh_cache: bool = False) -> int:
+               fresh_cache: bool = False, extra_args: list[str] | None = None) -> int:
     host, run = ctx.resolve(host_name, run_name)
     assert run is not None
     t = ctx.transport(host)
@@ -132,15 +132,18 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
         offsets = {"log_offset": 0, "events_offset": 0}
         try:
             for m in stream_agent(t, host, "launch", run_args(run, force=force, follow=follow, gpus=host.gpus,
-                                                               fresh_cache=fresh_cache)):
+                                                               fresh_cache=fresh_cache, extra_args=extra_args or [],
+                                                               host=host.name)):
                 kind = m.get("t")
                 state.apply(m)
                 if kind == "check":
                     _print_check(ctx, m)
                 elif kind == "launched":
                     launched_at = time.monotonic()
-                    ctx.err.print(f"[cyan]launched[/] {run.name} on {host.name}: pid {m['pid']} (pgid {m['pgid']}), "
-                                  f"tmux session {m['session']}, log {m['log']}  [{launched_at - t0:.2f} s]")
+                    ctx.err.print(f"[cyan]launched[/] {run.name} on {host.name}: attempt {m.get('attempt')}, pid "
+                                  f"{m['pid']} (pgid {m['pgid']}), tmux session {m['session']}, log {m['log']}"
+                                  + (f", extra args {' '.join(extra_args)}".replace("[", r"\[") if extra_args else "")
+                                  + f"  [{launched_at - t0:.2f} s]")
                 elif kind == "log":
                     ctx.line(m["line"])
                     offsets["log_offset"] = m["end"]

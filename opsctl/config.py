@@ -150,6 +150,32 @@ class SSHSettings(_Strict):
         return v
 
 
+def _notify_argv(v: list[str] | None) -> list[str] | None:
+    if v is not None and (not v or not v[0] or any("\x00" in a for a in v)):
+        raise ValueError("notify is an argv list (e.g. [curl, -d, ...]): non-empty, no NUL bytes")
+    return v
+
+
+class RestartPolicy(_Strict):
+    """What the run's wrapper does on the host when an attempt crashes (no client needs to be connected).
+
+    A kill by opsctl, or an attempt that ended on a signal, never restarts: someone wanted it to stop."""
+
+    when: Literal["never", "on-failure"] = "never"
+    max: int = Field(3, ge=1)  # restarts (not attempts): max 3 = at most 4 attempts per launch
+    backoff_s: float = Field(60.0, ge=0)  # wait after a crash before the next attempt
+    within_s: float | None = Field(None, gt=0)  # count only restarts in this window (default: all since launch)
+    # appended to the command for a restart, unless it already carries them (e.g. [--resume, auto] for dflash)
+    resume_args: list[str] = []
+
+    @field_validator("resume_args")
+    @classmethod
+    def _resume(cls, v: list[str]) -> list[str]:
+        if any(not a or "\x00" in a for a in v):
+            raise ValueError("resume_args are non-empty strings without NUL bytes")
+        return v
+
+
 class HostConfig(_Strict):
     """One machine (or Proxmox container on a machine) that runs training jobs."""
 
@@ -162,6 +188,13 @@ class HostConfig(_Strict):
     # `logs -f` / `launch --follow`: how long to keep retrying a lost link (seconds; 0 = forever). Permanent
     # errors (host key unknown or changed, authentication refused, unknown host) never retry.
     reconnect_timeout: float = Field(300.0, ge=0)
+    # argv the run's wrapper runs on the host on crashed / finished / stalled / restarting (runs may override)
+    notify: list[str] | None = None
+
+    @field_validator("notify")
+    @classmethod
+    def _notify(cls, v: list[str] | None) -> list[str] | None:
+        return _notify_argv(v)
 
     @field_validator("pct")
     @classmethod
@@ -236,6 +269,13 @@ class RunConfig(_Strict):
     stall_after: float | None = Field(None, gt=0)
     kill_grace: list[float] = [10.0, 10.0]
     clean_roots: list[str] | None = None
+    restart: RestartPolicy = RestartPolicy()
+    notify: list[str] | None = None  # default: the host's notify
+
+    @field_validator("notify")
+    @classmethod
+    def _notify(cls, v: list[str] | None) -> list[str] | None:
+        return _notify_argv(v)
 
     @field_validator("command")
     @classmethod
@@ -373,7 +413,8 @@ def _problems_from(err: ValidationError, lines: dict[tuple[str, ...], int], file
     return out
 
 
-_ALL_KEYS = set(SSHSettings.model_fields) | set(_HostFile.model_fields) | set(RunConfig.model_fields) | {"hosts"}
+_ALL_KEYS = (set(SSHSettings.model_fields) | set(_HostFile.model_fields) | set(RunConfig.model_fields)
+             | set(RestartPolicy.model_fields) | {"hosts"})
 
 
 def _suggest_key(loc: tuple[str, ...], lines: dict[tuple[str, ...], int]) -> str:
@@ -459,6 +500,8 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
                                   f"it is or contains the run's {hit[0]} {hit[1]!r}")
     elif not any(path_is_within(cache, r) for r in data["clean_roots"]):
         bad("inductor_cache_dir", f"{cache!r} is not inside any of clean_roots {data['clean_roots']}")
+    if data["notify"] is None:
+        data["notify"] = host.notify
     if isinstance(run.command, list):
         python = host.python if host.is_remote else sys.executable
         data["command"] = [python if a == PYTHON_PLACEHOLDER else a for a in run.command]

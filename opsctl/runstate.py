@@ -13,11 +13,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash.telemetry import PHASES
+from opsctl.agent_wrapper import STALL_FACTOR, STALL_FLOOR_S  # the wrapper's notifications use the same rule
 
 # Every phase the contract lists before `compiling` reads as loading (target, drafter, data).
 LOADING_PHASES = frozenset(PHASES[:PHASES.index("compiling")])
-STALL_FLOOR_S = 60.0
-STALL_FACTOR = 10.0
+__all__ = ["LOADING_PHASES", "STALL_FACTOR", "STALL_FLOOR_S", "RunState", "RunView", "phase_progress",
+           "unreachable_view"]
 
 
 def phase_progress(phase: Any, i: Any, n: Any) -> str:
@@ -29,8 +30,9 @@ def phase_progress(phase: Any, i: Any, n: Any) -> str:
 class RunView:
     """What a person wants to know about one run, at one instant."""
 
-    # starting, loading, compiling, training, stalled, finished, crashed, killed; absent: the host was reached
-    # and has no such run; unreachable: the host could not be asked at all.
+    # starting, loading, compiling, training, stalled, finished, crashed, killed, restarting (an attempt crashed
+    # and the wrapper starts the next one after the back-off); absent: the host was reached and has no such run;
+    # unreachable: the host could not be asked at all.
     state: str = "absent"
     phase: str | None = None
     phase_i: int | None = None
@@ -64,6 +66,12 @@ class RunView:
     leftover_pids: list[int] = field(default_factory=list)  # processes an exited run left alive
     link_error: str | None = None  # why the host could not be reached (state `unreachable`)
     reason: str | None = None  # one line saying why the state is what it is: `RuntimeError: boom (exit 1)`
+    attempt: int | None = None  # the current attempt's id (opsctl history HOST RUN lists them all)
+    started_at: float | None = None  # when the current attempt started (Unix time, the host's clock)
+    duration_s: float | None = None  # how long it ran (until now while it runs)
+    restart_n: int | None = None  # state restarting: which restart comes next (RESTARTING (n/max))
+    restart_max: int | None = None  # the restart policy's max (None: no policy)
+    restart_in_s: float | None = None  # state restarting: seconds until the next attempt starts
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +100,9 @@ class RunState:
         self._fatal_error = False
         self.killed_by_us = killed_by_us
         self._clock_skew = 0.0  # agent ts - local ts, so ages use the agent's clock
+        self._run_end_ts: float | None = None
+        self._ended: float | None = None
+        self._restart_at: float | None = None
 
     # -- input ---------------------------------------------------------------------------
     def apply(self, msg: dict[str, Any]) -> None:
@@ -105,8 +116,17 @@ class RunState:
             v.proc_state = msg.get("state")
             v.pid = msg.get("pid", v.pid)
             v.pgid = msg.get("pgid", v.pgid)
-            if msg.get("exit_code") is not None:
-                v.proc_exit_code = msg["exit_code"]
+            if msg.get("exit_code") is not None or v.proc_state == "running":
+                v.proc_exit_code = msg.get("exit_code")  # a running (resumed, restarted) attempt has none yet
+            if msg.get("attempt") is not None:
+                v.attempt = msg["attempt"]
+            if isinstance(msg.get("started"), (int, float)):
+                v.started_at = float(msg["started"])
+            self._ended = msg.get("ended") if isinstance(msg.get("ended"), (int, float)) else None
+            restart = msg.get("restart") if v.proc_state == "restarting" else None
+            v.restart_max = msg.get("restart_max") or None
+            v.restart_n = restart.get("n") if isinstance(restart, dict) else None
+            self._restart_at = restart.get("at") if isinstance(restart, dict) else None
             if msg.get("killed_by_opsctl"):
                 self.killed_by_us = True
             v.exception = msg.get("exception")
@@ -164,6 +184,7 @@ class RunState:
             v.end_reason = ev.get("reason")
             v.exit_code = ev.get("exit_code")
             v.step = ev.get("step", v.step)
+            self._run_end_ts = ts
 
     # -- output --------------------------------------------------------------------------
     def stall_after(self) -> float:
@@ -179,8 +200,14 @@ class RunState:
         v = self._v
         v.stall_after_s = self.stall_after()
         v.heartbeat_age_s = None if self._last_progress_ts is None else max(0.0, now - self._last_progress_ts)
+        if v.end_reason is not None and self._run_end_ts is not None and v.started_at is not None \
+                and self._run_end_ts < v.started_at:
+            v.end_reason = None  # the previous attempt's run_end: this one (restarted, resumed) has not ended
         if v.end_reason is None:  # no run_end (yet): the process's own code is all there is
             v.exit_code = v.proc_exit_code
+        if v.started_at is not None:
+            v.duration_s = max(0.0, (self._ended if self._ended is not None else now) - v.started_at)
+        v.restart_in_s = None if self._restart_at is None else max(0.0, self._restart_at - now)
         v.state = self._derive_state(v)
         v.reason = self._reason(v)
         if v.total_steps and v.step and self._step_times and v.state == "training":
@@ -194,6 +221,9 @@ class RunState:
         if v.state == "unreachable":
             return v.link_error
         parts: list[str] = []
+        if v.state == "restarting":
+            what = v.exception or (f"exit {v.proc_exit_code}" if v.proc_exit_code is not None else "crashed")
+            parts.append(f"restart {v.restart_n}/{v.restart_max} in {v.restart_in_s or 0:.0f} s after {what}")
         if v.state == "crashed":
             fatal = next((e for e in reversed(v.errors) if e.get("fatal")), None)
             what = v.exception or (f"{fatal.get('class')}: {fatal.get('message')}" if fatal else None)
@@ -205,6 +235,8 @@ class RunState:
 
     def _derive_state(self, v: RunView) -> str:
         alive = v.proc_state == "running"
+        if v.proc_state == "restarting":
+            return "restarting"
         if v.end_reason is not None:
             if v.end_reason == "error":
                 return "crashed"

@@ -252,8 +252,9 @@ def test_relaunch_keeps_every_attempts_log_and_logs_all_shows_them(tmp_path: Pat
 
 
 def _files(root: Path) -> dict[str, tuple[bytes, int]]:
-    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "hosts.yaml"}
+    # the attempt history (and its lock) is what a refused launch adds: the refusal is an attempt too
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name not in ("hosts.yaml", "history.jsonl", "history.lock")}
 
 
 def test_relaunch_of_a_finished_run_is_refused_and_leaves_it_finished(tmp_path: Path) -> None:
@@ -273,6 +274,8 @@ def test_relaunch_of_a_finished_run_is_refused_and_leaves_it_finished(tmp_path: 
         assert r.returncode == commands.EXIT_REFUSED, r.stderr
         assert "already finished: step 2 of 2" in flat and "--fresh" in flat and "raise the step count" in flat
         assert _files(tmp_path) == before  # log, events, state files: not one byte or mtime changed
+        last = json.loads((tmp_path / ".opsctl" / "done" / "history.jsonl").read_text().splitlines()[-1])
+        assert last["outcome"] == "refused" and "already finished: step 2 of 2" in last["reason"]
         st = json.loads(opsctl(hosts, "status", "local", "done", "--json").stdout)
         assert (st["state"], st["step"], st["total_steps"], st["exit_code"]) == ("finished", 2, 2, 0)
         # raising the step count (a changed command) trains again

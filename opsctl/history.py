@@ -1,0 +1,111 @@
+"""`opsctl history HOST RUN`: every attempt of a run (launches, restarts, refused launches), newest last.
+
+The history lives on the host (STATE_DIR/history.jsonl, written by the agent and the run's wrapper), so every client
+sees the same one; this module only asks the agent for it and prints it, like `sky jobs queue`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from opsctl.channel import ChannelLost, run_args, stream_agent
+from opsctl.commands import EXIT_FAILED, EXIT_OK, EXIT_TRANSPORT, Ctx, OpsError, preflight
+
+OUTCOME_STYLES = {"finished": "green", "crashed": "red", "killed": "yellow", "refused": "magenta",
+                  "running": "cyan", "restarting": "yellow", "lost": "red"}
+
+
+def fmt_span(seconds: float | None) -> str:
+    """`45s`, `12m05s`, `3h07m`, `2d04h`: a duration read at a glance (attempts last seconds to days)."""
+    if seconds is None:
+        return "-"
+    s = int(max(0.0, seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def fmt_when(ts: float | None) -> str:
+    """A start time in the local time zone, with the date (a week-long run's attempts span days)."""
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def attempt_clock(started: float | None, duration_s: float | None) -> str:
+    """`2026-12-03 12:03:04 (4m12s)`: when the current attempt started and how long it has run (status)."""
+    return "-" if started is None else f"{fmt_when(started)} ({fmt_span(duration_s)})"
+
+
+def fetch_history(ctx: Ctx, host_name: str, run_name: str) -> list[dict[str, Any]]:
+    """The run's attempts as the agent reads them on the host, oldest first, each with `duration_s`."""
+    host, run = ctx.resolve(host_name, run_name)
+    assert run is not None
+    t = ctx.transport(host)
+    msg: dict[str, Any] | None = None
+    errors: list[str] = []
+    try:
+        preflight(ctx, host, t)
+        for m in stream_agent(t, host, "history", run_args(run)):
+            if m.get("t") == "history":
+                msg = m
+            elif m.get("t") == "error":
+                errors.append(str(m.get("message")))
+    except ChannelLost as exc:
+        raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
+    finally:
+        t.close()
+    if msg is None:
+        raise OpsError(f"{host.name}/{run.name}: agent: {'; '.join(errors) or 'no history message'}", EXIT_FAILED)
+    now = float(msg.get("ts") or time.time())  # the host's clock, like the records
+    out = []
+    for a in msg.get("attempts") or []:
+        started, ended = a.get("started"), a.get("ended")
+        end = ended if isinstance(ended, (int, float)) else (now if a.get("outcome") == "running" else None)
+        a["duration_s"] = None if not isinstance(started, (int, float)) or end is None else max(0.0, end - started)
+        out.append({"host": host.name, "run": run.name, **a})
+    return out
+
+
+def _how(a: dict[str, Any]) -> Text:
+    outcome = str(a.get("outcome") or "-")
+    text = Text(outcome, style=OUTCOME_STYLES.get(outcome, "white"))
+    why = a.get("exception") or (f"signal {a['signal']}" if a.get("signal") else None) or a.get("reason")
+    if why:
+        text.append(f" ({why})")
+    return text
+
+
+def cmd_history(ctx: Ctx, host_name: str, run_name: str, as_json: bool = False) -> int:
+    """Every attempt: id, start, duration, how it ended, exit code, first and last step, log, checkpoint, args."""
+    attempts = fetch_history(ctx, host_name, run_name)
+    if as_json:
+        ctx.raw.write(json.dumps(attempts, default=str) + "\n")
+        ctx.raw.flush()
+        return EXIT_OK
+    if not attempts:
+        ctx.err.print(f"{host_name}/{run_name}: no attempts recorded (never launched by an opsctl that keeps "
+                      f"history)")
+        return EXIT_OK
+    table = Table(title=f"{host_name}/{run_name}: {len(attempts)} attempt(s), newest last")
+    for col in ("#", "started", "duration", "how it ended", "exit", "steps", "log", "checkpoint", "args"):
+        table.add_column(col, no_wrap=col in ("#", "started", "duration", "exit", "steps"))
+    for a in attempts:
+        first, last = a.get("first_step"), a.get("last_step")
+        steps = "-" if last is None else (f"{first}-{last}" if first is not None and first != last else str(last))
+        how = a.get("by") or "launch"
+        if how == "restart":
+            how = f"restart {a.get('restart')} of #{a.get('restart_of')}"
+        extra = " ".join(a.get("extra_args") or [])
+        table.add_row(str(a.get("id")), fmt_when(a.get("started")), fmt_span(a.get("duration_s")), _how(a),
+                      "-" if a.get("exit_code") is None else str(a["exit_code"]), steps, a.get("log") or "-",
+                      a.get("checkpoint") or "-", how + (f" -- {extra}" if extra else ""))
+    ctx.out.print(table)
+    return EXIT_OK

@@ -1,0 +1,130 @@
+"""`opsctl history` and `opsctl launch HOST RUN -- ARGS`: every launch is an attempt recorded on the host (id, start,
+end, how it ended, exit code, steps, its log file, checkpoint, extra arguments), newest last.
+
+Through the real CLI on the local host (tmux, the wrapper); the shared rules (log mapping, argument joining) directly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
+
+from agentlib import kill_tmux, opsctl, script_run  # noqa: E402
+
+from opsctl import agent_wrapper as w  # noqa: E402
+from opsctl import commands  # noqa: E402
+
+
+def history(hosts: Path) -> list[dict[str, Any]]:
+    r = opsctl(hosts, "history", "local", "r", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def status(hosts: Path) -> dict[str, Any]:
+    st = json.loads(opsctl(hosts, "status", "local", "r", "--json").stdout)
+    return st[0] if isinstance(st, list) else st
+
+
+def test_history_of_launches_kills_crashes_refusals_and_extra_args(tmp_path: Path, sshd) -> None:
+    counter = tmp_path / "counter"
+    run = script_run(tmp_path, "flaky.py", "--counter", str(counter), "--fail-times", "1", "--steps", "400",
+                     "--step-time", "0.05", tmux_session="opsctl-t-history", kill_grace=[0.5, 0.5])
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", local_runs={"r": run})
+    try:
+        assert history(hosts) == []
+        # 1: crashes at its first step (flaky.py fails its first start)
+        r = opsctl(hosts, "launch", "local", "r", "--follow")
+        assert r.returncode == commands.EXIT_FAILED and "attempt 1," in r.stderr, r.stderr
+        # 2: runs long, with extra arguments for this attempt only; 3: refused while 2 runs; then 2 is killed
+        r = opsctl(hosts, "launch", "local", "r", "--", "--step-time", "0.1")
+        assert r.returncode == 0 and "attempt 2," in r.stderr and "extra args --step-time 0.1" in r.stderr, r.stderr
+        st = status(hosts)
+        assert st["attempt"] == 2 and st["state"] == "training", st
+        assert abs(st["started_at"] - time.time()) < 30 and 0 <= st["duration_s"] < 30
+        r = opsctl(hosts, "launch", "local", "r")
+        assert r.returncode == commands.EXIT_REFUSED
+        assert opsctl(hosts, "kill", "local", "r").returncode == 0
+        # 4: `--` arguments change the run's command: this one completes quickly
+        r = opsctl(hosts, "launch", "local", "r", "--follow", "--", "--max-steps", "3")
+        assert r.returncode == 0, r.stderr
+        h = history(hosts)
+        assert [a["id"] for a in h] == [1, 2, 3, 4]
+        assert [a["outcome"] for a in h] == ["crashed", "killed", "refused", "finished"], h
+        assert h[0]["exception"] == "RuntimeError: flaky failure 1 (test crash)" and h[0]["exit_code"] == 1
+        assert h[1]["extra_args"] == ["--step-time", "0.1"] and h[1]["argv"][-2:] == ["--step-time", "0.1"]
+        assert h[1]["first_step"] == 1 and h[1]["last_step"] >= 1 and h[1]["exception"] is None
+        assert "not_running: run already running" in h[2]["reason"] and h[2]["log"] is None
+        assert h[3]["extra_args"] == ["--max-steps", "3"] and h[3]["last_step"] == 3 and h[3]["exit_code"] == 0
+        assert all(a["host"] == "local" and a["run"] == "r" for a in h)
+        assert all(a["ended"] >= a["started"] and a["duration_s"] == a["ended"] - a["started"] for a in h)
+        # the counter file saw exactly the three starts, with the extra arguments where given
+        assert [ln.split(" ", 3)[3] for ln in counter.read_text().splitlines()][1:] == [
+            f"--counter {counter} --fail-times 1 --steps 400 --step-time 0.05 --events {tmp_path / 'events.jsonl'}"
+            " --step-time 0.1",
+            f"--counter {counter} --fail-times 1 --steps 400 --step-time 0.05 --events {tmp_path / 'events.jsonl'}"
+            " --max-steps 3"]
+        # each attempt names the file that holds its log now
+        assert [a["log"] for a in h] == [str(tmp_path / "run.log.2"), str(tmp_path / "run.log.1"), None,
+                                         str(tmp_path / "run.log")]
+        assert "flaky failure 1" in (tmp_path / "run.log.2").read_text()
+        assert opsctl(hosts, "clean", "local", "r", "--logs").returncode == 0
+        assert [a["log"] for a in history(hosts)] == [None, None, None, str(tmp_path / "run.log")]
+        # the table: newest last, how each ended, the extra arguments
+        r = opsctl(hosts, "history", "local", "r")
+        assert r.returncode == 0, r.stderr
+        rows = [ln for ln in r.stdout.splitlines() if ln.lstrip("│ ").split(" ")[0] in ("1", "2", "3", "4")]
+        assert [ln.lstrip("│ ").split(" ")[0] for ln in rows] == ["1", "2", "3", "4"], r.stdout
+        assert "crashed (RuntimeError" in rows[0] and "killed" in rows[1] and "refused (not_running" in rows[2]
+        assert "finished" in rows[3] and "--step-time 0.1" in r.stdout and "run.log.1" not in r.stdout
+    finally:
+        kill_tmux(tmp_path, "r")
+
+
+def test_arguments_without_a_double_dash_are_refused(tmp_path: Path, sshd) -> None:
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", local_runs={"r": script_run(tmp_path, "ok_run.py")})
+    r = opsctl(hosts, "launch", "local", "r", "--max-steps")
+    assert r.returncode == commands.EXIT_USAGE  # argparse: an unknown option
+    r = opsctl(hosts, "launch", "local", "r", "200")
+    assert r.returncode == commands.EXIT_USAGE and "go after --" in r.stderr, r.stderr
+    assert not (tmp_path / ".opsctl" / "r" / "history.jsonl").exists()  # nothing was launched, nor refused
+
+
+def test_history_maps_each_attempt_to_its_rotated_log(tmp_path: Path) -> None:
+    log, state = str(tmp_path / "run.log"), str(tmp_path / "state")
+    Path(state).mkdir()
+    for i in range(4):
+        _, seq = w.rotate_logs(log, 2, state)  # keep_logs 2: the oldest log goes
+        Path(log).write_text("" if i == 2 else f"attempt {i + 1}\n")  # attempt 3 writes nothing
+        w.history_add(state, started=float(i), log_seq=seq)
+    _, seq = w.rotate_logs(log, 2, state)  # a fifth attempt
+    Path(log).write_text("attempt 5\n")
+    w.history_add(state, started=4.0, log_seq=seq)
+    w.history_add(state, started=5.0, outcome="refused")  # a refused launch never rotates, and has no log
+    h = w.read_history(state, log, 2)
+    assert [a["id"] for a in h] == [1, 2, 3, 4, 5, 6]
+    # 1 rotated out (keep_logs 2), 2 -> LOG.2, 3 was empty and its file reused by 4 -> LOG.1, 5 -> LOG
+    assert [a["log"] for a in h] == [None, log + ".2", None, log + ".1", log, None]
+    assert Path(log + ".2").read_text() == "attempt 2\n" and Path(log + ".1").read_text() == "attempt 4\n"
+    w.history_add(state, id=2, outcome="crashed")  # a later record of an attempt merges into it
+    assert w.read_history(state, log, 2)[1]["outcome"] == "crashed"
+    with open(Path(state) / w.HISTORY_FILE, "a") as fh:
+        fh.write('{"id": 6, "started"')  # a writer that died mid-line leaves no attempt behind
+    assert len(w.read_history(state, log, 2)) == 6
+
+
+def test_extra_and_resume_arguments_join_the_command() -> None:
+    assert w.with_args(["python", "train.py"], ["--max-steps", "200"]) == ["python", "train.py", "--max-steps", "200"]
+    # a shell script gets them quoted onto the script, where the program sees them (not as $0, $1)
+    assert w.with_args(["bash", "-c", "python train.py"], ["--note", "a b"]) == [
+        "bash", "-c", "python train.py --note 'a b'"]
+    assert w.resume_argv(["python", "t.py", "--resume", "auto"], ["--resume", "auto"]) == [
+        "python", "t.py", "--resume", "auto"]  # already there: not twice
+    assert w.resume_argv(["python", "t.py"], ["--resume", "auto"]) == ["python", "t.py", "--resume", "auto"]
+    assert w.resume_argv(["sh", "-c", "python t.py --resume auto"], ["--resume", "auto"]) == [
+        "sh", "-c", "python t.py --resume auto"]
