@@ -201,7 +201,9 @@ class DistConfig(_Section):
     # colocated: every rank runs target + drafter. split: the last `target_ranks` ranks run the target,
     # the first ones train the drafter (DDP among them), so rank 0 always has the loss.
     roles: str = "colocated"
-    target_ranks: int = 1
+    # None: the split that balances the measured per-step times (dflash.pipeline.balanced_target_ranks, 5 of 8 at
+    # the 27B shape); set it to override.
+    target_ranks: int | None = None
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
 
     _roles = _v(_one_of("colocated", "split"), "roles")

@@ -74,13 +74,36 @@ def resolve_roles(cfg: DistConfig, env: dict[str, str] | None = None) -> Roles:
     if cfg.roles == "colocated":
         ranks = list(range(world))
         return Roles(rank=rank, world_size=world, role="colocated", drafters=ranks, targets=ranks, local_rank=local)
-    n_t = cfg.target_ranks
+    if world < 2:
+        raise ValueError(f"dist.roles=split needs at least 2 processes (a target rank and a drafter rank), got {world}")
+    n_t = cfg.target_ranks if cfg.target_ranks is not None else balanced_target_ranks(world)
     if world < n_t + 1:
         raise ValueError(f"dist.roles=split needs at least dist.target_ranks+1 = {n_t + 1} processes, got {world}")
     drafters = list(range(world - n_t))
     targets = list(range(world - n_t, world))
     role = "drafter" if rank in drafters else "target"
     return Roles(rank=rank, world_size=world, role=role, drafters=drafters, targets=targets, local_rank=local)
+
+
+# Per-buffer GPU time of the target forward and of the drafter step (forward + backward + optimizer), measured on one
+# H200 at the Qwen3.6-27B-like shape (issue 11, docs/perf.md "The split layout"): 2.05 s and 0.85 s.
+TARGET_FORWARD_S = 2.05
+DRAFTER_STEP_S = 0.85
+
+
+def balanced_target_ranks(world: int, target_s: float = TARGET_FORWARD_S, drafter_s: float = DRAFTER_STEP_S) -> int:
+    """How many of `world` ranks should run the target so the pipeline moves the most buffers per second.
+
+    t target ranks make t / target_s buffers per second, the other world - t drafter ranks consume
+    (world - t) / drafter_s; the pipeline runs at the smaller of the two. At 2.05 : 0.85 that is 5 of 8 ranks
+    (2.44 buffers/s; 6 of 8 would starve on the 2 drafters at 2.35). Ties go to fewer target ranks (more drafters
+    share the optimizer work).
+    """
+    if world < 2:
+        raise ValueError(f"a split layout needs at least 2 ranks, got {world}")
+    if target_s <= 0 or drafter_s <= 0:
+        raise ValueError(f"per-step times must be positive, got target {target_s} and drafter {drafter_s}")
+    return max(range(1, world), key=lambda t: (min(t / target_s, (world - t) / drafter_s), -t))
 
 
 def init_distributed(roles: Roles, device: torch.device, backend: str = "auto") -> None:

@@ -434,4 +434,4 @@ def test_a_section_with_every_key_commented_out_takes_its_defaults(tmp_path: Pat
     p = tmp_path / "run.yaml"
     p.write_text(yaml.safe_dump(tiny_run_yaml()) + "dist:\n  # roles: split\n")
     cfg = load_config(p)
-    assert (cfg.dist.roles, cfg.dist.target_ranks, cfg.train.max_steps) == ("colocated", 1, 6)
+    assert (cfg.dist.roles, cfg.dist.target_ranks, cfg.train.max_steps) == ("colocated", None, 6)
