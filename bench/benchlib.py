@@ -42,6 +42,10 @@ def load(path: str, vocab: int | None = None, attention: str | None = None) -> R
     changes: dict[str, Any] = {}
     if vocab is not None:
         changes["arch"] = {**cfg.target.arch, "vocab_size": vocab}
+        mask = cfg.drafter.mask_token_id
+        if mask is not None and mask >= vocab:  # the config's reserved id is past the smaller vocabulary
+            cfg.drafter = dataclasses.replace(cfg.drafter, mask_token_id=vocab - 1)
+            print(f"--vocab {vocab}: drafter.mask_token_id {mask} -> {vocab - 1}", file=sys.stderr)
     if attention is not None:
         changes["attention"] = attention
     if changes:

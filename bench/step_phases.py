@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 import torch  # noqa: E402
 
+from dflash.config import ConfigError  # noqa: E402
 from dflash.flops import as_row, measure_matmul_tflops  # noqa: E402
 from dflash.pipeline import prepare_buffer, run_target  # noqa: E402
 
@@ -223,4 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ConfigError as exc:  # a bad config or override: its one line, not a traceback
+        sys.exit(f"{Path(__file__).name}: {exc}")

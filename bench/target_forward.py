@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 import torch  # noqa: E402
 
+from dflash.config import ConfigError  # noqa: E402
 from dflash.flops import as_row, measure_matmul_tflops, target_forward_flops  # noqa: E402
 from dflash.pipeline import prepare_buffer  # noqa: E402
 
@@ -202,4 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ConfigError as exc:  # a bad config or override: its one line, not a traceback
+        sys.exit(f"{Path(__file__).name}: {exc}")
