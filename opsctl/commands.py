@@ -23,7 +23,7 @@ from rich.text import Text
 from opsctl.agent import EXIT_CODES
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
-from opsctl.runstate import RunState, RunView, phase_progress, unreachable_view
+from opsctl.runstate import RunState, RunView, attempt_clock, phase_progress, unreachable_view
 from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
 from opsctl.watch import AgentSource, follow_connection, reconnect_delay, reconnecting
 
@@ -365,8 +365,8 @@ def cmd_status(ctx: Ctx, host_name: str, run_name: str | None, as_json: bool = F
         return rc
     table = Table(title=f"{host.name}", show_lines=False)
     show_gpus = any(r["gpus"] for r in rows)
-    for col in ("run", "state", "phase", "step", "loss", "tok/s", "heartbeat", "pid", "exit"):
-        table.add_column(col, no_wrap=col in ("run", "phase", "step"))
+    for col in ("run", "state", "phase", "step", "loss", "tok/s", "heartbeat", "pid", "exit", "attempt"):
+        table.add_column(col, no_wrap=col in ("run", "phase", "step", "attempt"))
     if show_gpus:
         table.add_column("GPUs")
     colors = {"training": "green", "finished": "green", "crashed": "red", "killed": "yellow", "stalled": "red",
@@ -382,7 +382,8 @@ def cmd_status(ctx: Ctx, host_name: str, run_name: str | None, as_json: bool = F
                  "-" if r["loss"] is None else f"{r['loss']:.4g}",
                  "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
                  "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
-                 str(r["pid"] or "-"), "-" if r["exit_code"] is None else str(r["exit_code"])]
+                 str(r["pid"] or "-"), "-" if r["exit_code"] is None else str(r["exit_code"]),
+                 attempt_clock(r)]  # the current attempt: #id, when it started, how long it ran
         if show_gpus:
             cells.append(gpus or "none")
         table.add_row(*cells)

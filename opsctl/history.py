@@ -15,33 +15,10 @@ from rich.text import Text
 
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.commands import EXIT_FAILED, EXIT_OK, EXIT_TRANSPORT, Ctx, OpsError, preflight
+from opsctl.runstate import fmt_span, fmt_when
 
 OUTCOME_STYLES = {"finished": "green", "crashed": "red", "killed": "yellow", "refused": "magenta",
                   "running": "cyan", "restarting": "yellow", "lost": "red"}
-
-
-def fmt_span(seconds: float | None) -> str:
-    """`45s`, `12m05s`, `3h07m`, `2d04h`: a duration read at a glance (attempts last seconds to days)."""
-    if seconds is None:
-        return "-"
-    s = int(max(0.0, seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
-def fmt_when(ts: float | None) -> str:
-    """A start time in the local time zone, with the date (a week-long run's attempts span days)."""
-    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
-
-
-def attempt_clock(started: float | None, duration_s: float | None) -> str:
-    """`2026-12-03 12:03:04 (4m12s)`: when the current attempt started and how long it has run (status)."""
-    return "-" if started is None else f"{fmt_when(started)} ({fmt_span(duration_s)})"
 
 
 def fetch_history(ctx: Ctx, host_name: str, run_name: str) -> list[dict[str, Any]]:

@@ -17,13 +17,46 @@ from opsctl.agent_wrapper import STALL_FACTOR, STALL_FLOOR_S  # the wrapper's no
 
 # Every phase the contract lists before `compiling` reads as loading (target, drafter, data).
 LOADING_PHASES = frozenset(PHASES[:PHASES.index("compiling")])
-__all__ = ["LOADING_PHASES", "STALL_FACTOR", "STALL_FLOOR_S", "RunState", "RunView", "phase_progress",
-           "unreachable_view"]
+__all__ = ["LOADING_PHASES", "STALL_FACTOR", "STALL_FLOOR_S", "RunState", "RunView", "attempt_clock", "fmt_span",
+           "fmt_when", "phase_progress", "unreachable_view"]
 
 
 def phase_progress(phase: Any, i: Any, n: Any) -> str:
     """`loading_target 2/3`: a phase with its i/n progress when the run reports both (the one spelling)."""
     return f"{phase} {i}/{n}" if i is not None and n is not None else str(phase)
+
+
+def fmt_span(seconds: float | None) -> str:
+    """`45s`, `12m05s`, `3h07m`, `2d04h`: an attempt's length read at a glance (they last seconds to days)."""
+    if seconds is None:
+        return "-"
+    s = int(max(0.0, seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def fmt_when(ts: float | None, short: bool = False) -> str:
+    """A start time in the local time zone; `short`: the time alone when it is today (a week-long run's attempts
+    span days, so other days keep their date)."""
+    if ts is None:
+        return "-"
+    t = time.localtime(ts)
+    if short:
+        return time.strftime("%H:%M:%S" if t[:3] == time.localtime()[:3] else "%m-%d %H:%M", t)
+    return time.strftime("%Y-%m-%d %H:%M:%S", t)
+
+
+def attempt_clock(view: dict[str, Any]) -> str:
+    """`#3 12:03:04 (4m12s)`: the current attempt, when it started and how long it has run (status' column)."""
+    if view.get("started_at") is None:
+        return "-"
+    n = f"#{view['attempt']} " if view.get("attempt") is not None else ""
+    return f"{n}{fmt_when(view['started_at'], short=True)} ({fmt_span(view.get('duration_s'))})"
 
 
 @dataclass

@@ -7,6 +7,7 @@ Through the real CLI on the local host (tmux, the wrapper); the shared rules (lo
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,8 @@ def test_history_of_launches_kills_crashes_refusals_and_extra_args(tmp_path: Pat
         st = status(hosts)
         assert st["attempt"] == 2 and st["state"] == "training", st
         assert abs(st["started_at"] - time.time()) < 30 and 0 <= st["duration_s"] < 30
+        r = opsctl(hosts, "status", "local", "r")  # the table: the attempt, its start and how long it has run
+        assert r.returncode == 0 and re.search(r"#2 (\d\d-\d\d )?\d\d:\d\d(:\d\d)? \(\d+s\)", r.stdout), r.stdout
         r = opsctl(hosts, "launch", "local", "r")
         assert r.returncode == commands.EXIT_REFUSED
         assert opsctl(hosts, "kill", "local", "r").returncode == 0
@@ -116,6 +119,18 @@ def test_history_maps_each_attempt_to_its_rotated_log(tmp_path: Path) -> None:
     with open(Path(state) / w.HISTORY_FILE, "a") as fh:
         fh.write('{"id": 6, "started"')  # a writer that died mid-line leaves no attempt behind
     assert len(w.read_history(state, log, 2)) == 6
+
+
+def test_attempt_clock_spells_start_and_duration() -> None:
+    from opsctl.runstate import attempt_clock, fmt_span
+
+    assert [fmt_span(x) for x in (None, 5, 725, 3 * 3600 + 7 * 60, 2 * 86400 + 4 * 3600)] == [
+        "-", "5s", "12m05s", "3h07m", "2d04h"]
+    noon = time.mktime((*time.localtime()[:3], 12, 0, 0, 0, 0, -1))  # today, 12:00 local time
+    assert attempt_clock({"attempt": 3, "started_at": noon, "duration_s": 252}) == "#3 12:00:00 (4m12s)"
+    assert attempt_clock({"attempt": 3, "started_at": noon - 3 * 86400, "duration_s": 1}) == (
+        "#3 " + time.strftime("%m-%d %H:%M", time.localtime(noon - 3 * 86400)) + " (1s)")  # another day: its date
+    assert attempt_clock({"attempt": None, "started_at": None}) == "-"
 
 
 def test_extra_and_resume_arguments_join_the_command() -> None:
