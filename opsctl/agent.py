@@ -1572,10 +1572,12 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     dry = bool(opts.get("dry_run"))
     snap = ProcWatch(run).snapshot()
     rc = EXIT_CODES["ok"]
-    left = leftovers(run) if snap["state"] != "running" else []
-    if snap["state"] == "running":
+    live = snap["state"] in ("running", "restarting")  # restarting: the wrapper starts the next attempt soon
+    left = leftovers(run) if not live else []
+    if live:
         emit("check", name="inductor_cache", ok=False,
-             detail="run is running (pid {}): its compile cache is in use; not cleaned".format(snap["pid"]))
+             detail="run is {} (pid {}): its compile cache is in use; not cleaned".format(
+                 "running" if snap["state"] == "running" else "restarting (the next attempt uses it)", snap["pid"]))
         rc = EXIT_CODES["refused"]
     elif left:
         emit("check", name="inductor_cache", ok=False,
@@ -1610,7 +1612,7 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("removed", path=sock, bytes=0, dry_run=dry)
         if not dry:
             os.unlink(sock)
-    if snap["state"] != "running" and not left and os.path.exists(run.state_file("pid")):
+    if not live and not left and os.path.exists(run.state_file("pid")):
         emit("removed", path=run.state_file("pid"), bytes=os.path.getsize(run.state_file("pid")), dry_run=dry)
         if not dry:
             os.unlink(run.state_file("pid"))

@@ -117,11 +117,16 @@ def test_kill_never_restarts(tmp_path: Path, sshd, pct_host, ct: int) -> None:
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={"r": flaky(tmp_path, 99, 3, 30.0)})
     assert opsctl(hosts, "launch", "box", "r").returncode == 0
     wait_for(hosts, lambda s: s["state"] == "restarting")
+    # while it waits, nothing else takes the run over: launch and clean refuse (clean would drop the pid file)
+    r = opsctl(hosts, "launch", "box", "r")
+    assert r.returncode == commands.EXIT_REFUSED and "run is restarting (restart 1 of 3" in r.stderr, r.stderr
+    r = opsctl(hosts, "clean", "box", "r")
+    assert r.returncode == commands.EXIT_REFUSED and "restarting (the next attempt uses it)" in r.stderr, r.stderr
     r = opsctl(hosts, "kill", "box", "r")
     assert r.returncode == 0 and "restart cancelled: attempt 2 had exited 1" in " ".join(r.stderr.split()), r.stderr
     st = status(hosts)
     assert st["state"] == "killed", st
-    assert [a["outcome"] for a in history(hosts)] == ["killed", "crashed"]
+    assert [a["outcome"] for a in history(hosts)] == ["killed", "crashed", "refused"]
     assert starts(tmp_path) == ["fresh"]
 
     # the run's process killed by a signal (not by opsctl): a signal never restarts either
@@ -132,5 +137,6 @@ def test_kill_never_restarts(tmp_path: Path, sshd, pct_host, ct: int) -> None:
     st = wait_for(hosts, lambda s: s["proc_state"] == "exited")
     time.sleep(1.0)
     h = history(hosts)
-    assert [a["outcome"] for a in h] == ["killed", "crashed", "crashed"] and h[-1]["signal"] == "SIGKILL", h
+    assert [a["outcome"] for a in h] == ["killed", "crashed", "refused", "crashed"], h
+    assert h[-1]["signal"] == "SIGKILL", h
     assert status(hosts)["state"] == "crashed" and st["proc_exit_code"] == 137
