@@ -146,12 +146,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return worst
 
     for attention in args.attention:
-        name = register_varlen_attention() if attention == "varlen" else attention
-        model.set_attn_implementation(name)
         host = prepare_buffer(corpus, pieces, n_budget, "varlen")
         assert host.packed_ids is not None and host.cu_seqlens is not None
         pid, cu = host.packed_ids, host.cu_seqlens
         try:
+            model.set_attn_implementation(register_varlen_attention() if attention == "varlen" else attention)
             out = measure(f"project varlen ({attention})", lambda pid=pid, cu=cu: target.hidden_states_packed(pid, cu),
                           proj_flops, real, {})
             rows[-1]["max_rel_err_vs_padded"] = round(worst_doc_error(out[0]), 5)

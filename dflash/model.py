@@ -247,7 +247,9 @@ def build_block_mask(mask_mod: Callable[..., Tensor], shape: FlexShape, device: 
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    if device.type != "cuda" and shape.backend == "inductor":
+    if torch.compiler.is_compiling() or (device.type != "cuda" and shape.backend == "inductor"):
+        # Inside a compiled drafter step the enclosing compile traces it (a nested compile would only be inlined,
+        # and building one there is a graph break); on CPU the eager grid is small.
         return create_block_mask(mask_mod, None, None, shape.q_len, shape.kv_len, device=device)
     return flex_kernels(shape).block_mask(mask_mod, None, None, shape.q_len, shape.kv_len, device=device)
 
@@ -421,10 +423,15 @@ class DFlashDrafter(nn.Module):
         return attend
 
     def _flex_attend(self, block_mask: Any, shape: FlexShape | None) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-        """flex_attention compiled for `shape`, or eager flex when shape is None (flex-eager, debugging only)."""
+        """flex_attention compiled for `shape`, or eager flex when shape is None (flex-eager, debugging only).
+
+        Inside a compiled drafter step (dflash train compiles the whole step) plain flex_attention is what the
+        enclosing compile fuses; the per-shape compiled one serves an uncompiled module.
+        """
         from torch.nn.attention.flex_attention import flex_attention
 
-        fn = compiled_flex_attention(shape) if shape is not None else flex_attention
+        nested = torch.compiler.is_compiling()
+        fn = compiled_flex_attention(shape) if shape is not None and not nested else flex_attention
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return fn(q[None], k[None], v[None], block_mask=block_mask, enable_gqa=True)[0]

@@ -571,7 +571,11 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     params = inspect.signature(varlen_attn).parameters
-    opts: dict[str, Any] = {"scale": scaling}
+    opts: dict[str, Any] = {}
+    if "scale" in params:  # torch 2.10's varlen_attn has no scale: fold it into q (its default is D^-0.5)
+        opts["scale"] = scaling
+    elif scaling is not None:
+        q = q * (scaling * q.shape[-1] ** 0.5)
     if "enable_gqa" in params:
         opts["enable_gqa"] = hq != hkv
     elif hq != hkv:

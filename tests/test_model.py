@@ -200,6 +200,19 @@ def test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_bac
         FlexShape(4 * 6, 80 + 24, 6, 80, "cpu", "eager"))
 
 
+def test_the_whole_flex_drafter_compiles_as_one_graph() -> None:
+    """dflash train compiles the whole drafter step: inside it the flex kernels are traced by that compile (no
+    per-shape compiled function is built or looked up there), so the step is one graph, without graph breaks."""
+    emb, _ = frozen_target_parts()
+    flex = _flex_drafter(layer_sliding_windows=[5, None])
+    batch = make_batch(48, [16, 24], seed=0)
+    anchors, keep = sample_anchors(batch, 6, 4, torch.Generator().manual_seed(0))
+    _, head = frozen_target_parts()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(flex)(batch, emb, head, anchors=anchors, keep=keep)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def test_watch_reports_dynamo_falling_back_at_the_recompile_limit() -> None:
     """A real fallback: compiled flex_attention with recompile_limit 1 sees a second shape, dynamo gives up and runs
     it eagerly; the watch names the function from dynamo's own counters and warning log."""
