@@ -358,9 +358,10 @@ def run_procs(pid: int, pgid: int, known: dict[int, int], wrapper: int | None = 
 
 
 def notifiers(run: Run) -> frozenset[int]:
-    """The notify commands the wrapper runs now (pid and start time checked): its children, not the run's."""
+    """The notify commands the run's wrapper runs now (pid and start time checked): its children, not the run's."""
+    wrapper = (read_json(run.state_file("pid")) or {}).get("wrapper_pid")
     try:
-        with open(run.state_file(NOTIFIERS_FILE)) as fh:
+        with open(run.state_file(NOTIFIERS_FILE.format(wrapper))) as fh:
             pairs = json.load(fh)
     except (OSError, ValueError):
         return frozenset()
@@ -1282,6 +1283,8 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
               "-c", run.workdir, sys.executable, run.state_file("wrapper.py"), run.state_file("spec.json"))
     if cp.returncode != 0:
         emit("error", message=f"tmux new-session failed: {cp.stdout.strip()}", fatal=True)
+        history_add(run.state_dir, id=aid, ended=time.time(), outcome="crashed",
+                    exception=f"tmux new-session failed: {cp.stdout.strip()}"[:500])
         return EXIT_CODES["failed"]
     tmux(run, "set-option", "-t", "=" + run.session, "remain-on-exit", "on")  # also when the server pre-existed
     deadline = time.monotonic() + 10

@@ -45,7 +45,8 @@ NOTIFY_TIMEOUT_S = 30.0  # a notify command still running after this is killed (
 HISTORY_FILE = "history.jsonl"  # one JSON object per line; lines of one attempt `id` merge, later keys win
 ROTATIONS_FILE = "log_rotations"  # how many times the log was rotated: maps an attempt's log_seq to LOG.N
 RESTARTING_FILE = "restarting"  # exists while the wrapper waits out the back-off before the next attempt
-NOTIFIERS_FILE = "notifiers.json"  # live notify commands: the wrapper's children that are not the run's processes
+# notifiers.WRAPPER_PID.json: the notify commands a wrapper runs now, its children that are not the run's processes
+NOTIFIERS_FILE = "notifiers.{}.json"
 
 
 # -- rules shared with the agent ------------------------------------------------------------------------------
@@ -292,7 +293,9 @@ class Notifier:
                  children: list[int]) -> None:
         self.argv = [str(a) for a in argv] if argv else []
         self.state_dir = state_dir
-        self.env = env
+        # not the cache variables: a notify command carrying them would look like a user of the run's cache
+        self.env = {k: v for k, v in env.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        self.file = os.path.join(state_dir, NOTIFIERS_FILE.format(os.getpid()))
         self.workdir = workdir
         self.children = children  # pids the orphan reaper must leave to their Popen
         self.threads: list[threading.Thread] = []
@@ -320,8 +323,10 @@ class Notifier:
 
     def _publish(self) -> None:
         try:
-            atomic_write(os.path.join(self.state_dir, NOTIFIERS_FILE),
-                         json.dumps([[p, s] for p, s in self.live.items()]) + "\n")
+            if self.live:
+                atomic_write(self.file, json.dumps([[p, s] for p, s in self.live.items()]) + "\n")
+            else:
+                os.unlink(self.file)
         except OSError:
             pass
 
