@@ -192,6 +192,26 @@ def count_host_syncs(fn: Callable[[], Any]) -> tuple[int, list[str]]:
     return len(syncs), where
 
 
+def kernel_ms(prof: Any, steps: int, prefix: str = "phase:") -> dict[str, float]:
+    """GPU kernel milliseconds per step inside each `record_function(prefix + name)` range of a torch.profiler run,
+    and "all_kernels": every kernel of the run per step. Set against a phase's CUDA-event time, the difference is
+    time the GPU sat idle inside the phase (waiting for the host to launch)."""
+    from torch.autograd import DeviceType
+
+    out: dict[str, float] = {}
+    total = 0.0
+    for e in prof.key_averages():
+        device_us = float(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)) or 0.0)
+        if e.key.startswith(prefix):
+            if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU:  # the host range, with its kernels
+                out[e.key[len(prefix):]] = device_us / 1e3 / max(1, steps)
+            continue  # the GPU-side copy of the annotation is a range, not kernels
+        if getattr(e, "device_type", None) == DeviceType.CUDA:
+            total += float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
+    out["all_kernels"] = total / 1e3 / max(1, steps)
+    return out
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 

@@ -74,7 +74,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"bf16 matmul rate measured: {peak:.0f} TFLOP/s", flush=True)
     costs, taps, text = benchlib.target_costs(cfg)
     total = args.warmup + args.steps
-    corpus, buffers = benchlib.synthetic_buffers(cfg, total, args.seed)
+    corpus, buffers = benchlib.synthetic_buffers(cfg, total + args.profile_steps, args.seed)
     t0 = time.perf_counter()
     target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=cfg.data.vocab_size)
     print(f"target built in {time.perf_counter() - t0:.1f} s: {target.num_layers} layers, vocab {target.vocab_size}, "
@@ -93,43 +93,69 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     per_step: list[dict[str, Any]] = []
     fallbacks: list[str] = []
     frames_warm = hits_warm = 0
-    for i, pieces in enumerate(buffers):
-        if i == args.warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            frames_warm, hits_warm = dynamo_counts()["frames"], recompile_limit_hits()
+    rf = torch.profiler.record_function
+
+    def one_step(i: int, pieces: Any) -> dict[str, Any]:
+        """One step as dflash train runs it, with CUDA events at the phase boundaries (labelled for the profiler)."""
+        nonlocal fallbacks
         ev = benchlib.Events()
         h0 = time.perf_counter()
-        host = prepare_buffer(corpus, pieces, n, target.packing, fixed_shape=args.fixed_shape)
+        with rf("phase:data"):
+            host = prepare_buffer(corpus, pieces, n, target.packing, fixed_shape=args.fixed_shape)
         data_s = time.perf_counter() - h0
         ev.mark("start")
         h1 = time.perf_counter()
-        batch = run_target(target, host, n).to(device, non_blocking=True)
+        with rf("phase:target"):
+            batch = run_target(target, host, n).to(device, non_blocking=True)
         target_enqueue_s = time.perf_counter() - h1
         ev.mark("target")
-        anchors, keep = sample_anchors(batch, dcfg.num_anchors, dcfg.block_size, gen)
-        drafter.train()
         h2 = time.perf_counter()
-        with FlexWarningWatch() as watch, torch.autocast("cuda", dtype=torch.bfloat16):
-            out = step_model(batch, target.embed_tokens, target.lm_head, anchors=anchors, keep=keep)
-        out.loss.backward()
+        with rf("phase:drafter"):
+            anchors, keep = sample_anchors(batch, dcfg.num_anchors, dcfg.block_size, gen)
+            drafter.train()
+            with FlexWarningWatch() as watch, torch.autocast("cuda", dtype=torch.bfloat16):
+                out = step_model(batch, target.embed_tokens, target.lm_head, anchors=anchors, keep=keep)
+            out.loss.backward()
         drafter_enqueue_s = time.perf_counter() - h2
         ev.mark("drafter")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with rf("phase:optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         ev.mark("optimizer")
         # What the trainer reads back every step (loss, counts, grad norm): host syncs, as in dflash train.
         loss, tokens, gnorm = float(out.loss.detach()), int(out.num_tokens), float(grad_norm)
         fallbacks += watch.fallbacks + watch.triggered
-        rec: dict[str, Any] = {"step": i, "loss": loss, "tokens": tokens, "grad_norm": gnorm, "data_s": data_s,
-                               "target_enqueue_s": target_enqueue_s, "drafter_enqueue_s": drafter_enqueue_s,
-                               "wall_s": time.perf_counter() - h0, "ev": ev, "prev": ev_prev, "pieces": pieces,
-                               "anchors": anchors, "arrays": host.arrays}  # not the batch: its hidden is ~1 GB
+        return {"step": i, "loss": loss, "tokens": tokens, "grad_norm": gnorm, "data_s": data_s,
+                "target_enqueue_s": target_enqueue_s, "drafter_enqueue_s": drafter_enqueue_s,
+                "wall_s": time.perf_counter() - h0, "ev": ev, "pieces": pieces,
+                "anchors": anchors, "arrays": host.arrays}  # not the batch: its hidden is ~1 GB
+
+    for i, pieces in enumerate(buffers[:total]):
+        if i == args.warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            frames_warm, hits_warm = dynamo_counts()["frames"], recompile_limit_hits()
+        rec = one_step(i, pieces)
+        rec["prev"] = ev_prev
         per_step.append(rec)
-        ev_prev = ev
+        ev_prev = rec["ev"]
         if i == 0:
             print(f"first step (compiles) {rec['wall_s']:.1f} s", flush=True)
+    profile: dict[str, Any] | None = None
+    if args.profile_steps:
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            prof_recs = [one_step(total + j, p) for j, p in enumerate(buffers[total:])]
+        torch.cuda.synchronize()
+        kernels = benchlib.kernel_ms(prof, len(prof_recs))
+        ev_ms = {k: benchlib.median([r["ev"].ms(a, b) for r in prof_recs])
+                 for k, (a, b) in {"target": ("start", "target"), "drafter": ("target", "drafter"),
+                                   "optimizer": ("drafter", "optimizer")}.items()}
+        profile = {"steps": len(prof_recs), "kernel_ms": {k: round(v, 1) for k, v in kernels.items()},
+                   "event_ms": {k: round(v, 1) for k, v in ev_ms.items()},
+                   "gpu_busy_in_phase": {k: round(kernels.get(k, 0.0) / v, 3) for k, v in ev_ms.items() if v > 0}}
     torch.cuda.synchronize()
     peak_mem = torch.cuda.max_memory_allocated() / 2**30
     recompiles = dynamo_counts()["frames"] - frames_warm
@@ -177,6 +203,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         "recompile_limit_hits": limit_hits, "fallbacks": fallbacks[:5],
         "host_syncs_per_target_forward": syncs, "host_sync_sites": where,
         "losses_first_last": [per_step[0]["loss"], per_step[-1]["loss"]],
+        "profile": profile,
     }
 
 
@@ -192,6 +219,10 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"peak memory {report['peak_memory_gib']} GiB; recompiles after warm-up {report['recompiles_after_warmup']}; "
           f"recompile-limit fallbacks {report['recompile_limit_hits']} {report['fallbacks'] or ''}; "
           f"host syncs per target forward {report['host_syncs_per_target_forward']} {report['host_sync_sites']}")
+    if report.get("profile"):
+        pr = report["profile"]
+        print(f"profiled {pr['steps']} steps: kernel ms {pr['kernel_ms']}; event ms {pr['event_ms']}; "
+              f"GPU busy inside each phase {pr['gpu_busy_in_phase']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, help="override target.arch.vocab_size (e.g. 248320, the real LM-head cost)")
     p.add_argument("--attention", choices=("sdpa", "varlen", "flex_attention"), help="override target.attention")
     p.add_argument("--fixed-shape", action="store_true", help="pad every packed target row to token_budget")
+    p.add_argument("--profile-steps", type=int, default=2,
+                   help="extra steps under torch.profiler: GPU kernel time per phase against its event time, i.e. how "
+                        "much of a phase the GPU sat waiting for the host (default 2; 0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="print the FLOPs model of a step; needs no GPU")
     p.add_argument("--buffers", type=int, default=4, help="--dry-run: synthetic buffers averaged (default 4)")

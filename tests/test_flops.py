@@ -190,3 +190,21 @@ def test_target_forward_bench_parses_its_rows_and_refuses_a_cpu_run() -> None:
         run = subprocess.run([sys.executable, str(root / "bench" / "target_forward.py"),
                               str(root / "bench" / "h200-27b-like.yaml")], capture_output=True, text=True, timeout=300)
         assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr
+
+
+def test_kernel_time_per_labelled_phase_reads_a_real_profiler_run() -> None:
+    """bench's profile summary over a real torch.profiler run (CPU here: the phases are found, no kernel ran)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import benchlib
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            with torch.profiler.record_function("phase:target"):
+                torch.randn(64, 64) @ torch.randn(64, 64)
+            with torch.profiler.record_function("phase:drafter"):
+                torch.randn(8).sum()
+    got = benchlib.kernel_ms(prof, steps=2)
+    assert got == {"target": 0.0, "drafter": 0.0, "all_kernels": 0.0}
