@@ -20,6 +20,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 from agentlib import opsctl, script_run  # noqa: E402
 
 from opsctl import commands  # noqa: E402
+from opsctl.config import InventoryError, parse_inventory  # noqa: E402
+
+HOSTS = """\
+hosts:
+  gpu1:
+    local: true
+    notify: [curl, -d, done, https://ntfy.example/runs]
+    runs:
+      a:
+        workdir: /srv/a
+        command: [python3, train.py]
+        log: train.log
+        restart: {when: on-failure, max: 2, backoff_s: 5, resume_args: [--resume, auto]}
+      b:
+        workdir: /srv/b
+        command: [python3, train.py]
+        log: train.log
+        notify: [mail, -s, run-b, me@example.org]
+"""
+
+
+def test_restart_and_notify_in_hosts_yaml() -> None:
+    inv = parse_inventory(HOSTS, file="hosts.yaml")
+    a, b = inv.runs["gpu1"]["a"], inv.runs["gpu1"]["b"]
+    assert (a.restart.when, a.restart.max, a.restart.backoff_s, a.restart.resume_args) == (
+        "on-failure", 2, 5.0, ["--resume", "auto"])
+    assert b.restart.when == "never"  # the default: a crash stays a crash
+    assert a.notify == ["curl", "-d", "done", "https://ntfy.example/runs"]  # the host's, inherited
+    assert b.notify == ["mail", "-s", "run-b", "me@example.org"]  # the run's own wins
+    bad = (HOSTS.replace("max: 2", "max: 0").replace("when: on-failure", "when: always")
+           .replace("backoff_s: 5", "backof_s: 5").replace("notify: [mail, -s, run-b, me@example.org]", "notify: []"))
+    with pytest.raises(InventoryError) as ei:
+        parse_inventory(bad, file="hosts.yaml")
+    lines = str(ei.value).splitlines()
+    assert "hosts.yaml:10: hosts.gpu1.runs.a.restart.when: Input should be 'never' or 'on-failure'" in lines
+    assert "hosts.yaml:10: hosts.gpu1.runs.a.restart.max: Input should be greater than or equal to 1" in lines
+    assert ("hosts.yaml:10: hosts.gpu1.runs.a.restart.backof_s: unknown key 'backof_s' (did you mean 'backoff_s'?)"
+            in lines)
+    assert any(ln.startswith("hosts.yaml:15: hosts.gpu1.runs.b.notify: notify is an argv list") for ln in lines)
 
 
 @pytest.fixture
