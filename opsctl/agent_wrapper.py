@@ -737,12 +737,13 @@ def main() -> None:
             break
         restart_times.append(time.time())
         rotated, seq = rotate_logs(spec["log"], int(spec.get("keep_logs") or 10), state)
-        with open(spec["log"], "wb"):
-            pass  # the new attempt's log starts empty, like a launch's
         previous = aid
         aid = history_add(state, started=time.time(), by="restart", restart=n, restart_of=previous,
                           argv=resume, extra_args=spec.get("extra_args") or [], log_seq=seq)
-        _say(f"[opsctl] attempt {aid} (restart {n} of {restart_max}): {rotated}")
+        header = f"[opsctl] attempt {aid}: restart {n} of {restart_max} after attempt {previous}: {reason}"
+        with open(spec["log"], "w") as fh:  # the new attempt's own log, opening with why it exists
+            fh.write(header + "\n")
+        _say(f"{header}; {rotated}")
     notifier.wait(NOTIFY_TIMEOUT_S + 1)
     # Leftovers the run left behind (adopted orphans, see above): reap them until none is left.
     try:

@@ -123,7 +123,9 @@ def test_crashes_twice_then_succeeds_ends_finished_with_three_attempts(tmp_path:
     # each attempt's own log, rotated like a launch's: the crash is in the log of the attempt that crashed
     assert [a["log"] for a in h] == [str(tmp_path / "run.log.2"), str(tmp_path / "run.log.1"), str(tmp_path / "run.log")]
     assert "flaky failure 1" in (tmp_path / "run.log.2").read_text()
-    assert "run ended: completed" in (tmp_path / "run.log").read_text()
+    log = (tmp_path / "run.log").read_text()
+    assert log.startswith("[opsctl] attempt 3: restart 2 of 3 after attempt 2: RuntimeError: flaky failure 2 (test "
+                          "crash) (exit 1)\n") and "run ended: completed" in log, log
     assert h[1]["started"] - h[0]["ended"] >= 3.0  # the back-off
 
 
