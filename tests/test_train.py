@@ -249,3 +249,39 @@ def test_arch_vocab_size_below_the_tiny_tokenizers_size_is_a_config_error() -> N
         check_run(small, "cpu")
     big = run_config(target={"arch": {"num_hidden_layers": 4, "hidden_size": 32, "vocab_size": 248_320}})
     check_run(big, "cpu")
+
+
+def test_a_dynamo_fallback_in_a_step_becomes_an_error_event(tmp_path: Path) -> None:
+    """What the train loop does with a real recompile-limit fallback seen by its watch: one contract `error` event
+    per fallback, `uncompiled_flex` when flex went eager, `recompile` for any other compiled code."""
+    import logging
+    import types
+
+    from torch._dynamo import config as dynamo_config
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash.kernels import FlexWarningWatch
+    from dflash.model import isolated_compile
+    from dflash.telemetry import EventWriter
+    from dflash.train import Trainer
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    flex, plain = (isolated_compile(f, backend="eager", dynamic=False) for f in (flex_attention, scaled))
+    with dynamo_config.patch(recompile_limit=1), FlexWarningWatch() as watch:
+        for m in (16, 32):
+            q = torch.randn(1, 1, m, 8)
+            flex(q, q, q)
+            plain(q)
+    assert len(watch.fallbacks) == 2
+    writer = EventWriter(tmp_path / "events.jsonl", "r1")
+    host = types.SimpleNamespace(emit=lambda kind, **f: writer.emit(kind, **f), log=logging.getLogger("t"),
+                                 _flex_warned=False)
+    Trainer._report_fallbacks(host, watch)  # type: ignore[arg-type]
+    writer.close()
+    events = list(read_events(tmp_path / "events.jsonl"))
+    assert [(e["kind"], e["class"], e["fatal"]) for e in events] == [
+        ("error", "uncompiled_flex", False), ("error", "recompile", False), ("error", "uncompiled_flex", False)]
+    assert "flex_attention" in events[0]["message"] and "scaled" in events[1]["message"]
+    assert "without torch.compile" in events[2]["message"]  # flex's own warning, from its eager fallback
