@@ -6,7 +6,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
+import re
 import sys
+from importlib import metadata
+from typing import Any, NoReturn
+
+from rich.text import Text
 
 from opsctl import commands
 from opsctl.transport import TransportError
@@ -40,21 +47,90 @@ examples:
   opsctl clean pve-box --dry-run             what clean would delete (inductor cache, dead tmux sessions,
                                              stale pid files) - it only ever deletes inside validated dirs
   opsctl watch                               live dashboard of every run in hosts.yaml
+  opsctl status                              every host and run in the inventory, one table
+  opsctl export pve-box qwen27b --tensorboard tb/qwen27b
+                                             events.jsonl as TensorBoard scalars (tensorboard --logdir tb)
+  opsctl hosts                               the hosts and runs of the inventory, and which file it is
+  opsctl init                                write a commented ./hosts.yaml (local host + SSH/pct examples)
+
+inventory: --hosts FILE, else $OPSCTL_HOSTS, else ./hosts.yaml, else ~/.config/opsctl/hosts.yaml, else the
+built-in host `local` (said on stderr). Options such as --hosts and --accept-new-host-key go before or after
+the verb. Shell completion: eval "$(opsctl completion bash)" (or zsh) in your shell's rc file.
 """
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a suggestion for a mistyped verb (`staus` -> `status`), as git and kubectl do."""
+
+    def error(self, message: str) -> NoReturn:
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m:
+            choices = re.findall(r"'([^']*)'", m.group(2))
+            close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.5)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            message = f"unknown {self._what()} '{m.group(1)}'{hint} (one of: {', '.join(choices)})"
+        super().error(message)
+
+    def _what(self) -> str:
+        return "verb" if self.prog == "opsctl" else "subcommand"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("dflash-ops")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _host_names(prefix: str, parsed_args: argparse.Namespace, **_: Any) -> list[str]:
+    """Shell completion of HOST from the inventory opsctl would use (errors complete nothing)."""
+    try:
+        return [h for h in commands.Ctx(hosts_file=getattr(parsed_args, "hosts", None)).quiet_inventory().hosts
+                if h.startswith(prefix)]
+    except Exception:  # noqa: BLE001 - a broken hosts.yaml must not print a traceback into the shell
+        return []
+
+
+def _run_names(prefix: str, parsed_args: argparse.Namespace, **_: Any) -> list[str]:
+    try:
+        inv = commands.Ctx(hosts_file=getattr(parsed_args, "hosts", None)).quiet_inventory()
+        return [r for r in inv.runs.get(getattr(parsed_args, "host", None) or "", {}) if r.startswith(prefix)]
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _targets(prefix: str, parsed_args: argparse.Namespace, **_: Any) -> list[str]:
+    try:
+        inv = commands.Ctx(hosts_file=getattr(parsed_args, "hosts", None)).quiet_inventory()
+        names = list(inv.hosts) + [f"{h}:{r}" for h, runs in inv.runs.items() for r in runs]
+        return [n for n in names if n.startswith(prefix)]
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _host_run(s: argparse.ArgumentParser, run: str = "required") -> None:
+    """HOST and RUN positionals, completed from the inventory."""
+    h = s.add_argument("host", **({"nargs": "?"} if run == "none" else {}))
+    h.completer = _host_names  # type: ignore[attr-defined]
+    r = s.add_argument("run", **({"nargs": "?"} if run in ("optional", "none") else {}))
+    r.completer = _run_names  # type: ignore[attr-defined]
 
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="opsctl", formatter_class=fmt,
         description="Launch, follow, inspect, kill and clean training runs on local hosts, SSH hosts and "
                     "Proxmox containers, without sleep-and-poll: every verb reads a live stream from a small "
                     "agent that opsctl sends over the channel (nothing to install remotely but python3 + tmux).",
         epilog=EXAMPLES + "\n" + EXIT_CODES_HELP)
-    p.add_argument("--hosts", metavar="FILE", help="inventory file (default: $OPSCTL_HOSTS, else ./hosts.yaml)")
-    p.add_argument("--accept-new-host-key", action="store_true",
+    p.add_argument("--hosts", metavar="FILE", default=None,
+                   help="inventory file (default: $OPSCTL_HOSTS, ./hosts.yaml, ~/.config/opsctl/hosts.yaml, "
+                        "else the built-in host `local`)")
+    p.add_argument("--accept-new-host-key", action="store_true", default=False,
                    help="trust an SSH host key that is not in known_hosts yet (and record it)")
-    sub = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+    p.add_argument("--version", action="version", version=f"opsctl (dflash-ops) {_version()}")
+    sub = p.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=Parser)
 
     s = sub.add_parser("launch", formatter_class=fmt, help="preflight, start in tmux, stream until ready",
                        description="Preflight (container running, GPUs free, model dir vs manifest, the run's "
@@ -65,8 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "reports ready (first `step` event or ready_pattern). Exits non-zero within 1 s if it "
                        "dies first, printing the traceback; after ready_timeout it names the phase it is stuck "
                        "in and leaves it running.", epilog=EXIT_CODES_HELP)
-    s.add_argument("host")
-    s.add_argument("run")
+    _host_run(s)
     s.add_argument("--force", action="store_true", help="start even if other processes hold the GPUs")
     s.add_argument("--follow", action="store_true",
                    help="after ready, keep streaming the log until the run ends; exit with its status")
@@ -86,17 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="""examples:
   opsctl history pve-box qwen27b          one row per attempt
   opsctl history pve-box qwen27b --json   the same as a JSON list (one object per attempt)""")
-    s.add_argument("host")
-    s.add_argument("run")
+    _host_run(s)
     s.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
 
     s = sub.add_parser("status", formatter_class=fmt, help="state, phase, step, loss, tokens/s, GPUs",
                        description="One snapshot per run: state (starting, loading, compiling, training, "
                        "stalled, finished, crashed, killed), phase, step, last loss, tokens/s, heartbeat age, "
-                       "GPUs. Without RUN: every run of HOST.")
-    s.add_argument("host")
-    s.add_argument("run", nargs="?")
-    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+                       "GPUs, alerts. Without RUN: every run of HOST; without HOST: every host and run of the "
+                       "inventory (an unreachable host is shown as such, the others still answer). --json prints a "
+                       "list with one object per run, whatever the arguments: the schema `watch --once --json` "
+                       "prints too (docs/cli-json.md). Exit 3 when a host could not be reached.",
+                       epilog=EXIT_CODES_HELP)
+    _host_run(s, run="none")
+    s.add_argument("--json", action="store_true", help="print JSON (a list of runs) instead of a table")
 
     s = sub.add_parser("logs", formatter_class=fmt, help="print or follow a run's log",
                        description="Print the last N lines, or follow (-f) with reconnect: after an SSH drop "
@@ -105,8 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "no line is lost or repeated; a host key, authentication or unknown-host error exits 3 at "
                        "once. -f ends when the run ends, with exit 0 if its status was 0. Shows the current "
                        "attempt; --all every kept attempt.")
-    s.add_argument("host")
-    s.add_argument("run")
+    _host_run(s)
     s.add_argument("-f", "--follow", action="store_true")
     s.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines of history (default 50)")
     s.add_argument("--all", action="store_true",
@@ -117,16 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "left the group): SIGINT, wait kill_grace[0]; SIGTERM, wait kill_grace[1]; SIGKILL. "
                        "Reports the training core's run_end and checkpoint, and whether NVML still shows a "
                        "process of the run holding GPU memory. Processes are never matched by name.")
-    s.add_argument("host")
-    s.add_argument("run")
+    _host_run(s)
 
     s = sub.add_parser("clean", formatter_class=fmt, help="inductor cache, dead tmux sessions, stale pid files",
                        description="Empty the run's inductor cache dir (only after validation: absolute, not "
                        "/, ~ or a system dir, inside clean_roots, symlinks resolved), remove dead tmux sessions "
                        "of our runs and stale pid files. Refuses while the run is alive. Without RUN: every "
                        "run of HOST.")
-    s.add_argument("host")
-    s.add_argument("run", nargs="?")
+    _host_run(s, run="optional")
     s.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     s.add_argument("--logs", action="store_true",
                    help="also remove earlier attempts' logs (LOG.1 ... LOG.N); the current log always stays")
@@ -138,17 +212,78 @@ def build_parser() -> argparse.ArgumentParser:
                                        run, / search the log, s severity filter, f follow, q quit
   opsctl watch pve-box:qwen27b local   one run of pve-box and every run of local
   opsctl watch --plain                 the same numbers as a scrolling rich view (no full-screen terminal)
-  opsctl watch --once                  one JSON snapshot of every run (state, step, loss, GPUs, alerts)""")
-    s.add_argument("targets", nargs="*", metavar="HOST[:RUN]", help="runs to watch (default: all in hosts.yaml)")
+  opsctl watch --once                  one JSON snapshot of every run (state, step, loss, GPUs, alerts):
+                                       the schema of `status --json` (docs/cli-json.md); exit 0 when every
+                                       host answered, 3 when one could not be reached""")
+    t = s.add_argument("targets", nargs="*", metavar="HOST[:RUN]", help="runs to watch (default: all in hosts.yaml)")
+    t.completer = _targets  # type: ignore[attr-defined]
     s.add_argument("--plain", action="store_true", help="rich Live output instead of the full-screen app")
-    s.add_argument("--once", action="store_true", help="print one JSON snapshot of every run and exit")
+    s.add_argument("--once", action="store_true",
+                   help="print one JSON snapshot (a list, one object per run) and exit: 0 every host answered, "
+                        "3 one could not be reached")
     s.add_argument("--json", action="store_true", help="same as --once (the snapshot is JSON)")
     s.add_argument("--bell", action="store_true", help="ring the terminal bell on new alerts")
 
-    s = sub.add_parser("hosts", help="inventory commands")
-    hs = s.add_subparsers(dest="hosts_verb", metavar="check", required=True)
+    s = sub.add_parser("export", formatter_class=fmt, help="a run's events.jsonl as TensorBoard scalars",
+                       description="Read the run's whole events.jsonl through the agent and write TensorBoard event "
+                       "files into DIR (with tensorboard's own writer): loss, per-position accuracy, lr, grad norm, "
+                       "tokens/s, step time, queue depth and wait, recompiles, and per rank the heartbeat's memory. "
+                       "A resumed attempt starts a new TensorBoard session at its step, so TensorBoard drops the "
+                       "steps the crash lost. Export again into the same DIR and only new events are added. "
+                       "--follow keeps adding steps and NVML samples (GPU util, memory, power, temperature) "
+                       "until the run ends. W&B reads DIR with `wandb sync --sync-tensorboard DIR`.",
+                       epilog="""examples:
+  opsctl export pve-box qwen27b --tensorboard tb/qwen27b     then: tensorboard --logdir tb
+  opsctl export local tiny --tensorboard tb/tiny --follow   keep adding steps and GPU samples
+""" + "\n" + EXIT_CODES_HELP)
+    _host_run(s)
+    s.add_argument("--tensorboard", metavar="DIR", required=True, help="directory for the TensorBoard event files")
+    s.add_argument("--follow", "-f", action="store_true",
+                   help="keep exporting new events and GPU samples until the run ends (reconnects like logs -f)")
+
+    s = sub.add_parser("hosts", formatter_class=fmt, help="list the inventory's hosts and runs; `hosts check`",
+                       description="Without a subcommand: every host of the inventory (how it is reached, its "
+                       "GPUs and runs) and which file it came from. `hosts check` validates the file without "
+                       "connecting anywhere.")
+    hs = s.add_subparsers(dest="hosts_verb", metavar="check", parser_class=Parser)
     hs.add_parser("check", help="validate hosts.yaml without connecting")
+
+    s = sub.add_parser("init", formatter_class=fmt, help="write a commented hosts.yaml to start from",
+                       description="Write a commented inventory: the local host with the tiny run, and an SSH and a "
+                       "Proxmox (pct) example to uncomment. An existing file is never overwritten without --force.")
+    s.add_argument("path", nargs="?", default="hosts.yaml", help="where to write it (default ./hosts.yaml)")
+    s.add_argument("--force", action="store_true", help="replace an existing file")
+
+    s = sub.add_parser("completion", formatter_class=fmt, help="shell completion script (bash, zsh)",
+                       description="Print the completion script for your shell (verbs, options, and the hosts and "
+                       "runs of your inventory). Load it from your shell's rc file.",
+                       epilog="""examples:
+  echo 'eval "$(opsctl completion bash)"' >> ~/.bashrc
+  echo 'eval "$(opsctl completion zsh)"' >> ~/.zshrc
+""")
+    s.add_argument("shell", choices=["bash", "zsh"])
+    for verb_parser in _subparsers(p):
+        _add_global_options(verb_parser)
     return p
+
+
+def _subparsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every verb's parser (and theirs, e.g. `hosts check`), however many verbs are added above."""
+    found: list[argparse.ArgumentParser] = []
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                found += [child, *_subparsers(child)]
+    return found
+
+
+def _add_global_options(verb_parser: argparse.ArgumentParser) -> None:
+    """The global options, accepted after the verb too (`opsctl status newbox --accept-new-host-key`, as the
+    error message suggests). SUPPRESS: a verb's parser leaves what was given before the verb as it was."""
+    verb_parser.add_argument("--hosts", metavar="FILE", default=argparse.SUPPRESS,
+                             help="inventory file (same as before the verb)")
+    verb_parser.add_argument("--accept-new-host-key", action="store_true", default=argparse.SUPPRESS,
+                             help="trust an SSH host key not in known_hosts yet (same as before the verb)")
 
 
 def _verb_of(argv: list[str]) -> str | None:
@@ -166,6 +301,10 @@ def _verb_of(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if os.environ.get("_ARGCOMPLETE"):  # the shell asks for completions (opsctl completion bash|zsh)
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
     # `launch HOST RUN [options] -- ARGS`: what follows `--` is the run's, whatever it looks like (argparse alone
     # cannot take it once an option came between RUN and `--`).
     given = sys.argv[1:] if argv is None else list(argv)
@@ -201,13 +340,27 @@ def main(argv: list[str] | None = None) -> int:
 
             return watch_main(commands.watch_sources(ctx, args.targets), plain=args.plain,  # type: ignore[arg-type]
                               once_json=args.once or args.json, bell=args.bell)
+        if args.verb == "export":
+            from opsctl.export import cmd_export
+
+            return cmd_export(ctx, args.host, args.run, args.tensorboard, follow=args.follow)
         if args.verb == "hosts":
-            return commands.cmd_hosts_check(ctx)
+            if args.hosts_verb == "check":
+                return commands.cmd_hosts_check(ctx)
+            return commands.cmd_hosts_list(ctx)
+        if args.verb == "init":
+            return commands.cmd_init(ctx, args.path, force=args.force)
+        if args.verb == "completion":
+            import argcomplete
+
+            ctx.raw.write(argcomplete.shellcode(["opsctl"], shell=args.shell))
+            ctx.raw.flush()
+            return commands.EXIT_OK
     except commands.OpsError as exc:
-        ctx.err.print(f"[bold red]opsctl:[/] {exc}", markup=True, highlight=False)
+        ctx.err.print(Text.assemble(("opsctl: ", "bold red"), str(exc)), soft_wrap=True)
         return exc.code
     except TransportError as exc:
-        ctx.err.print(f"[bold red]opsctl:[/] {exc}")
+        ctx.err.print(Text.assemble(("opsctl: ", "bold red"), str(exc)), soft_wrap=True)
         return commands.EXIT_TRANSPORT
     except KeyboardInterrupt:
         ctx.err.print("[yellow]interrupted (the run itself keeps going; stop it with `opsctl kill`)[/]")

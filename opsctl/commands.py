@@ -8,11 +8,13 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
 import re
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -21,11 +23,22 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl.agent import EXIT_CODES
+from opsctl.alerts import AlertTracker
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
+from opsctl.inventory import BUILTIN, builtin_notice, discover, write_init
 from opsctl.runstate import RunState, RunView, attempt_clock, phase_progress, unreachable_view
 from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
-from opsctl.watch import AgentSource, follow_connection, reconnect_delay, reconnecting
+from opsctl.watch import (
+    AgentSource,
+    SmoothedRunState,
+    fmt_duration,
+    follow_connection,
+    reconnect_delay,
+    reconnecting,
+    run_record,
+    state_label,
+)
 
 # The agent's exit codes are opsctl's (its `bye rc` is what a verb returns): one table, in the agent.
 EXIT_OK = EXIT_CODES["ok"]  # done / the run is ready / the run finished with status 0
@@ -35,6 +48,18 @@ EXIT_TRANSPORT = EXIT_CODES["transport"]  # host unreachable, host key refused, 
 EXIT_TIMEOUT = EXIT_CODES["timeout"]  # the run did not become ready within ready_timeout (it was left running)
 EXIT_REFUSED = EXIT_CODES["refused"]  # preflight refused the launch (container stopped, GPUs busy, model dir, ...)
 
+
+
+PIPE_WIDTH = 1000  # into a pipe or file: lines as long as they are, not rich's default of 80 columns
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich console that, into a pipe or file (and no COLUMNS set), neither wraps tables at 80 columns nor breaks
+    a message mid-sentence: `opsctl status | grep`, logs of CI jobs and `2> err.txt` read whole lines."""
+    con = Console(stderr=stderr, highlight=False)
+    if not con.is_terminal and "COLUMNS" not in os.environ:
+        con = Console(stderr=stderr, highlight=False, width=PIPE_WIDTH, soft_wrap=True)
+    return con
 
 
 class OpsError(Exception):
@@ -51,16 +76,27 @@ class Ctx:
 
     hosts_file: str | None = None
     accept_new_host_key: bool = False
-    out: Console = field(default_factory=lambda: Console(highlight=False))
-    err: Console = field(default_factory=lambda: Console(stderr=True, highlight=False))
+    out: Console = field(default_factory=console)
+    err: Console = field(default_factory=lambda: console(stderr=True))
     raw: TextIO = field(default_factory=lambda: sys.stdout)  # log lines go here verbatim
     _inv: Inventory | None = None
     transport_factory: Callable[[HostConfig], Transport] | None = None  # tests may inject one (a real one)
 
     def inventory(self) -> Inventory:
+        """hosts.yaml as found by opsctl.inventory.discover; the built-in fallback is said on stderr, once."""
         if self._inv is None:
+            self.quiet_inventory()
+            if self._inv is not None and self._inv.path is None:
+                self.err.print(Text(f"opsctl: {builtin_notice()}", style="dim"), soft_wrap=True)
+        assert self._inv is not None
+        return self._inv
+
+    def quiet_inventory(self) -> Inventory:
+        """The inventory without the built-in notice (shell completion must print nothing but candidates)."""
+        if self._inv is None:
+            found = discover(self.hosts_file)
             try:
-                self._inv = load_inventory(self.hosts_file)
+                self._inv = load_inventory(found.path)
             except InventoryError as exc:
                 raise OpsError(str(exc), EXIT_USAGE) from None
         return self._inv
@@ -69,6 +105,8 @@ class Ctx:
         try:
             return resolve(self.inventory(), host, run)
         except InventoryError as exc:
+            if self.inventory().path is None:  # never name a hosts.yaml that does not exist
+                exc = InventoryError([p._replace(file=BUILTIN) for p in exc.problems])
             raise OpsError(str(exc), EXIT_USAGE) from None
 
     def runs_of(self, host: str, run: str | None) -> tuple[HostConfig, list[RunConfig]]:
@@ -112,9 +150,9 @@ def _print_verdict_failure(ctx: Ctx, m: dict[str, Any]) -> None:
     ctx.err.print(f"[bold red]{m.get('detail')}[/]")
     tb = m.get("traceback")
     if tb:
-        ctx.err.print(Panel(Text(tb), title="traceback", border_style="red"))
+        ctx.err.print(Panel(Text(tb), title="traceback", border_style="red", expand=False))
     elif m.get("tail"):
-        ctx.err.print(Panel(Text("\n".join(m["tail"])), title="last log lines", border_style="red"))
+        ctx.err.print(Panel(Text("\n".join(m["tail"])), title="last log lines", border_style="red", expand=False))
 
 
 # -- launch -------------------------------------------------------------------------------------------------
@@ -126,7 +164,7 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
     try:
         t0 = time.monotonic()
         preflight(ctx, host, t)
-        state = RunState(stall_after_s=run.stall_after)
+        state = SmoothedRunState(stall_after_s=run.stall_after)
         rc: int | None = None
         launched_at: float | None = None
         offsets = {"log_offset": 0, "events_offset": 0}
@@ -179,7 +217,8 @@ def _launch_verdict(ctx: Ctx, m: dict[str, Any], state: RunState, run: RunConfig
     elif reason == "timeout":
         ctx.err.print(f"[bold yellow]TIMEOUT[/] {m.get('detail')}")
         if m.get("tail"):
-            ctx.err.print(Panel(Text("\n".join(m["tail"])), title="last log lines", border_style="yellow"))
+            ctx.err.print(Panel(Text("\n".join(m["tail"])), title="last log lines", border_style="yellow",
+                                expand=False))
     elif m.get("ok"):
         ctx.err.print(f"[bold green]{run.name} finished[/]: {m.get('detail')}")
     else:
@@ -312,78 +351,116 @@ def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, line
 
 
 # -- status -------------------------------------------------------------------------------------------------
-def run_status(ctx: Ctx, host: HostConfig, run: RunConfig, t: Transport) -> tuple[RunView, dict[str, Any]]:
-    """One snapshot of a run, reduced by the shared RunState so every view agrees."""
+def run_status(ctx: Ctx, host: HostConfig, run: RunConfig, t: Transport,
+               tracker: AlertTracker | None = None) -> tuple[RunView, dict[str, Any]]:
+    """One snapshot of a run, reduced by the shared RunState (and the watch's alert rules, when `tracker` is
+    given) so every view agrees."""
     msgs = list(stream_agent(t, host, "status", run_args(run)))
     st = next((m for m in msgs if m.get("t") == "status"), None)
     if st is None:
         err = next((m.get("message") for m in msgs if m.get("t") == "error"), "no status message")
         raise OpsError(f"{host.name}/{run.name}: agent: {err}", EXIT_FAILED)
-    state = RunState(stall_after_s=run.stall_after, killed_by_us=bool(st.get("killed_by_opsctl")))
+    state = SmoothedRunState(stall_after_s=run.stall_after, killed_by_us=bool(st.get("killed_by_opsctl")))
     for m in msgs:
         state.apply(m)
+        if tracker is not None:
+            tracker.observe(m)
     return state.view(), st
 
 
-def cmd_status(ctx: Ctx, host_name: str, run_name: str | None, as_json: bool = False) -> int:
-    host, runs = ctx.runs_of(host_name, run_name)
+def _unreachable_record(host: HostConfig, run: RunConfig, error: str) -> dict[str, Any]:
+    # Not `absent` (that says the host answered and has no such run): the host could not be asked.
+    return run_record(host.name, run.name, unreachable_view(error), link="unreachable", alerts=[], log=run.log)
+
+
+def _host_status(ctx: Ctx, host: HostConfig, runs: list[RunConfig], quiet: bool) -> tuple[list[dict[str, Any]],
+                                                                                          str | None]:
+    """One record per run of `host` (the `status --json` schema) and, if it could not be reached, why."""
     rows: list[dict[str, Any]] = []
     unreachable: str | None = None
     try:
-        t = ctx.transport(host)
+        t: Transport | None = ctx.transport(host)
     except OpsError as exc:
+        if exc.code != EXIT_TRANSPORT:
+            raise
         unreachable, t = str(exc), None
     try:
-        if t is not None and not as_json:
+        if t is not None and not quiet:
             preflight(ctx, host, t)
         for run in runs:
             if unreachable is None:
                 try:
-                    view, st = run_status(ctx, host, run, t)  # type: ignore[arg-type]
-                    rows.append({"host": host.name, "run": run.name, **view.to_dict(), "session": st.get("session"),
-                                 "session_exists": st.get("session_exists"), "log": st.get("log")})
+                    tracker = AlertTracker()
+                    view, st = run_status(ctx, host, run, t, tracker)  # type: ignore[arg-type]
+                    rows.append(run_record(host.name, run.name, view, link="up", alerts=tracker.evaluate(view, time.time()),
+                                           session=st.get("session"), session_exists=st.get("session_exists"),
+                                           log=st.get("log")))
                     continue
                 except TransportError as exc:  # ChannelLost included: the host did not answer
                     unreachable = str(exc)
-            # Not `absent` (that says the host answered and has no such run): the host could not be asked.
-            rows.append({"host": host.name, "run": run.name, **unreachable_view(unreachable).to_dict(),
-                         "session": None, "session_exists": None, "log": run.log})
+            rows.append(_unreachable_record(host, run, unreachable))
     except OpsError as exc:
         if exc.code != EXIT_TRANSPORT:
             raise
         unreachable = str(exc)
         done = {r["run"] for r in rows}
-        rows += [{"host": host.name, "run": r.name, **unreachable_view(unreachable).to_dict(), "session": None,
-                  "session_exists": None, "log": r.log} for r in runs if r.name not in done]
+        rows += [_unreachable_record(host, r, unreachable) for r in runs if r.name not in done]
     finally:
         if t is not None:
             t.close()
-    rc = EXIT_TRANSPORT if unreachable is not None else EXIT_OK
-    if as_json:
-        ctx.raw.write(json.dumps(rows if run_name is None else rows[0], default=str) + "\n")
+    return rows, unreachable
+
+
+STATE_COLOURS = {"training": "green", "finished": "green", "crashed": "red", "killed": "yellow", "stalled": "red",
+                 "loading": "cyan", "compiling": "cyan", "starting": "cyan", "absent": "dim", "unreachable": "magenta",
+                 "restarting": "yellow"}
+
+
+def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: bool = False) -> int:
+    """One row per run: of RUN, of every run of HOST, or (no HOST) of every host and run in the inventory."""
+    if host_name is None:
+        inv = ctx.inventory()
+        targets = [(h, list(inv.runs.get(name, {}).values())) for name, h in inv.hosts.items()]
+    else:
+        targets = [ctx.runs_of(host_name, run_name)]
+    rows: list[dict[str, Any]] = []
+    unreachable: dict[str, str] = {}
+    for host, runs in targets:
+        host_rows, error = _host_status(ctx, host, runs, quiet=as_json)
+        rows += host_rows
+        if error is not None:
+            unreachable[host.name] = error
+    rc = EXIT_TRANSPORT if unreachable else EXIT_OK
+    if as_json:  # always a list, whatever the arguments: the schema of `watch --once --json` (docs/cli-json.md)
+        ctx.raw.write(json.dumps(rows, default=str) + "\n")
         ctx.raw.flush()
         return rc
-    table = Table(title=f"{host.name}", show_lines=False)
+    many_hosts = len(targets) > 1
+    table = Table(title="status" if many_hosts else targets[0][0].name if targets else "status")
     show_gpus = any(r["gpus"] for r in rows)
-    for col in ("run", "state", "phase", "step", "loss", "tok/s", "heartbeat", "pid", "exit", "attempt"):
-        table.add_column(col, no_wrap=col in ("run", "phase", "step", "attempt"))
+    cols = (["host"] if many_hosts else []) + ["run", "state", "phase", "step", "loss", "tok/s", "ETA", "heartbeat",
+                                                "pid", "exit", "attempt"]
+    for col in cols:
+        table.add_column(col, no_wrap=col in ("host", "run", "phase", "step", "attempt"))
     if show_gpus:
         table.add_column("GPUs")
-    colors = {"training": "green", "finished": "green", "crashed": "red", "killed": "yellow", "stalled": "red",
-              "loading": "cyan", "compiling": "cyan", "starting": "cyan", "absent": "dim", "unreachable": "magenta"}
     for r in rows:
         phase = phase_progress(r["phase"] or "-", r.get("phase_i"), r.get("phase_n"))
         step = f"{r['step']}" + (f"/{r['total_steps']}" if r.get("total_steps") else "")
         gpus = ", ".join(f"{g['index']}: {g.get('util')}% {int(g.get('mem_used_mb') or 0)} MiB" for g in r["gpus"])
-        state = Text(r["state"], style=colors.get(r["state"], "white"))
+        state = Text(state_label(r), style=STATE_COLOURS.get(r["state"], "white"))
         if r.get("reason"):  # the crash's exception line + exit code, the host's error, leftover processes
             state.append(f" ({r['reason']})")
+        running = r.get("proc_state") == "running"
         cells = [r["run"], state, phase, step,
                  "-" if r["loss"] is None else f"{r['loss']:.4g}",
                  "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
+                 fmt_duration(r.get("eta_s")),
                  "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
-                 str(r["pid"] or "-"), "-" if r["exit_code"] is None else str(r["exit_code"]),
+                 str(r["pid"] or "-"), "-" if r["exit_code"] is None or running else str(r["exit_code"]),
                  attempt_clock(r)]  # the current attempt: #id, when it started, how long it ran
+        if many_hosts:
+            cells.insert(0, r["host"])
         if show_gpus:
             cells.append(gpus or "none")
         table.add_row(*cells)
@@ -393,9 +470,9 @@ def cmd_status(ctx: Ctx, host_name: str, run_name: str | None, as_json: bool = F
         ctx.out.print(f"[dim]GPUs: nvml {nvml}[/]")
     for r in rows:
         for e in r["errors"][-3:]:
-            ctx.out.print(f"[red]{r['run']}: {e.get('class')}: {e.get('message')}[/]")
-    if unreachable is not None:
-        ctx.err.print(Text(f"{host.name}: unreachable: {unreachable}", style="red"))
+            ctx.out.print(Text(f"{r['run']}: {e.get('class')}: {e.get('message')}", style="red"))
+    for name, error in unreachable.items():
+        ctx.err.print(Text(f"{name}: unreachable: {error}", style="red"))
     return rc
 
 
@@ -472,7 +549,8 @@ def cmd_clean(ctx: Ctx, host_name: str, run_name: str | None, dry_run: bool = Fa
 
 # -- hosts --------------------------------------------------------------------------------------------------
 def cmd_hosts_check(ctx: Ctx) -> int:
-    problems = check_inventory(ctx.hosts_file)
+    found = discover(ctx.hosts_file)
+    problems = check_inventory(found.path) if found.path is not None else []
     if problems:
         for p in problems:
             ctx.err.print(Text(p, style="red"))
@@ -481,7 +559,47 @@ def cmd_hosts_check(ctx: Ctx) -> int:
     for name, h in inv.hosts.items():
         runs = ", ".join(inv.runs.get(name, {})) or "(no runs)"
         ctx.out.print(f"[green]ok[/] {name} ({h.kind}{'' if h.pct is None else f' {h.pct}'}): {runs}")
-    ctx.err.print(f"{inv.path or '<embedded default>'}: valid, {len(inv.hosts)} host(s)")
+    ctx.err.print(f"{inv.path or BUILTIN}: valid, {len(inv.hosts)} host(s)")
+    return EXIT_OK
+
+
+def _reach(h: HostConfig) -> str:
+    """How a host is reached, as a person would write it: `local`, `ml@gpu1:22`, `root@pve-box -> pct 200`."""
+    if h.local:
+        base = "local"
+    else:
+        assert h.ssh is not None
+        user = f"{h.ssh.user}@" if h.ssh.user else ""
+        jump = f" via {h.ssh.jump}" if h.ssh.jump else ""
+        base = f"ssh {user}{h.ssh.host}:{h.ssh.port}{jump}"
+    return base + (f" -> pct {h.pct}" if h.pct is not None else "")
+
+
+def cmd_hosts_list(ctx: Ctx) -> int:
+    """`opsctl hosts`: what the inventory defines, without connecting anywhere, and which file it is."""
+    inv = ctx.inventory()
+    table = Table(title=f"inventory: {inv.path or BUILTIN}", title_justify="left")
+    for col in ("host", "reached through", "GPUs", "runs"):
+        table.add_column(col, no_wrap=col != "runs")
+    for name, h in inv.hosts.items():
+        gpus = "all" if h.gpus is None else ",".join(str(g) for g in h.gpus)
+        table.add_row(name, _reach(h), gpus, ", ".join(inv.runs.get(name, {})) or "(no runs)")
+    ctx.out.print(table)
+    return EXIT_OK
+
+
+def cmd_init(ctx: Ctx, path: str, force: bool = False) -> int:
+    """`opsctl init`: a commented hosts.yaml to start from, checked by the same loader before it is announced."""
+    target = Path(path)
+    try:
+        write_init(target, force=force)
+    except FileExistsError as exc:
+        raise OpsError(str(exc), EXIT_USAGE) from None
+    except OSError as exc:
+        raise OpsError(f"cannot write {target}: {exc}", EXIT_USAGE) from None
+    inv = load_inventory(target)  # the template must stay valid: a broken one fails here, not at the next verb
+    ctx.err.print(f"wrote {target.resolve()}: host(s) {', '.join(inv.hosts)}; edit it, then `opsctl hosts check`",
+                  soft_wrap=True)
     return EXIT_OK
 
 

@@ -59,7 +59,7 @@ def snapshot_once(sources: Sequence[WatchSource], settle_s: float = SETTLE_S, ti
     for w, m in zip(workers, models, strict=True):
         if not w.received or not m.heard:
             m.mark_unreachable(f"no answer within {timeout_s:g} s ({m.link})")
-    return [m.snapshot() for m in models]
+    return [m.snapshot(log=getattr(getattr(s, "run", None), "log", None)) for m, s in zip(models, sources, strict=True)]
 
 
 def render_run(model: RunModel, log_lines: int = 8) -> Panel:

@@ -17,6 +17,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, Input, Static
 
+from opsctl.agent import EXIT_CODES
 from opsctl.alerts import CRITICAL, WARNING, Alert
 from opsctl.watch import (
     DEFAULT_INBOX_LINES,
@@ -257,7 +258,8 @@ def watch_main(sources: list[WatchSource], plain: bool, once_json: bool, bell: b
 
         snaps = snapshot_once(sources)
         print(json.dumps(snaps, indent=2, default=str))
-        return 0 if all(s["link"] != "connecting" and not s["link"].startswith("lost") for s in snaps) else 1
+        # As `opsctl status`: 0 when every host answered, 3 (transport) when one could not be reached.
+        return EXIT_CODES["ok"] if all(s["link"] == "up" for s in snaps) else EXIT_CODES["transport"]
     if plain:
         from opsctl.plain import run_plain
 

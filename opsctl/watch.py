@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import re
 import threading
@@ -71,6 +72,102 @@ class SeverityClassifier:
         if any(h in line for h in _WARN_HINTS) and _WARN_RE.search(line):
             return SEV_WARNING
         return SEV_INFO
+
+
+# -- one record per run: `status --json` and `watch --once --json` ------------------------------------------------
+RECORD_EXTRAS = ("link", "alerts", "session", "session_exists", "log", "log_lines", "dropped_lines")
+
+
+def run_record(host: str, run: str, view: RunView, *, link: str, alerts: Sequence[Alert],
+               session: str | None = None, session_exists: bool | None = None, log: str | None = None,
+               log_lines: int | None = None, dropped_lines: int | None = None) -> dict[str, Any]:
+    """The one JSON object per run that `status --json` and `watch --once --json` print (docs/cli-json.md):
+    host, run, every RunView field, then what the printing verb knows (null where it cannot know it)."""
+    return {"host": host, "run": run, **view.to_dict(), "link": link, "alerts": [a.to_dict() for a in alerts],
+            "session": session, "session_exists": session_exists, "log": log, "log_lines": log_lines,
+            "dropped_lines": dropped_lines}
+
+
+def state_label(view: RunView | dict[str, Any]) -> str:
+    """`restarting (2/3)` while the wrapper waits to start restart 2 of at most 3; else the state itself."""
+    d = view if isinstance(view, dict) else view.to_dict()
+    state = str(d.get("state") or "absent")
+    if state != "restarting":
+        return state
+    n, most = d.get("restart_n"), d.get("restart_max")
+    return f"restarting ({n}/{most})" if n is not None and most is not None else state
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
+
+
+def fmt_num(x: Any, digits: int = 3) -> str:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return "-"
+    if not math.isfinite(x):
+        return str(x)
+    if isinstance(x, int):
+        return f"{x:,}"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}" if abs(x) < 1e-3 and x != 0 else f"{x:.{digits}f}"
+
+
+class Ema:
+    """Exponential moving average over events (not over wall time): the ETA and tokens/s people read.
+
+    `alpha` 0.05 weighs about the last 40 steps, so one slow step (a checkpoint, an eval) moves the ETA a few
+    percent instead of the jumps a last-20 median makes (3m -> 18m -> 2m within a minute); the first value seeds it."""
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def add(self, x: Any) -> float | None:
+        if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
+            self.value = float(x) if self.value is None else self.value + self.alpha * (float(x) - self.value)
+        return self.value
+
+    def reset(self) -> None:
+        self.value = None
+
+
+class SmoothedRunState(RunState):
+    """RunState whose ETA is the remaining steps times an EMA of the step time, and which keeps an EMA of tokens/s:
+    what `status`, `launch` and the dashboard show, so a checkpoint step or a slow batch does not swing them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_time = Ema()
+        self.tokens_rate = Ema()
+
+    def apply_event(self, ev: dict[str, Any]) -> None:
+        super().apply_event(ev)
+        kind = ev.get("kind")
+        if kind == "run_start":  # a new attempt (another host, a resume): its speed is its own
+            self.step_time.reset()
+            self.tokens_rate.reset()
+        elif kind == "step":
+            self.step_time.add(ev.get("step_time_s"))
+            self.tokens_rate.add(ev.get("tokens_per_s"))
+
+    def view(self, now: float | None = None) -> RunView:
+        v = super().view(now)
+        if v.eta_s is not None and v.total_steps and self.step_time.value is not None:
+            v.eta_s = max(0, v.total_steps - v.step) * self.step_time.value
+        return v
 
 
 # -- following the agent across lost links ------------------------------------------------------------------
@@ -364,7 +461,7 @@ class RunModel:
                  stall_after_s: float | None = None) -> None:
         self.label = label
         self.clock = clock  # None: live (local clock + agent skew); tests and replays pass the agent's clock
-        self.state = RunState(stall_after_s=stall_after_s)
+        self.state = SmoothedRunState(stall_after_s=stall_after_s)
         self.tracker = AlertTracker()
         self.log: deque[LogLine] = deque(maxlen=log_capacity)
         self.lines_total = 0
@@ -465,10 +562,12 @@ class RunModel:
         self.state.killed_by_us = True
         self.version += 1
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, log: str | None = None) -> dict[str, Any]:
+        """This run as `watch --once --json` prints it: the `status --json` record (docs/cli-json.md)."""
         view = self.view()
-        return {"label": self.label, "link": self.link, "log_lines": self.lines_total, "dropped_lines": self.dropped,
-                "view": view.to_dict(), "alerts": [a.to_dict() for a in self.alerts(view)]}
+        host, _, run = self.label.partition(":")
+        return run_record(host, run or host, view, link="up" if self.heard else "unreachable",
+                          alerts=self.alerts(view), log=log, log_lines=self.lines_total, dropped_lines=self.dropped)
 
 
 def fold(workers: Sequence[SourceWorker], models: Sequence[RunModel]) -> list[bool]:

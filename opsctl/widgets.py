@@ -25,7 +25,16 @@ from textual.widgets import Button, Label, Static
 
 from opsctl.alerts import CRITICAL, Alert
 from opsctl.runstate import RunView, phase_progress
-from opsctl.watch import SEV_ERROR, SEV_INFO, SEV_WARNING, LogLine, SeverityClassifier  # noqa: F401 - re-exported
+from opsctl.watch import (  # noqa: F401 - re-exported
+    SEV_ERROR,
+    SEV_INFO,
+    SEV_WARNING,
+    LogLine,
+    SeverityClassifier,
+    fmt_duration,
+    fmt_num,
+    state_label,
+)
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 SEVERITY_NAMES = ("all", "warning+", "error")
@@ -41,6 +50,7 @@ STATE_STYLES: dict[str, str] = {
     "crashed": "bold white on red",
     "killed": "bold white on dark_orange3",
     "unreachable": "bold white on purple",
+    "restarting": "bold black on dark_orange",
 }
 
 # Log lines a person must not miss; the first matching pattern decides the highlight.
@@ -66,32 +76,9 @@ def spark(values: Sequence[float], width: int, lo: float | None = None, hi: floa
     return "".join(out)
 
 
-def fmt_duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "-"
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-
-
-def fmt_num(x: Any, digits: int = 3) -> str:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return "-"
-    if not math.isfinite(x):
-        return str(x)
-    if isinstance(x, int):
-        return f"{x:,}"
-    if abs(x) >= 1000:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}g}" if abs(x) < 1e-3 and x != 0 else f"{x:.{digits}f}"
-
-
 def state_badge(view: RunView) -> Text:
     """The one word that says what a run is doing, with loading progress (i/N) when the run reports it."""
-    label = view.state.upper()
+    label = state_label(view).upper()
     if view.state == "loading":
         label = phase_progress(label, view.phase_i, view.phase_n)
     return Text(f" {label} ", style=STATE_STYLES.get(view.state, "bold reverse"))

@@ -106,7 +106,7 @@ def test_launch_and_clean_refuse_a_cache_dir_a_live_run_uses(tmp_path: Path) -> 
     try:
         r = opsctl(hosts, "launch", "local", "a")
         assert r.returncode == 0, r.stderr
-        pid = __import__("json").loads(opsctl(hosts, "status", "local", "a", "--json").stdout)["pid"]
+        pid = __import__("json").loads(opsctl(hosts, "status", "local", "a", "--json").stdout)[0]["pid"]
         (shared / "warm.so").write_text("a's compiled kernels")
         for argv in (["launch", "local", "b"], ["clean", "local", "b"]):
             r = opsctl(hosts, *argv)

@@ -48,7 +48,7 @@ def _run(d: Path, *argv: str, timeout: float = 420) -> subprocess.CompletedProce
 
 def _status(d: Path) -> dict:
     r = _run(d, str(VENV / "bin" / "opsctl"), "status", "local", "tiny", "--json", timeout=60)
-    return json.loads(r.stdout)
+    return json.loads(r.stdout)[0]  # a list, one object per run (docs/cli-json.md)
 
 
 @pytest.mark.slow

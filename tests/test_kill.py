@@ -60,7 +60,7 @@ def test_kill_forked_tree_escalates_and_leaves_nothing(tmp_path: Path, sshd, pct
     assert "ok   gpu_released" not in r.stderr
     assert "all 6 processes gone; GPU memory release not checked (no NVML)" in r.stderr
     assert live_in_container(pct_host, vmid, pids) == []
-    st = json.loads(opsctl(hosts, "status", "box", "fork", "--json").stdout)
+    st = json.loads(opsctl(hosts, "status", "box", "fork", "--json").stdout)[0]
     assert st["state"] == "killed" and st["proc_state"] == "exited"
     # killing again is harmless and says so
     r = opsctl(hosts, "kill", "box", "fork")
@@ -81,13 +81,13 @@ def test_kill_polite_run_stops_at_sigint(tmp_path: Path, sshd, container: Callab
     assert (tmp_path / "signals").read_text() == "SIGINT\n"
     ckpts = list((tmp_path / "ckpt").iterdir())
     assert len(ckpts) == 1 and ckpts[0].name.startswith("step")
-    st = json.loads(opsctl(hosts, "status", "box", "ok", "--json").stdout)
+    st = json.loads(opsctl(hosts, "status", "box", "ok", "--json").stdout)[0]
     assert st["state"] == "killed" and st["end_reason"] == "signal" and st["exit_code"] == 0
     # the dashboard (its --once snapshot follows the run's stream) agrees with status: killed, not finished
     r = opsctl(hosts, "watch", "--once", "box:ok")
     assert r.returncode == 0, r.stderr
     snap = json.loads(r.stdout)
-    assert [s["view"]["state"] for s in snap] == ["killed"], snap
+    assert [s["state"] for s in snap] == ["killed"], snap
     assert "crashed" not in [a["key"] for a in snap[0]["alerts"]]
 
 

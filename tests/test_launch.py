@@ -36,7 +36,7 @@ def test_launch_ready_over_ssh_pct_then_status(tmp_path: Path, sshd, ct: int) ->
     assert "loading model" in r.stdout  # the log was streamed live
     assert not (tmp_path / "cache" / "stale.so").exists()  # the inductor cache was cleared first
     r = opsctl(hosts, "status", "box", "ok", "--json")
-    st = json.loads(r.stdout)
+    (st,) = json.loads(r.stdout)
     assert r.returncode == 0 and st["state"] in ("training", "finished") and st["step"] >= 1, st
     assert st["pid"] is not None and st["nvml"].startswith("unavailable (")
 
@@ -67,7 +67,7 @@ def test_crash_during_loading_reported_within_1s(tmp_path: Path, sshd, ct: int) 
     assert "before it was ready, in phase loading_target 2/4" in r.stderr
     assert "Traceback (most recent call last)" in r.stderr
     assert "FileNotFoundError: /dev/shm/model/shard-2.safetensors" in r.stderr
-    st = json.loads(opsctl(hosts, "status", "box", "crash", "--json").stdout)
+    st = json.loads(opsctl(hosts, "status", "box", "crash", "--json").stdout)[0]
     assert st["state"] == "crashed" and st["exit_code"] == 1
 
 
@@ -77,7 +77,7 @@ def test_hang_before_ready_times_out_naming_the_phase(tmp_path: Path, sshd, ct: 
     r = opsctl(hosts, "launch", "box", "hang")
     assert r.returncode == commands.EXIT_TIMEOUT, r.stderr
     assert "stuck in phase loading_target 3/8" in r.stderr and "left running" in r.stderr
-    st = json.loads(opsctl(hosts, "status", "box", "hang", "--json").stdout)
+    st = json.loads(opsctl(hosts, "status", "box", "hang", "--json").stdout)[0]
     assert st["state"] == "loading" and st["proc_state"] == "running" and st["phase_i"] == 3  # left alone
     assert opsctl(hosts, "kill", "box", "hang").returncode == 0
 
@@ -112,7 +112,7 @@ def test_real_tiny_run_ready_then_kill_writes_checkpoint(tmp_path: Path, sshd, c
     r = opsctl(hosts, "kill", "box", "tiny", timeout=120)
     assert r.returncode == 0, r.stderr
     assert "sent SIGINT" in r.stderr and "sent SIGTERM" not in r.stderr and "checkpoint written" in r.stderr
-    st = json.loads(opsctl(hosts, "status", "box", "tiny", "--json").stdout)
+    st = json.loads(opsctl(hosts, "status", "box", "tiny", "--json").stdout)[0]
     assert st["state"] == "killed" and st["end_reason"] == "signal" and st["exit_code"] == 0
     ckpt = Path(st["last_checkpoint"])
     assert ckpt.is_dir() and (ckpt / "manifest.json").is_file()
@@ -263,7 +263,7 @@ def test_relaunch_of_a_finished_run_is_refused_and_leaves_it_finished(tmp_path: 
     hosts = _local_hosts(tmp_path / "hosts.yaml", {"done": run})
     try:
         assert opsctl(hosts, "launch", "local", "done", "--follow").returncode == 0
-        st = json.loads(opsctl(hosts, "status", "local", "done", "--json").stdout)
+        st = json.loads(opsctl(hosts, "status", "local", "done", "--json").stdout)[0]
         assert (st["state"], st["step"], st["total_steps"]) == ("finished", 2, 2)
         deadline = time.monotonic() + 30  # under load the wrapper's pipe drain may land a moment after exit
         while "run ended: completed" not in (tmp_path / "run.log").read_text() and time.monotonic() < deadline:
@@ -276,14 +276,14 @@ def test_relaunch_of_a_finished_run_is_refused_and_leaves_it_finished(tmp_path: 
         assert _files(tmp_path) == before  # log, events, state files: not one byte or mtime changed
         last = json.loads((tmp_path / ".opsctl" / "done" / "history.jsonl").read_text().splitlines()[-1])
         assert last["outcome"] == "refused" and "already finished: step 2 of 2" in last["reason"]
-        st = json.loads(opsctl(hosts, "status", "local", "done", "--json").stdout)
+        st = json.loads(opsctl(hosts, "status", "local", "done", "--json").stdout)[0]
         assert (st["state"], st["step"], st["total_steps"], st["exit_code"]) == ("finished", 2, 2, 0)
         # raising the step count (a changed command) trains again
         run["command"] = [a if a != "2" else "3" for a in run["command"]]
         hosts = _local_hosts(tmp_path / "hosts.yaml", {"done": run})
         r = opsctl(hosts, "launch", "local", "done", "--follow")
         assert r.returncode == 0, r.stderr
-        st = json.loads(opsctl(hosts, "status", "local", "done", "--json").stdout)
+        st = json.loads(opsctl(hosts, "status", "local", "done", "--json").stdout)[0]
         assert (st["state"], st["step"], st["total_steps"]) == ("finished", 3, 3)
     finally:
         kill_tmux(tmp_path, "done")

@@ -437,10 +437,11 @@ async def test_bell_rings_once_per_new_alert_only_when_enabled() -> None:
 
 
 def test_watch_main_once_json_prints_every_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # every stream answered: 0 (3 when a host could not be reached, as `opsctl status`)
     assert watch_main([recorded("loading"), recorded("crashed")], plain=False, once_json=True, bell=False) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [(s["label"], s["view"]["state"]) for s in out][1] == ("h200:crashed", "crashed")
-    assert out[0]["view"]["phase_i"] == 5 and out[0]["view"]["phase_n"] == 8
+    assert [(s["host"], s["run"], s["state"]) for s in out][1] == ("h200", "crashed", "crashed")
+    assert out[0]["phase_i"] == 5 and out[0]["phase_n"] == 8
     with pytest.raises(SystemExit, match="no runs to watch"):
         watch_main([], plain=False, once_json=True, bell=False)
 
@@ -448,7 +449,7 @@ def test_watch_main_once_json_prints_every_run(capsys: pytest.CaptureFixture[str
 def test_replay_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
     assert replay_main(["--once-json", str(STREAMS / "stalled.jsonl")]) == 0
     (snap,) = json.loads(capsys.readouterr().out)
-    assert snap["label"] == "replay:stalled" and snap["view"]["step"] == 12
+    assert (snap["host"], snap["run"], snap["step"]) == ("replay", "stalled", 12)
     with pytest.raises(SystemExit) as exc:
         replay_main([str(STREAMS / "missing.jsonl")])
     assert exc.value.code == 2 and "recorded stream not found" in capsys.readouterr().err
@@ -567,12 +568,12 @@ def test_record_saves_a_stream_that_replays_identically(tmp_path: Path) -> None:
 def test_once_json_snapshot_of_every_run() -> None:
     snaps = snapshot_once([recorded("crashed"), recorded("training")], settle_s=0.3, timeout_s=10,
                           clock=lambda: last_ts("training") + 2)
-    by = {s["label"]: s for s in snaps}
+    by = {f'{s["host"]}:{s["run"]}': s for s in snaps}
     crashed, training = by["h200:crashed"], by["h200:training"]
-    assert crashed["view"]["state"] == "crashed" and crashed["view"]["exit_code"] == 1
+    assert crashed["state"] == "crashed" and crashed["exit_code"] == 1
     assert [a["key"] for a in crashed["alerts"]] == ["crashed"]
     assert "torch.OutOfMemoryError" in crashed["alerts"][0]["evidence"]
-    assert training["view"]["state"] == "training" and training["view"]["step"] == 40
+    assert training["state"] == "training" and training["step"] == 40
     assert training["alerts"] == [] and training["log_lines"] == 52 and training["dropped_lines"] == 0
     json.dumps(snaps)  # what `--once --json` prints must serialise
 
@@ -583,9 +584,9 @@ def test_once_json_gives_up_on_a_hanging_host_within_the_timeout() -> None:
     snaps = snapshot_once([hanging, recorded("loading")], settle_s=0.2, timeout_s=1.0)
     assert time.monotonic() - start < 3
     # never `absent` (that says the host answered and has no such run): it is unreachable, and says why
-    assert snaps[0]["link"] == "connecting" and snaps[0]["view"]["state"] == "unreachable"
-    assert "no answer within 1 s" in snaps[0]["view"]["reason"]
-    assert snaps[1]["view"]["state"] in ("loading", "stalled")
+    assert snaps[0]["link"] == "unreachable" and snaps[0]["state"] == "unreachable"
+    assert "no answer within 1 s" in snaps[0]["reason"]
+    assert snaps[1]["state"] in ("loading", "stalled")
     hanging.release.set()
 
 

@@ -1,0 +1,93 @@
+"""`opsctl export HOST RUN --tensorboard DIR` through the real sshd + agent, read back with TensorBoard's own reader.
+
+The events file is written by the contract's writer (dflash.telemetry.EventWriter), a resume included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from dflash.telemetry import EventWriter
+from opsctl.export import STATE_FILE, TensorBoardExport
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
+
+from agentlib import opsctl, script_run  # noqa: E402
+
+
+def _attempt(w: EventWriter, first: int, last: int, resumed_from: int | None, loss_scale: float) -> None:
+    w.emit("run_start", config={"data": {"reservoir": 4}}, versions={"python": "3"}, kernels={}, device="cpu",
+           world_size=1, roles={"colocated": [0]}, resumed_from=resumed_from, pid=os.getpid(), host="h",
+           total_steps=20)
+    w.emit("phase", phase="training")
+    for step in range(first, last + 1):
+        w.emit("step", step=step, epoch=0, loss=loss_scale / step, acc=[0.5, 0.25, float("nan")], lr=1e-3,
+               grad_norm=2.0, tokens=100, tokens_per_s=400.0 + step, step_time_s=0.25, queue_depth=3,
+               queue_wait_s=0.01, recompiles=0, total_steps=20)
+        w.emit("heartbeat", phase="training", step=step, rss_mb=1000.0 + step, gpu_mem_mb=None)
+    w.emit("checkpoint", path="/ckpt", step=last, manifest_sha256="0" * 64, bytes=2**30, seconds=1.5)
+
+
+def _scalars(logdir: Path, tag: str) -> list[tuple[int, float]]:
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_export_writes_tensorboard_scalars_that_its_reader_reads_back_resume_and_incremental(tmp_path: Path,
+                                                                                             sshd) -> None:
+    events = tmp_path / "events.jsonl"
+    w = EventWriter(events, run_id="r1", truncate=True)
+    _attempt(w, 1, 10, None, 5.0)  # crashes after step 10; the checkpoint it resumes from is step 6
+    _attempt(w, 7, 12, 6, 50.0)
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={"r": script_run(tmp_path, "ok_run.py")})
+    out = tmp_path / "tb"
+    r = opsctl(hosts, "export", "box", "r", "--tensorboard", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "16 steps" in r.stderr and "1 resumed attempt" in r.stderr, r.stderr
+    loss = _scalars(out, "train/loss")
+    # TensorBoard's restart rule (SessionLog START at step 7) dropped the crashed attempt's steps 7..10
+    assert [s for s, _ in loss] == list(range(1, 13)), loss
+    assert loss[5][1] == pytest.approx(5.0 / 6) and loss[6][1] == pytest.approx(50.0 / 7)
+    assert [v for _, v in _scalars(out, "perf/tokens_per_s")][-1] == pytest.approx(412.0)
+    assert _scalars(out, "acc/pos1")[0][1] == pytest.approx(0.5)
+    assert _scalars(out, "acc/mean")[0][1] == pytest.approx(0.375)  # NaN positions left out of the mean
+    assert _scalars(out, "queue/depth")[0][1] == 3.0
+    assert _scalars(out, "rank0/rss_mb")[-1] == (12, pytest.approx(1012.0))
+    assert _scalars(out, "checkpoint/gib")[-1] == (12, pytest.approx(1.0))
+    state = json.loads((out / STATE_FILE).read_text())
+    assert state["events_offset"] == events.stat().st_size and state["last_step"] == 12
+
+    # the run goes on: a second export adds only what is new
+    for step in (13, 14):
+        w.emit("step", step=step, epoch=0, loss=1.0, acc=[0.5], lr=1e-3, grad_norm=1.0, tokens=100,
+               tokens_per_s=500.0, step_time_s=0.25, queue_depth=3, queue_wait_s=0.0, recompiles=0, total_steps=20)
+    w.close()
+    r = opsctl(hosts, "export", "box", "r", "--tensorboard", str(out))
+    assert r.returncode == 0 and "2 steps" in r.stderr, r.stderr
+    assert [s for s, _ in _scalars(out, "train/loss")] == list(range(1, 15))
+
+    # one directory per run: exporting another run into it is refused, naming the one it holds
+    hosts2 = sshd.write_hosts_yaml(tmp_path / "hosts2.yaml", runs={"other": script_run(tmp_path, "ok_run.py")})
+    r = opsctl(hosts2, "export", "box", "other", "--tensorboard", str(out))
+    assert r.returncode == 2 and "holds the export of box:r" in r.stderr, r.stderr
+
+
+def test_gpu_samples_become_per_gpu_scalars_at_the_current_step(tmp_path: Path) -> None:
+    tb = TensorBoardExport(tmp_path)
+    tb.event({"kind": "step", "ts": 10.0, "step": 5, "loss": 1.0})
+    tb.gpu_sample({"t": "gpu", "ts": 11.0, "gpus": [
+        {"index": 0, "util": 97, "mem_used_mb": 70000, "mem_total_mb": 81559, "power_w": 650.5, "temp_c": 71,
+         "sm_clock_mhz": 1980, "procs": [{"pid": 1, "used_mb": 69000}]},
+        {"index": 1, "util": None, "mem_used_mb": 10, "power_w": None, "temp_c": 30}]})
+    tb.close()
+    assert _scalars(tmp_path, "gpu0/util_pct") == [(5, 97.0)]
+    assert _scalars(tmp_path, "gpu0/power_w") == [(5, pytest.approx(650.5))]
+    assert _scalars(tmp_path, "gpu1/mem_used_mb") == [(5, 10.0)]
+    assert "gpu1/util_pct" not in EventAccumulator(str(tmp_path)).Reload().Tags()["scalars"]
