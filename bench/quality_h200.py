@@ -147,6 +147,29 @@ def loop_costs(lm: Any, drafter: Any, prompt: list[int], block: int, reps: int =
     return out
 
 
+def diagnose(lm: Any, drafter: Any, data_dir: Path, drafter_dir: Path, target: Any, dev: torch.device) -> dict[str, Any]:
+    """Train/serve consistency, measured: the eval path's teacher-forced accuracy on records the drafter trained on
+    (vs the last training step's acc: equal up to noise unless the training path computes something else), and the
+    target's packed varlen taps vs Hugging Face's own forward on the same records."""
+    from dflash.eval import teacher_forced_accuracy
+
+    recs = [json.loads(line) for line in (data_dir / "regen.jsonl").read_text().splitlines()[:12]]
+    seqs, plens = [r["input_ids"] for r in recs], [r["prompt_tokens"] for r in recs]
+    tf = teacher_forced_accuracy(drafter, lm, seqs, plens)["all"]
+    steps = [json.loads(line) for line in (drafter_dir / "events.jsonl").read_text().splitlines()
+             if '"kind":"step"' in line.replace(" ", "")]
+    out: dict[str, Any] = {"tf_acc_on_training_records": tf[:4], "last_training_acc": steps[-1]["acc"][:4]}
+    if dev.type == "cuda" and target.packing == "varlen":
+        target.tap_layers = list(lm.tap_layers)
+        ids = torch.tensor([t for s in seqs[:3] for t in s], device=dev)[None]
+        cu = torch.tensor([0, *torch.cumsum(torch.tensor([len(s) for s in seqs[:3]]), 0).tolist()], device=dev,
+                          dtype=torch.int32)
+        packed = target.hidden_states_packed(ids, cu)[0].float()
+        ref = torch.cat([lm.forward(s, 0, None, keep=1)[1] for s in seqs[:3]]).float()
+        out["varlen_vs_hf_taps_rel_err"] = round(float((packed - ref).norm() / ref.norm()), 6)
+    return out
+
+
 def probe(dev: torch.device, block: int) -> int:
     """Where a decoding step's time goes, before anything is trained: loop costs in float32 and bfloat16, and the
     profiler's top operators over a few greedy decode steps (the loop has been host-bound on the GPU)."""
@@ -184,21 +207,26 @@ def main() -> int:
     ap.add_argument("--stdlib-chars", type=int, default=6_000_000)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--pretrain-steps", type=int, default=2400)
-    ap.add_argument("--pretrain-seconds", type=float, default=120.0, help="wall-clock budget of target pretraining")
+    ap.add_argument("--pretrain-seconds", type=float, default=100.0, help="wall-clock budget of target pretraining")
     ap.add_argument("--regen-prompts", type=int, default=0,
                     help="prompts to regenerate, spread over the corpus (0 = every prompt of the train files)")
     ap.add_argument("--regen-batch", type=int, default=1024, help="prompts decoded together (the loop is host-bound)")
-    ap.add_argument("--regen-seconds", type=float, default=90.0, help="wall-clock budget of regeneration")
-    ap.add_argument("--drafter-steps", type=int, default=800)
+    ap.add_argument("--regen-seconds", type=float, default=70.0, help="wall-clock budget of regeneration")
+    ap.add_argument("--drafter-steps", type=int, default=700)
     ap.add_argument("--drafter-lr", type=float, default=8e-4)
     ap.add_argument("--anchors", type=int, default=1024, help="anchors (blocks) per training step")
     ap.add_argument("--train-block", type=int, default=16,
                     help="the drafter's training block size; it is evaluated at every --blocks size")
-    ap.add_argument("--eval-prompts", type=int, default=12)
+    ap.add_argument("--eval-prompts", type=int, default=10)
     ap.add_argument("--eval-new-tokens", type=int, default=128)
     ap.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="target and drafter dtype in evaluation; float32 makes the lossless check free of bf16 ties")
     ap.add_argument("--blocks", default="8,16", help="block sizes to evaluate the drafter at")
+    ap.add_argument("--drafter-attention", default="dense", choices=["auto", "dense", "flex"],
+                    help="drafter attention in training (dense: exact and no compile time; flex: compiled)")
+    ap.add_argument("--drafter-compile", default="false", choices=["auto", "true", "false"])
+    ap.add_argument("--packing", default="pad", choices=["auto", "pad", "varlen"],
+                    help="how the target's forward packs documents in drafter training (eval always runs HF's own)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU: checks the plumbing, not the numbers")
     ap.add_argument("--probe", action="store_true",
                     help="only time the decoding loop's pieces on a random-init target of the bench's size, then exit")
@@ -252,9 +280,9 @@ def main() -> int:
                  "tokenizer_cache": str(work / "tokenizer")},
         "drafter": {"num_layers": 1 if smoke else 2, "num_heads": 4 if smoke else 16,
                     "num_kv_heads": 2 if smoke else 4, "block_size": 16, "num_anchors": 64 if smoke else args.anchors,
-                    "attention": "dense" if smoke else "auto"},
+                    "attention": "dense" if smoke else args.drafter_attention},
         "train": {"lr": 3e-3 if smoke else args.drafter_lr, "warmup_frac": 0.04, "max_steps": 20 if smoke else args.drafter_steps,
-                  "checkpoint_every": 0, "heartbeat_s": 5.0, "log_every": 10, "compile": "false" if smoke else "auto"},
+                  "checkpoint_every": 0, "heartbeat_s": 5.0, "log_every": 10, "compile": "false" if smoke else args.drafter_compile},
     }
     cfg = config_from_dict(base, "<bench>")
     docs = read_documents(cfg.data)
@@ -283,7 +311,8 @@ def main() -> int:
     t0 = time.perf_counter()
     steps = 20 if smoke else args.drafter_steps
     b_train = args.train_block
-    run = {**base, "target": {"path": str(target_dir)}, "data": {**base["data"], "paths": [str(data_dir)]},
+    run = {**base, "target": {"path": str(target_dir), "packing": "pad" if smoke else args.packing},
+           "data": {**base["data"], "paths": [str(data_dir)]},
            "drafter": {**base["drafter"], "block_size": b_train, "loss_gamma": {8: 4.0, 10: 5.0}.get(b_train, 7.0)}}
     drafter_dir = work / f"drafter-b{b_train}"
     final = drafter_dir / "checkpoints" / f"step-{steps}"
@@ -313,6 +342,8 @@ def main() -> int:
     costs = loop_costs(lm, ck.drafter, prompts[0], b_train) if dev.type == "cuda" else {}
     if costs:
         print("loop costs (ms per call, synchronised): " + ", ".join(f"{k} {v}" for k, v in costs.items()))
+    diag = diagnose(lm, ck.drafter, data_dir, drafter_dir, target, dev)
+    print("diagnosis: " + json.dumps(diag), flush=True)
     refs = reference_generations(lm, prompts, n_new, [tok.eos_id])
     stage("eval_references", t0)
     results: dict[str, Any] = {}
@@ -331,7 +362,7 @@ def main() -> int:
            "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None, "smoke": smoke,
            "target": {"params": sum(p.numel() for p in target.model.parameters()), "pretrain": summary},
            "corpus": {"gutenberg_files": n_gut, "files": len(texts), "sdist": str(sdist) if sdist else None},
-           "stages_s": stages, "loop_costs_ms": costs, "total_s": round(time.perf_counter() - t_all, 1),
+           "stages_s": stages, "loop_costs_ms": costs, "diagnosis": diag, "total_s": round(time.perf_counter() - t_all, 1),
            "results": results, "argv": sys.argv}
     (work / "result.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     print(f"\ntarget: {out['target']['params'] / 1e6:.0f}M params, held-out loss {summary['loss']['val']:.3f} vs "
