@@ -27,6 +27,7 @@ from opsctl.alerts import AlertTracker
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
 from opsctl.inventory import BUILTIN, builtin_notice, discover, write_init
+from opsctl.progress import PhaseProgress
 from opsctl.runstate import RunState, RunView, attempt_clock, phase_progress, unreachable_view
 from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
 from opsctl.watch import (
@@ -161,6 +162,7 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
     host, run = ctx.resolve(host_name, run_name)
     assert run is not None
     t = ctx.transport(host)
+    phases = PhaseProgress(ctx.err)
     try:
         t0 = time.monotonic()
         preflight(ctx, host, t)
@@ -183,20 +185,25 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
                                   + (f", extra args {' '.join(extra_args)}".replace("[", r"\[") if extra_args else "")
                                   + f"  [{launched_at - t0:.2f} s]")
                 elif kind == "log":
-                    ctx.line(m["line"])
+                    if not (ctx.raw.isatty() and phases.line(m["line"])):  # above the bars on a terminal
+                        ctx.line(m["line"])
                     offsets["log_offset"] = m["end"]
                 elif kind == "event":
                     offsets["events_offset"] = m["end"]
                     ev = m["event"]
-                    if ev.get("kind") == "phase":
-                        ctx.err.print(f"[dim]phase {phase_progress(ev.get('phase'), ev.get('i'), ev.get('n'))}[/]")
+                    if ev.get("kind") == "phase" and ev.get("phase") != "training":
+                        phases.update(ev.get("phase"), ev.get("i"), ev.get("n"), ev.get("detail"))
+                    elif ev.get("kind") in ("step", "run_end") or ev.get("phase") == "training":
+                        phases.stop()
                 elif kind == "verdict":
+                    phases.stop()
                     _launch_verdict(ctx, m, state, run, t0)
                 elif kind == "error":
                     ctx.err.print(f"[red]agent: {m.get('message')}[/]")
                 elif kind == "bye":
                     rc = int(m["rc"])
         except TransportError as exc:
+            phases.stop()
             if launched_at is None:
                 raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
             ctx.err.print(f"[yellow]{exc}; the run keeps going: reconnecting to follow it[/]")
@@ -205,6 +212,7 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
             return cmd_logs(ctx, host_name, run_name, follow=True, _offsets=offsets)
         return EXIT_FAILED if rc is None else rc
     finally:
+        phases.stop()  # Ctrl-C included: leave the terminal's cursor and bars as they are
         t.close()
 
 
