@@ -12,6 +12,7 @@ import math
 import random
 import statistics
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -144,40 +145,84 @@ def sample_buffer_pairs(cfg: RunConfig, arrays: dict[str, torch.Tensor], seed: i
     return anchor_pairs(cfg, batch, anchors)
 
 
-class Events:
-    """Named CUDA events on the current stream; elapsed milliseconds between any two (GPU time, not host time)."""
+class _HostEvent:
+    """A CPU stand-in for torch.cuda.Event: CPU ops run synchronously, so the host clock at record() is their time."""
 
-    def __init__(self) -> None:
-        self.marks: dict[str, torch.cuda.Event] = {}
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other: _HostEvent) -> float:
+        return (other.t - self.t) * 1e3
+
+
+class Dev:
+    """The few device operations the benches need, on CUDA, or on the CPU for --cpu-smoke (checking the scripts'
+    own logic end to end on a machine without a GPU; its figures are not GPU figures and say so)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def event(self) -> Any:
+        return torch.cuda.Event(enable_timing=True) if self.cuda else _HostEvent()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else 0
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated() if self.cuda else 0
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name() if self.cuda else "cpu (smoke run: not GPU figures)"
+
+
+class Events:
+    """Named events on the current stream; elapsed milliseconds between any two (GPU time, not host time)."""
+
+    def __init__(self, dev: Dev) -> None:
+        self.dev = dev
+        self.marks: dict[str, Any] = {}
 
     def mark(self, name: str) -> None:
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = self.dev.event()
         ev.record()
         self.marks[name] = ev
 
     def ms(self, a: str, b: str) -> float:
-        return self.marks[a].elapsed_time(self.marks[b])
+        return float(self.marks[a].elapsed_time(self.marks[b]))
 
 
-def time_cuda(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[list[float], Any]:
+def time_cuda(fn: Callable[[], Any], repeats: int, dev: Dev, warmup: int = 1) -> tuple[list[float], Any]:
     """Milliseconds of `fn` on the GPU (events around each call, synchronised once at the end), and its last result."""
     out = None
     for _ in range(warmup):
         out = fn()
-    torch.cuda.synchronize()
+    dev.sync()
     pairs = []
     for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a, b = dev.event(), dev.event()
         a.record()
         out = fn()
         b.record()
         pairs.append((a, b))
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in pairs], out
+    dev.sync()
+    return [float(a.elapsed_time(b)) for a, b in pairs], out
 
 
-def count_host_syncs(fn: Callable[[], Any]) -> tuple[int, list[str]]:
+def count_host_syncs(fn: Callable[[], Any], dev: Dev) -> tuple[int, list[str]]:
     """How many synchronising CUDA calls `fn` makes (torch's sync debug mode), with the first few call sites."""
+    if not dev.cuda:
+        fn()
+        return 0, ["n/a on cpu"]
     prev = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -216,7 +261,10 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def require_cuda(script: str, hint: str = "") -> None:
-    """Refuse to time anything without a GPU: CPU figures would be taken for GPU ones."""
+def require_cuda(script: str, hint: str = "", cpu_smoke: bool = False) -> Dev:
+    """Refuse to time anything without a GPU (CPU figures would be taken for GPU ones), unless this is a smoke run."""
+    if cpu_smoke:
+        return Dev(torch.device("cpu"))
     if not torch.cuda.is_available():
         raise SystemExit(f"{script}: needs a CUDA GPU (none here){hint}")
+    return Dev(torch.device("cuda"))

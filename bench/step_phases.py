@@ -67,10 +67,11 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     from dflash.model import DFlashDrafter, sample_anchors
     from dflash.target import Target
 
-    benchlib.require_cuda("bench/step_phases.py", "; --dry-run prints the FLOPs model without one")
+    dev = benchlib.require_cuda("bench/step_phases.py", "; --dry-run prints the FLOPs model without one",
+                                args.cpu_smoke)
     cfg = benchlib.load(args.config, args.vocab, args.attention)
-    device = torch.device("cuda")
-    peak = measure_matmul_tflops(device)
+    device = dev.device
+    peak = measure_matmul_tflops(device) if dev.cuda else measure_matmul_tflops(device, 256, 4, torch.float32)
     print(f"bf16 matmul rate measured: {peak:.0f} TFLOP/s", flush=True)
     costs, taps, text = benchlib.target_costs(cfg)
     total = args.warmup + args.steps
@@ -89,7 +90,6 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     step_model = torch.compile(drafter, backend=t.compile_backend) if compiled else drafter
     gen = torch.Generator(device=device).manual_seed(t.seed)
     n = cfg.data.token_budget
-    ev_prev: benchlib.Events | None = None
     per_step: list[dict[str, Any]] = []
     fallbacks: list[str] = []
     frames_warm = hits_warm = 0
@@ -98,7 +98,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     def one_step(i: int, pieces: Any) -> dict[str, Any]:
         """One step as dflash train runs it, with CUDA events at the phase boundaries (labelled for the profiler)."""
         nonlocal fallbacks
-        ev = benchlib.Events()
+        ev = benchlib.Events(dev)
         h0 = time.perf_counter()
         with rf("phase:data"):
             host = prepare_buffer(corpus, pieces, n, target.packing, fixed_shape=args.fixed_shape)
@@ -113,7 +113,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         with rf("phase:drafter"):
             anchors, keep = sample_anchors(batch, dcfg.num_anchors, dcfg.block_size, gen)
             drafter.train()
-            with FlexWarningWatch() as watch, torch.autocast("cuda", dtype=torch.bfloat16):
+            with FlexWarningWatch() as watch, torch.autocast(device.type, dtype=torch.bfloat16, enabled=dev.cuda):
                 out = step_model(batch, target.embed_tokens, target.lm_head, anchors=anchors, keep=keep)
             out.loss.backward()
         drafter_enqueue_s = time.perf_counter() - h2
@@ -133,22 +133,20 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
 
     for i, pieces in enumerate(buffers[:total]):
         if i == args.warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            dev.sync()
+            dev.reset_peak()
             frames_warm, hits_warm = dynamo_counts()["frames"], recompile_limit_hits()
         rec = one_step(i, pieces)
-        rec["prev"] = ev_prev
         per_step.append(rec)
-        ev_prev = rec["ev"]
         if i == 0:
             print(f"first step (compiles) {rec['wall_s']:.1f} s", flush=True)
     profile: dict[str, Any] | None = None
     if args.profile_steps:
-        torch.cuda.synchronize()
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        dev.sync()
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.cuda else [])
         with torch.profiler.profile(activities=acts) as prof:
             prof_recs = [one_step(total + j, p) for j, p in enumerate(buffers[total:])]
-        torch.cuda.synchronize()
+        dev.sync()
         kernels = benchlib.kernel_ms(prof, len(prof_recs))
         ev_ms = {k: benchlib.median([r["ev"].ms(a, b) for r in prof_recs])
                  for k, (a, b) in {"target": ("start", "target"), "drafter": ("target", "drafter"),
@@ -156,22 +154,23 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         profile = {"steps": len(prof_recs), "kernel_ms": {k: round(v, 1) for k, v in kernels.items()},
                    "event_ms": {k: round(v, 1) for k, v in ev_ms.items()},
                    "gpu_busy_in_phase": {k: round(kernels.get(k, 0.0) / v, 3) for k, v in ev_ms.items() if v > 0}}
-    torch.cuda.synchronize()
-    peak_mem = torch.cuda.max_memory_allocated() / 2**30
+    dev.sync()
+    peak_mem = dev.peak() / 2**30
     recompiles = dynamo_counts()["frames"] - frames_warm
     limit_hits = recompile_limit_hits() - hits_warm
     timed = per_step[args.warmup:]
     hidden, vocab = target.hidden_size, target.vocab_size
     rows_ms: dict[str, list[float]] = {k: [] for k in ("target", "drafter", "optimizer", "gap", "step")}
     fl: dict[str, list[float]] = {k: [] for k in ("target", "drafter", "drafter_hw", "tokens")}
-    for rec in timed:
-        ev, prev = rec["ev"], rec["prev"]
+    for j, rec in enumerate(timed):
+        ev = rec["ev"]
         rows_ms["target"].append(ev.ms("start", "target"))
         rows_ms["drafter"].append(ev.ms("target", "drafter"))
         rows_ms["optimizer"].append(ev.ms("drafter", "optimizer"))
-        if prev is not None:
-            rows_ms["gap"].append(prev.marks["optimizer"].elapsed_time(ev.marks["start"]))
-            rows_ms["step"].append(prev.marks["start"].elapsed_time(ev.marks["start"]))
+        if j + 1 < len(timed):  # a step ends where the next one's target forward starts
+            nxt = timed[j + 1]["ev"]
+            rows_ms["gap"].append(float(ev.marks["optimizer"].elapsed_time(nxt.marks["start"])))
+            rows_ms["step"].append(float(ev.marks["start"].elapsed_time(nxt.marks["start"])))
         pairs = benchlib.anchor_pairs(cfg, benchlib.host_batch(rec["arrays"]), rec["anchors"].cpu())
         f = benchlib.buffer_flops(cfg, costs, taps, hidden, vocab, rec["pieces"], pairs)
         for k in fl:
@@ -192,9 +191,9 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
                {"tokens_per_s": round(mean_fl["tokens"] / s("step"))}),
     ]
     syncs, where = benchlib.count_host_syncs(lambda: run_target(target, prepare_buffer(
-        corpus, buffers[-1], n, target.packing, fixed_shape=args.fixed_shape), n))
+        corpus, buffers[-1], n, target.packing, fixed_shape=args.fixed_shape), n), dev)
     return {
-        "config": args.config, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "config": args.config, "device": dev.name(), "torch": torch.__version__,
         "bf16_matmul_tflops": round(peak, 1), "steps_timed": len(timed), "warmup": args.warmup,
         "first_step_s": round(per_step[0]["wall_s"], 1), "real_tokens_per_step": round(mean_fl["tokens"]),
         "target": {"layers_run": max(taps) + 1, "of": target.num_layers, "vocab": vocab, "packing": target.packing,
@@ -232,13 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed first steps: compile, allocator (default 3)")
     p.add_argument("--vocab", type=int, help="override target.arch.vocab_size (e.g. 248320, the real LM-head cost)")
-    p.add_argument("--attention", choices=("sdpa", "varlen", "flex_attention"), help="override target.attention")
+    p.add_argument("--attention", choices=("sdpa", "varlen"), help="override target.attention")
     p.add_argument("--fixed-shape", action="store_true", help="pad every packed target row to token_budget")
     p.add_argument("--profile-steps", type=int, default=2,
                    help="extra steps under torch.profiler: GPU kernel time per phase against its event time, i.e. how "
                         "much of a phase the GPU sat waiting for the host (default 2; 0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="print the FLOPs model of a step; needs no GPU")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="run the timed path on the CPU to check this script end to end (tiny configs; not GPU figures)")
     p.add_argument("--buffers", type=int, default=4, help="--dry-run: synthetic buffers averaged (default 4)")
     p.add_argument("--peak-tflops", type=float, default=788.0,
                    help="--dry-run: the rate for 'ms at 100%% MFU' (default 788, measured on an H200)")

@@ -2,7 +2,7 @@
 
 Rows (one H200, the config's random-init target, its own weights shared by every row):
   project varlen/<attention>  the packed token-budget buffer through Target.hidden_states_packed (fla varlen for the
-                              linear layers; full attention by sdpa / varlen / flex_attention), up to the deepest tap
+                              linear layers; full attention by sdpa or varlen), up to the deepest tap
   project varlen fixed-shape  the same, the row always token_budget long (tail = one dummy document)
   project padded              the same documents as right-padded rows through Target.hidden_states
   hf padded docs              plain transformers, the same documents as right-padded rows, all layers + LM head
@@ -33,8 +33,7 @@ import torch  # noqa: E402
 from dflash.config import ConfigError  # noqa: E402
 from dflash.flops import as_row, measure_matmul_tflops, target_forward_flops  # noqa: E402
 from dflash.pipeline import prepare_buffer  # noqa: E402
-
-ATTENTIONS = ("sdpa", "varlen", "flex_attention")
+from dflash.target import ATTENTIONS  # noqa: E402
 
 
 def parse_rows(text: str) -> list[tuple[int, int]]:
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("config", help="a dflash run config (e.g. bench/h200-27b-like.yaml)")
     p.add_argument("--attention", type=parse_attentions, default=list(ATTENTIONS),
-                   help="project rows' full-attention implementations (default sdpa,varlen,flex_attention)")
+                   help="project rows' full-attention implementations (default sdpa,varlen)")
     p.add_argument("--rows", type=parse_rows, default=[(8, 2048), (1, 16384)],
                    help="plain transformers dense rows RxT (default 8x2048,1x16384)")
     p.add_argument("--vocab", type=int, help="override target.arch.vocab_size")
@@ -69,28 +68,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-fixed-shape", action="store_true", help="skip the fixed-shape row")
     p.add_argument("--json", help="also write the report here")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="run on the CPU to check this script end to end (tiny configs; packed rows fail there: no fla)")
     args = p.parse_args(argv)
-    benchlib.require_cuda("bench/target_forward.py")
-    report = run(args)
+    dev = benchlib.require_cuda("bench/target_forward.py", cpu_smoke=args.cpu_smoke)
+    report = run(args, dev)
     print(json.dumps(report, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 0
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, dev: benchlib.Dev) -> dict[str, Any]:
     from dflash.target import Target, register_varlen_attention
 
     cfg = benchlib.load(args.config, args.vocab)
-    device = torch.device("cuda")
-    peak = measure_matmul_tflops(device)
+    device = dev.device
+    peak = measure_matmul_tflops(device) if dev.cuda else measure_matmul_tflops(device, 256, 4, torch.float32)
     print(f"bf16 matmul rate measured: {peak:.0f} TFLOP/s", flush=True)
     costs, taps, text = benchlib.target_costs(cfg)
     t0 = time.perf_counter()
     target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=cfg.data.vocab_size)
     print(f"target built in {time.perf_counter() - t0:.1f} s: {target.num_layers} layers, packing {target.packing}, "
           f"kernels {target.kernels}", flush=True)
-    if target.packing != "varlen":
+    if target.packing != "varlen" and dev.cuda:
         raise SystemExit("bench/target_forward.py: the target is not on the varlen path (fla + causal-conv1d "
                          f"missing? kernels {target.kernels}); nothing to compare")
     corpus, buffers = benchlib.synthetic_buffers(cfg, 1, args.seed)
@@ -104,13 +105,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = target.model
 
     def measure(name: str, fn: Callable[[], Any], flops: float, tokens: int, extra: dict[str, Any]) -> Any:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        times, out = benchlib.time_cuda(fn, args.repeats)
-        mem = (torch.cuda.max_memory_allocated() - base) / 2**30
-        syncs, where = benchlib.count_host_syncs(fn)
+        dev.sync()
+        dev.reset_peak()
+        base = dev.allocated()
+        times, out = benchlib.time_cuda(fn, args.repeats, dev)
+        mem = (dev.peak() - base) / 2**30
+        syncs, where = benchlib.count_host_syncs(fn, dev)
         ms = benchlib.median(times)
         row = as_row(name, flops, ms / 1e3, peak, {"tokens": tokens, "tok_per_s": round(tokens / ms * 1e3),
                                                    "extra_mem_gib": round(mem, 2), "host_syncs": syncs,
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         assert host.packed_ids is not None and host.cu_seqlens is not None
         pid, cu = host.packed_ids, host.cu_seqlens
         try:
-            model.set_attn_implementation(register_varlen_attention() if attention == "varlen" else attention)
+            model.set_attn_implementation(register_varlen_attention() if attention == "varlen" else "sdpa")
             out = measure(f"project varlen ({attention})", lambda pid=pid, cu=cu: target.hidden_states_packed(pid, cu),
                           proj_flops, real, {})
             rows[-1]["max_rel_err_vs_padded"] = round(worst_doc_error(out[0]), 5)
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"\nbest project row {summary['best_project']}: {summary['best_project_tok_per_s']} tok/s = "
           f"{summary['ratio_vs_hf_padded_docs']}x plain transformers on the same documents, "
           f"{summary['ratio_vs_best_hf']}x its best row", flush=True)
-    return {"config": args.config, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    return {"config": args.config, "device": dev.name(), "torch": torch.__version__,
             "bf16_matmul_tflops": round(peak, 1), "real_tokens": real, "documents": lengths,
             "layers_run": layers_run, "layers": all_layers, "vocab": vocab, "rows": rows, "summary": summary}
 

@@ -83,8 +83,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PACKINGS = ("auto", "pad", "varlen")
 # target.attention: how the full-attention layers attend. sdpa: transformers' default (a packed row gets a
 # block-diagonal mask, which SDPA runs densely); varlen: PyTorch's fused varlen flash attention over the documents'
-# cu_seqlens; flex_attention: transformers' flex path (a compiled document mask).
-ATTENTIONS = ("sdpa", "varlen", "flex_attention")
+# cu_seqlens. (transformers' flex_attention path is not offered: Qwen3.5 models refuse it.)
+ATTENTIONS = ("sdpa", "varlen")
 VARLEN_ATTENTION = "document_varlen"  # registered in transformers' AttentionInterface ("flash" in a name means flash-attn to it)
 _ARCH_POSITIVE = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "vocab_size")
@@ -128,7 +128,7 @@ class TargetConfig:
     packing: str = "auto"  # auto: varlen only if fla (+ causal-conv1d) is really bound, else pad; "pad" | "varlen"
     seed: int = 0  # random-init seed (deterministic weights)
     allow_slow_kernels: bool = False
-    attention: str = "sdpa"  # full-attention layers: sdpa | varlen | flex_attention (see ATTENTIONS)
+    attention: str = "sdpa"  # full-attention layers: sdpa | varlen (see ATTENTIONS)
 
 
 def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:

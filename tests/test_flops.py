@@ -4,6 +4,8 @@ FlopCounterMode on real CPU forwards and backwards.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -184,7 +186,7 @@ def test_target_forward_bench_parses_its_rows_and_refuses_a_cpu_run() -> None:
     for bad in ("8y2", "0x5"):
         with pytest.raises(Exception, match="expected RxT"):
             target_forward.parse_rows(bad)
-    with pytest.raises(Exception, match="choose from sdpa, varlen, flex_attention"):
+    with pytest.raises(Exception, match="choose from sdpa, varlen, got"):
         target_forward.parse_attentions("flash")
     if not torch.cuda.is_available():
         run = subprocess.run([sys.executable, str(root / "bench" / "target_forward.py"),
@@ -208,3 +210,45 @@ def test_kernel_time_per_labelled_phase_reads_a_real_profiler_run() -> None:
                 torch.randn(8).sum()
     got = benchlib.kernel_ms(prof, steps=2)
     assert got == {"target": 0.0, "drafter": 0.0, "all_kernels": 0.0}
+
+
+def test_both_benches_run_end_to_end_in_a_cpu_smoke_run(tmp_path: Path) -> None:
+    """--cpu-smoke runs the timed paths of bench/step_phases.py and bench/target_forward.py on this CPU with a tiny
+    config: every phase is timed and has its FLOPs, the step is whole, and target_forward's packed rows (fla-only)
+    fail as named rows while the padded and plain-transformers rows are measured. Not GPU figures."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+    from dflash_fixtures import tiny_run_yaml
+
+    cfg = tiny_run_yaml(drafter={"mask_token_id": 511, "layer_sliding_windows": [8]}, train={"compile": "false"})
+    cfg["target"]["tap_layers"] = [1, 2]
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    root = Path(__file__).resolve().parents[1]
+
+    def run(script: str, *extra: str) -> dict[str, object]:
+        out = subprocess.run([sys.executable, str(root / "bench" / script), str(path), "--cpu-smoke", *extra],
+                             capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    steps = run("step_phases.py", "--steps", "3", "--warmup", "1", "--profile-steps", "1")
+    assert steps["device"].startswith("cpu (smoke run") and steps["steps_timed"] == 3
+    phases = {r["phase"]: r for r in steps["phases"]}  # type: ignore[union-attr]
+    assert list(phases) == ["data (host)", "target forward", "drafter fwd+bwd", "optimizer", "host gap (GPU idle)",
+                            "step"]
+    assert all(phases[p]["ms"] > 0 for p in ("target forward", "drafter fwd+bwd", "optimizer", "step"))
+    assert phases["step"]["tflop"] == pytest.approx(phases["target forward"]["tflop"] + phases["drafter fwd+bwd"]["tflop"],
+                                                    abs=2e-3)
+    assert phases["drafter fwd+bwd"]["hfu"] >= phases["drafter fwd+bwd"]["mfu"] > 0
+    assert steps["target"] == {"layers_run": 3, "of": 4, "vocab": 512, "packing": "pad", "attention": "sdpa",
+                               "fixed_shape": False}
+    assert steps["profile"]["steps"] == 1 and steps["recompile_limit_hits"] == 0  # type: ignore[index]
+    fwd = run("target_forward.py", "--rows", "2x64", "--repeats", "2")
+    rows = {r["phase"]: r for r in fwd["rows"]}  # type: ignore[union-attr]
+    assert "error" in rows["project varlen (varlen)"] and "packing=varlen" in rows["project varlen (varlen)"]["error"]
+    for name in ("project padded (sdpa)", "hf padded docs (+LM head)", "hf 2x64 (decoder only)"):
+        assert rows[name]["tok_per_s"] > 0 and rows[name]["mfu"] > 0
+    assert fwd["summary"]["best_project"] == "project padded (sdpa)"  # type: ignore[index]

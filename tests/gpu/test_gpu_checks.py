@@ -305,11 +305,11 @@ def test_load_from_directory_onto_the_gpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not HAVE_FAST, reason="needs flash-linear-attention and causal-conv1d")
-@pytest.mark.parametrize("attention", ["varlen", "flex_attention"])
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
 def test_target_attention_options_equal_padded_per_document(attention: str) -> None:
-    """target.attention varlen (PyTorch's varlen flash attention) and flex_attention (transformers' document mask)
-    give every packed document the states the padded forward gives it; so does a fixed-shape row (token budget,
-    the tail one dummy document) through the pipeline."""
+    """target.attention varlen (PyTorch's varlen flash attention) gives every packed document the states the padded
+    forward gives it, as sdpa does; so does a fixed-shape row (token budget, the tail one dummy document) through
+    the pipeline."""
     from dflash.data import TokenizedCorpus
     from dflash.pipeline import compute_batch
 
