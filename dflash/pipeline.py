@@ -23,6 +23,7 @@ from torch import nn
 from dflash.config import DistConfig
 from dflash.data import Piece, Schedule, TokenizedCorpus, buffer_arrays, buffer_rows
 from dflash.model import DraftBatch
+from dflash.target import to_device
 
 Key = tuple[int, int]  # (epoch, buffer index in that epoch's schedule)
 
@@ -241,7 +242,9 @@ def run_target(target: Any, host: HostBuffer, token_budget: int) -> DraftBatch:
         hs = target.hidden_states(ids, att)  # [R, T, KH]
         hidden = torch.zeros(token_budget, kh, dtype=target.dtype, device=target.device)
         hidden[:real] = hs[att.to(hs.device).bool()]  # row-major order == the packed order of buffer_arrays
-    a = host.arrays
+    # The small per-token arrays follow on the same stream without a sync: a plain (pageable) host-to-device copy
+    # later, in the drafter step, would make the host wait for this whole forward before launching the drafter.
+    a = {k: to_device(v, target.device) for k, v in host.arrays.items()}
     return DraftBatch(hidden=hidden, input_ids=a["input_ids"], loss_mask=a["loss_mask"],
                       position_ids=a["position_ids"], doc_ids=a["doc_ids"])
 

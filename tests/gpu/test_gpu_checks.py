@@ -335,6 +335,8 @@ def test_target_attention_options_equal_padded_per_document(attention: str) -> N
           f"{rel(fixed.hidden, loose.hidden):.2e}")
     assert max(errors) < 2e-2
     assert rel(fixed.hidden, loose.hidden) < 1e-2 and not fixed.hidden[sum(lengths):].any()
+    # the whole batch is on the GPU already: the drafter step's batch.to(device) copies (and waits for) nothing
+    assert {t.device.type for t in (fixed.input_ids, fixed.loss_mask, fixed.position_ids, fixed.doc_ids)} == {"cuda"}
 
 
 def test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_back() -> None:
