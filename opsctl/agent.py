@@ -427,13 +427,12 @@ class ProcWatch:
             state = "running"
             self.gone_since = None
         elif isinstance(pid, int):
-            # The wrapper writes exit_code right after the run ends; if it never does (wrapper killed),
-            # call the run exited after a short grace.
+            # The wrapper writes exit_code right after the run ends: wait up to 1 s for it. A dead wrapper writes
+            # nothing more: exited at once (a one-shot status or history must not say running).
             now = time.monotonic()
             self.gone_since = self.gone_since or now
-            wrapper = info.get("wrapper_pid")
-            wrapper_alive = isinstance(wrapper, int) and alive(wrapper)
-            state = "exited" if (now - self.gone_since > (1.0 if wrapper_alive else 0.3)) else "running"
+            wrapper_alive = wrapper_of(info) is not None
+            state = "exited" if (not wrapper_alive or now - self.gone_since > 1.0) else "running"
         else:
             state = "absent"
         # The `killed` marker (written by `kill`, removed by `launch`) rides on every `proc` message, so a stream

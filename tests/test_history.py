@@ -7,7 +7,9 @@ Through the real CLI on the local host (tmux, the wrapper); the shared rules (lo
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
-from agentlib import kill_tmux, opsctl, script_run  # noqa: E402
+from agentlib import cleanup, drive, kill_tmux, of, opsctl, run_args, script_run  # noqa: E402
 
 from opsctl import agent_wrapper as w  # noqa: E402
 from opsctl import commands  # noqa: E402
@@ -96,6 +98,22 @@ def test_arguments_without_a_double_dash_are_refused(tmp_path: Path, sshd) -> No
     r = opsctl(hosts, "launch", "local", "r", "200")
     assert r.returncode == commands.EXIT_USAGE and "go after --" in r.stderr, r.stderr
     assert not (tmp_path / ".opsctl" / "r" / "history.jsonl").exists()  # nothing was launched, nor refused
+
+
+def test_an_attempt_whose_wrapper_died_is_lost(tmp_path: Path) -> None:
+    args = run_args(tmp_path, "ok_run.py", "--steps", "1000", "--step-time", "0.1")
+    try:
+        assert drive("launch", args)[0] == 0
+        attempts = of(drive("history", args)[1], "history")[0]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["running"]
+        info = json.loads((tmp_path / "state" / "pid").read_text())
+        os.kill(info["wrapper_pid"], signal.SIGKILL)  # a reboot, an OOM kill of the wrapper: no end recorded
+        os.kill(info["pid"], signal.SIGKILL)
+        time.sleep(0.5)
+        attempts = of(drive("history", args)[1], "history")[0]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["lost"] and attempts[0].get("ended") is None, attempts
+    finally:
+        cleanup(args)
 
 
 def test_history_maps_each_attempt_to_its_rotated_log(tmp_path: Path) -> None:

@@ -145,14 +145,16 @@ def test_a_run_that_always_crashes_stops_after_max(tmp_path: Path, sshd, ct: int
 
 def test_kill_never_restarts(tmp_path: Path, sshd, pct_host, ct: int) -> None:
     # a long attempt killed by opsctl: killed, no second attempt
-    run = script_run(tmp_path, "ok_run.py", "--steps", "1000", "--step-time", "0.1", kill_grace=[5, 5],
-                     restart={"when": "on-failure", "max": 3, "backoff_s": 0.2})
+    run = script_run(tmp_path, "ok_run.py", "--steps", "1000", "--step-time", "0.1", "--ckpt-dir",
+                     str(tmp_path / "ckpt"), kill_grace=[5, 5], restart={"when": "on-failure", "max": 3, "backoff_s": 0.2})
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={"r": run})
     assert opsctl(hosts, "launch", "box", "r").returncode == 0
     assert opsctl(hosts, "kill", "box", "r").returncode == 0
     time.sleep(1.0)
     assert status(hosts)["state"] == "killed"
-    assert [a["outcome"] for a in history(hosts)] == ["killed"]
+    (h,) = history(hosts)
+    assert h["outcome"] == "killed" and h["run_end"] == "signal" and h["exit_code"] == 0, h
+    assert h["checkpoint"] == str(tmp_path / "ckpt" / f"step{h['last_step']}.pt")  # the one the kill made
 
     # a crash, then `opsctl kill` during the back-off: the restart is cancelled
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={"r": flaky(tmp_path, 99, 3, 30.0)})
