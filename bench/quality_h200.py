@@ -207,21 +207,21 @@ def main() -> int:
     ap.add_argument("--stdlib-chars", type=int, default=6_000_000)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--pretrain-steps", type=int, default=2400)
-    ap.add_argument("--pretrain-seconds", type=float, default=100.0, help="wall-clock budget of target pretraining")
+    ap.add_argument("--pretrain-seconds", type=float, default=90.0, help="wall-clock budget of target pretraining")
     ap.add_argument("--regen-prompts", type=int, default=0,
                     help="prompts to regenerate, spread over the corpus (0 = every prompt of the train files)")
     ap.add_argument("--regen-batch", type=int, default=1024, help="prompts decoded together (the loop is host-bound)")
-    ap.add_argument("--regen-seconds", type=float, default=70.0, help="wall-clock budget of regeneration")
+    ap.add_argument("--regen-seconds", type=float, default=60.0, help="wall-clock budget of regeneration")
     ap.add_argument("--drafter-steps", type=int, default=700)
     ap.add_argument("--drafter-lr", type=float, default=8e-4)
     ap.add_argument("--anchors", type=int, default=1024, help="anchors (blocks) per training step")
     ap.add_argument("--train-block", type=int, default=16,
                     help="the drafter's training block size; it is evaluated at every --blocks size")
-    ap.add_argument("--eval-prompts", type=int, default=10)
+    ap.add_argument("--eval-prompts", type=int, default=8)
     ap.add_argument("--eval-new-tokens", type=int, default=128)
     ap.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="target and drafter dtype in evaluation; float32 makes the lossless check free of bf16 ties")
-    ap.add_argument("--blocks", default="8,16", help="block sizes to evaluate the drafter at")
+    ap.add_argument("--blocks", default="16,8", help="block sizes to evaluate the drafter at, in this order")
     ap.add_argument("--drafter-attention", default="dense", choices=["auto", "dense", "flex"],
                     help="drafter attention in training (dense: exact and no compile time; flex: compiled)")
     ap.add_argument("--drafter-compile", default="false", choices=["auto", "true", "false"])
