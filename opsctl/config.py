@@ -372,6 +372,7 @@ class Inventory(BaseModel):
     path: str | None = None  # the file it came from (None: the embedded default)
     hosts: dict[str, HostConfig]
     runs: dict[str, dict[str, RunConfig]]
+    groups: dict[str, Any] = {}  # name -> opsctl.group.Group (one run across several hosts; validated there)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -414,7 +415,7 @@ def _problems_from(err: ValidationError, lines: dict[tuple[str, ...], int], file
 
 
 _ALL_KEYS = (set(SSHSettings.model_fields) | set(_HostFile.model_fields) | set(RunConfig.model_fields)
-             | set(RestartPolicy.model_fields) | {"hosts"})
+             | set(RestartPolicy.model_fields) | {"hosts", "groups"})
 
 
 def _suggest_key(loc: tuple[str, ...], lines: dict[tuple[str, ...], int]) -> str:
@@ -530,6 +531,7 @@ def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | P
     raw, lines = _parse_yaml(text, file)
     if not isinstance(raw, dict):
         raise InventoryError([Problem(file, 1, "", "the top level must be a mapping with a `hosts:` key")])
+    groups_raw = raw.pop("groups", None)  # opsctl.group validates them once the hosts are known
     hosts_raw = raw.get("hosts")
     problems: list[Problem] = []
     if isinstance(hosts_raw, dict):
@@ -581,7 +583,10 @@ def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | P
                 problems.extend(e.problems)
     if problems:
         raise InventoryError(problems)
-    return Inventory(path=None, hosts=hosts, runs=runs)
+    from opsctl.group import parse_groups  # it builds on this module's run checks
+
+    groups = parse_groups(groups_raw, hosts, file, base, lines)
+    return Inventory(path=None, hosts=hosts, runs=runs, groups=groups)
 
 
 def default_inventory_path() -> Path | None:

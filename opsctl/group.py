@@ -1,0 +1,265 @@
+"""Groups: one training run across several hosts through torchrun's c10d rendezvous, handled as one run by opsctl.
+
+hosts.yaml `groups:` is validated here (members, head, port, GPUs); every verb on a group works through the per-host verbs.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from opsctl.config import (
+    NAME_RE,
+    HostConfig,
+    InventoryError,
+    Problem,
+    RunConfig,
+    _finish_run,
+    _line_for,
+    _problems_from,
+)
+
+NODE_PLACEHOLDER = "{node}"  # in a group run's paths and command: the node rank (members sharing a file system)
+TORCHRUN = ["{python}", "-m", "torch.distributed.run"]
+# The launcher options opsctl computes for every node: given by hand they would disagree between nodes.
+FILLED_OPTIONS = ("--nnodes", "--node-rank", "--node_rank", "--nproc-per-node", "--nproc_per_node", "--rdzv-backend",
+                  "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--rdzv-conf",
+                  "--rdzv_conf", "--local-addr", "--local_addr", "--master-addr", "--master_addr", "--master-port",
+                  "--master_port", "--standalone")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GroupRunFile(RunConfig):
+    """A run on a group: the fields of a host's run (one command for every node), plus how torchrun starts it."""
+
+    name: str = ""
+    nproc_per_node: int | None = Field(None, ge=1)  # default: the members' GPU count (their `gpus:` lists)
+    torchrun: list[str] = TORCHRUN  # the launcher argv; opsctl appends the rendezvous options, then `command`
+    max_restarts: int = Field(0, ge=0)  # torchrun's own in-place restarts of a node's workers
+
+    @field_validator("torchrun")
+    @classmethod
+    def _launcher(cls, v: list[str]) -> list[str]:
+        if not v or not v[0] or any("\x00" in a for a in v):
+            raise ValueError("torchrun is an argv list, e.g. ['{python}', -m, torch.distributed.run]")
+        return v
+
+
+class GroupFile(_Strict):
+    """A named set of hosts that run one job together; node i of the job is `members[i]`."""
+
+    members: list[str]
+    head: str | None = None  # the member that hosts the rendezvous store (default: the first)
+    port: int = Field(29400, ge=1, le=65535)  # the rendezvous port on the head
+    # where the other nodes reach the head, and where each node's workers listen (default: the member's ssh host)
+    addresses: dict[str, str] = {}
+    runs: dict[str, GroupRunFile] = {}
+
+    @field_validator("members")
+    @classmethod
+    def _members(cls, v: list[str]) -> list[str]:
+        if len(v) < 1:
+            raise ValueError("a group needs at least one member host")
+        dup = sorted({m for m in v if v.count(m) > 1})
+        if dup:
+            raise ValueError(f"member listed twice: {', '.join(dup)} (one node per host)")
+        return v
+
+    @field_validator("addresses")
+    @classmethod
+    def _addresses(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, a in v.items():
+            if not a or any(c.isspace() for c in a) or a.startswith("-"):
+                raise ValueError(f"address of {k} must be one host name or IP, got {a!r}")
+        return v
+
+
+@dataclass(frozen=True)
+class Node:
+    """One member's share of a group run: a normal run on its host, whose command is the torchrun line."""
+
+    index: int
+    host: HostConfig
+    run: RunConfig
+    address: str
+
+
+@dataclass(frozen=True)
+class GroupRun:
+    group: str
+    name: str
+    nodes: list[Node]
+    nproc_per_node: int
+    head: str  # HEAD:PORT as every node's --rdzv-endpoint says it
+    ready_timeout: float
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.nproc_per_node
+
+    def ranks(self, node: int) -> range:
+        """The global ranks of node `node` (torchrun numbers them node by node)."""
+        return range(node * self.nproc_per_node, (node + 1) * self.nproc_per_node)
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    members: list[str]
+    head: str
+    port: int
+    runs: dict[str, GroupRun]
+
+
+def _address(host: HostConfig, addresses: dict[str, str]) -> str:
+    if host.name in addresses:
+        return addresses[host.name]
+    if host.ssh is not None:
+        return host.ssh.host
+    return "127.0.0.1"
+
+
+def _subst(v: Any, node: int) -> Any:
+    if isinstance(v, str):
+        return v.replace(NODE_PLACEHOLDER, str(node))
+    if isinstance(v, list):
+        return [_subst(x, node) for x in v]
+    return v
+
+
+def node_command(launcher: list[str], g: str, r: str, n_nodes: int, i: int, nproc: int, endpoint: str,
+                 address: str, max_restarts: int, command: list[str]) -> list[str]:
+    """`torchrun --nnodes N --node-rank i ... COMMAND`: the one line that differs between nodes only in i and the
+    node's own address. The head hosts the c10d store (is_host), so two members on one machine never both try."""
+    return [*launcher, "--nnodes", str(n_nodes), "--node-rank", str(i), "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"{g}-{r}",
+            "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'}", "--local-addr", address,
+            "--max-restarts", str(max_restarts), *command]
+
+
+def parse_groups(raw: Any, hosts: dict[str, HostConfig], file: str, base: Path,
+                 lines: dict[tuple[str, ...], int]) -> dict[str, Group]:
+    """hosts.yaml `groups:` -> Group objects whose node runs went through the same checks as a host's runs.
+
+    Raises InventoryError with FILE:LINE problems, like the rest of the file."""
+    if raw is None:
+        return {}
+
+    def problem(loc: tuple[str, ...], msg: str) -> Problem:
+        return Problem(file, _line_for(lines, loc), ".".join(loc), msg)
+
+    if not isinstance(raw, dict):
+        raise InventoryError([problem(("groups",), "groups is a mapping of group name -> {members, runs, ...}")])
+    problems: list[Problem] = []
+    out: dict[str, Group] = {}
+    for gname, graw in raw.items():
+        gloc = ("groups", str(gname))
+        before = len(problems)
+        if not isinstance(gname, str) or not NAME_RE.match(gname):
+            problems.append(problem(gloc, "group names use letters, digits, '_', '.', '-' and start with a letter "
+                                          "or digit"))
+            continue
+        if gname in hosts:
+            problems.append(problem(gloc, f"'{gname}' is also a host name; a group needs a name of its own"))
+            continue
+        if isinstance(graw, dict) and isinstance(graw.get("runs"), dict):
+            for rname, rval in graw["runs"].items():
+                if isinstance(rval, dict):
+                    if "name" in rval:
+                        problems.append(problem((*gloc, "runs", str(rname), "name"),
+                                                "the name is the mapping key; remove this field"))
+                    rval["name"] = str(rname)
+        try:
+            gf = GroupFile.model_validate(graw)
+        except ValidationError as e:
+            sub = {k[2:]: v for k, v in lines.items() if k[:2] == gloc}
+            problems += [p._replace(field=".".join((*gloc, p.field)) if p.field else ".".join(gloc),
+                                    line=p.line if p.line is not None else _line_for(lines, gloc))
+                         for p in _problems_from(e, sub, file)]
+            continue
+        unknown = [m for m in gf.members if m not in hosts]
+        for m in unknown:
+            close = difflib.get_close_matches(m, list(hosts), n=1, cutoff=0.5)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            problems.append(problem((*gloc, "members"), f"unknown host '{m}'{hint}; known hosts: "
+                                                        f"{', '.join(sorted(hosts)) or 'none'}"))
+        for a in gf.addresses:
+            if a not in gf.members:
+                problems.append(problem((*gloc, "addresses", a), f"'{a}' is not a member of the group"))
+        if gf.head is not None and gf.head not in gf.members:
+            problems.append(problem((*gloc, "head"), f"head '{gf.head}' is not a member ({', '.join(gf.members)})"))
+        if len(problems) > before:
+            continue
+        # The head is node 0: torchrun's c10d store runs in its agent, and global rank 0 lives there.
+        head = gf.head or gf.members[0]
+        members = [head, *[m for m in gf.members if m != head]]
+        mhosts = [hosts[m] for m in members]
+        endpoint = f"{_address(hosts[head], gf.addresses)}:{gf.port}"
+        runs: dict[str, GroupRun] = {}
+        for rname, grun in gf.runs.items():
+            rloc = (*gloc, "runs", rname)
+            if not NAME_RE.match(rname):
+                problems.append(problem(rloc, "run names use letters, digits, '_', '.', '-' and start with a "
+                                              "letter or digit"))
+                continue
+            nproc, why = _nproc(grun.nproc_per_node, mhosts)
+            if why:
+                problems.append(problem((*rloc, "nproc_per_node"), why))
+                continue
+            if not isinstance(grun.command, list):
+                problems.append(problem((*rloc, "command"), "a group run's command is an argv list (the script "
+                                        "torchrun starts and its arguments, e.g. [-m, dflash, train, ...])"))
+                continue
+            filled = [a for a in [*grun.command, *grun.torchrun] if a.split("=")[0] in FILLED_OPTIONS]
+            if filled:
+                problems.append(problem((*rloc, "command"), f"{', '.join(filled)}: opsctl fills these for every "
+                                        "node (node rank, head address and port from the group); remove them"))
+                continue
+            nodes: list[Node] = []
+            for i, h in enumerate(mhosts):
+                data = grun.model_dump(exclude={"nproc_per_node", "torchrun", "max_restarts"})
+                data = {k: _subst(v, i) for k, v in data.items()}
+                data["name"] = f"{gname}-{rname}-node{i}"
+                addr = _address(h, gf.addresses)
+                data["command"] = node_command(_subst(grun.torchrun, i), gname, rname, len(mhosts), i, nproc,
+                                               endpoint, addr, grun.max_restarts, data["command"])
+                try:
+                    run = _finish_run(RunConfig.model_validate(data), h, base, file, rloc, lines)
+                except InventoryError as e:
+                    problems += [p._replace(message=f"on member {h.name}: {p.message}") for p in e.problems]
+                    break
+                except ValidationError as e:
+                    problems += [p._replace(message=f"on member {h.name}: {p.message}")
+                                 for p in _problems_from(e, lines, file)]
+                    break
+                nodes.append(Node(i, h, run, addr))
+            else:
+                runs[rname] = GroupRun(gname, rname, nodes, nproc, endpoint, grun.ready_timeout)
+        out[gname] = Group(gname, members, head, gf.port, runs)
+    if problems:
+        raise InventoryError(problems)
+    return out
+
+
+def _nproc(given: int | None, hosts: list[HostConfig]) -> tuple[int, str | None]:
+    """Processes per node: given, or the members' GPU count; a member with fewer listed GPUs is an error."""
+    counts = {h.name: len(h.gpus) for h in hosts if h.gpus is not None}
+    if given is None:
+        if not counts or len(counts) != len(hosts):
+            return 0, ("set nproc_per_node (processes per node), or list `gpus:` on every member "
+                       f"(missing on {', '.join(h.name for h in hosts if h.gpus is None)})")
+        if len(set(counts.values())) != 1:
+            return 0, ("members list different GPU counts (" + ", ".join(f"{k}: {v}" for k, v in counts.items())
+                       + "); every node runs the same number of ranks: set nproc_per_node")
+        return next(iter(counts.values())), None
+    short = {k: v for k, v in counts.items() if v < given}
+    if short:
+        return 0, (f"{given} processes per node, but " + ", ".join(f"{k} lists {v} GPU(s)" for k, v in short.items()))
+    return given, None
