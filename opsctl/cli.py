@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines of history (default 50)")
     s.add_argument("--all", action="store_true",
                    help="every kept attempt's log (LOG.N ... LOG.1, then the current LOG), each under a header")
+    s.add_argument("--node", type=int, metavar="I", default=None,
+                   help="a group run (HOST names a group): only node I's log, without the [nodeI host] prefix")
 
     s = sub.add_parser("kill", formatter_class=fmt, help="stop a run: SIGINT, SIGTERM, SIGKILL",
                        description="Signal the recorded process group and every descendant (also those that "
@@ -314,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(given)
     ctx = commands.Ctx(hosts_file=args.hosts, accept_new_host_key=args.accept_new_host_key)
     try:
+        from opsctl.group_verbs import dispatch  # HOST may name a group of hosts (hosts.yaml `groups:`)
+
+        if (group_rc := dispatch(ctx, args, extra)) is not None:
+            return group_rc
         if args.verb == "launch":
             if args.extra_args:
                 raise commands.OpsError(f"unexpected arguments {' '.join(args.extra_args)!r}: arguments for the "
