@@ -24,9 +24,9 @@ PCT_SCRIPT = HARNESS_DIR / "pct"
 SSHD_BIN = "/usr/sbin/sshd"
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -234,8 +234,10 @@ def make_pct_host(base: Path) -> PctHost:
     return PctHost(root=root, bin_dir=bin_dir)
 
 
-def start_sshd(base: Path, pct_host: PctHost | None = None, tries: int = 3) -> Sshd:
-    """Start `sshd -D -e -f CONFIG` on 127.0.0.1:<free port>; returns once it listens (read from its log)."""
+def start_sshd(base: Path, pct_host: PctHost | None = None, tries: int = 3, listen: str = "127.0.0.1") -> Sshd:
+    """Start `sshd -D -e -f CONFIG` on LISTEN:<free port>; returns once it listens (read from its log).
+
+    `listen` may be any loopback address (127.0.0.0/8): one machine then holds several "hosts", each its own sshd."""
     if not Path(SSHD_BIN).exists():
         raise RuntimeError(f"{SSHD_BIN} not found: install openssh-server (./dev does)")
     base.mkdir(parents=True, exist_ok=True)
@@ -256,11 +258,11 @@ def start_sshd(base: Path, pct_host: PctHost | None = None, tries: int = 3) -> S
     user = getpass.getuser()
     last_err = ""
     for _ in range(tries):
-        port = _free_port()
+        port = _free_port(listen)
         cfg = base / "sshd_config"
         cfg.write_text("\n".join([
             f"Port {port}",
-            "ListenAddress 127.0.0.1",
+            f"ListenAddress {listen}",
             f"HostKey {host_key}",
             f"PidFile {base / 'sshd.pid'}",
             f"AuthorizedKeysFile {base / 'authorized_keys'}",
@@ -302,10 +304,10 @@ def start_sshd(base: Path, pct_host: PctHost | None = None, tries: int = 3) -> S
         ready.wait(20)
         if proc.poll() is None and any("Server listening on" in x for x in lines):
             kh = base / "known_hosts"
-            kh.write_text(f"[127.0.0.1]:{port} {' '.join(host_pub.split()[:2])}\n")
+            kh.write_text(f"[{listen}]:{port} {' '.join(host_pub.split()[:2])}\n")
             return Sshd(dir=base, port=port, user=user, identity_file=str(client_key), known_hosts=str(kh),
-                        host_pub_line=host_pub, pct_host=pct_host, session_path=session_path, proc=proc,
-                        log_path=log_path)
+                        host_pub_line=host_pub, pct_host=pct_host, session_path=session_path, host=listen,
+                        proc=proc, log_path=log_path)
         if proc.poll() is None:
             proc.kill()
         proc.wait()

@@ -1,0 +1,215 @@
+"""A group run across two real "hosts" on this machine, driven through the opsctl CLI as a user would.
+
+Each host is its own OpenSSH sshd on its own loopback address (127.0.0.2, 127.0.0.3) with its own keys and its own
+`pct` stand-in container (own PID and mount namespace); torchrun's c10d rendezvous and gloo stay on those addresses.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from dflash_fixtures import run_config, tiny_run_yaml
+from harness.sshd import PctHost, Sshd, make_pct_host, start_sshd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
+
+from agentlib import opsctl  # noqa: E402
+
+from dflash.train import train  # noqa: E402
+from opsctl import commands  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+ADDRS = ("127.0.0.2", "127.0.0.3")
+VMID = 200
+
+# Inside a container: every process but its init and this probe, with its command line (read, never signalled).
+PROCS = """
+import os
+me = os.getpid()
+out = []
+for d in os.listdir("/proc"):
+    if d.isdigit() and int(d) not in (1, me):
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\\0", b" ").decode().strip()
+        except OSError:
+            continue
+        if cmd:
+            out.append([int(d), cmd])
+print(__import__("json").dumps(out))
+"""
+
+
+class Node:
+    def __init__(self, sshd: Sshd, pct: PctHost) -> None:
+        self.sshd, self.pct = sshd, pct
+
+    def procs(self) -> list[tuple[int, str]]:
+        r = self.pct.pct("exec", str(VMID), "--", sys.executable, "-c", PROCS)
+        return [(p, c) for p, c in json.loads(r.stdout)]
+
+    def training(self) -> list[tuple[int, str]]:
+        """The run's processes on this node: torchrun and its ranks (tmux and the wrapper aside)."""
+        return [(p, c) for p, c in self.procs() if "dflash" in c and "wrapper.py" not in c and "tmux" not in c]
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Node]]:
+    made: list[Node] = []
+    try:
+        for i, addr in enumerate(ADDRS):
+            base = tmp_path_factory.mktemp(f"host{i}")
+            pct = make_pct_host(base / "pct")
+            pct.create(VMID)
+            made.append(Node(start_sshd(base / "sshd", pct_host=pct, listen=addr), pct))
+        yield made
+    finally:
+        for n in made:
+            n.sshd.stop()
+            n.pct.stop_all()
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def write_hosts(tmp: Path, nodes: list[Node], sections: dict[str, Any], **run_over: Any) -> Path:
+    (tmp / "run.yaml").write_text(yaml.safe_dump(tiny_run_yaml(**sections)))
+    hosts = {f"n{i}": n.sshd.host_entry(pct=VMID) for i, n in enumerate(nodes)}
+    run: dict[str, Any] = {
+        "nproc_per_node": 1, "workdir": str(tmp),
+        "command": ["-m", "dflash", "train", "--config", "run.yaml", "--out", "out/node{node}"],
+        "log": "out/node{node}.log", "events": "out/node{node}/events.jsonl",
+        "env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        "inductor_cache_dir": str(tmp / "cache{node}"), "clean_roots": [str(tmp)],
+        "ready_timeout": 180, "kill_grace": [20, 5]}
+    run.update(run_over)
+    doc = {"hosts": hosts, "groups": {"pair": {"members": ["n0", "n1"], "port": free_port(ADDRS[0]),
+                                               "runs": {"r": run}}}}
+    p = tmp / "hosts.yaml"
+    p.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return p
+
+
+def group_status(hosts: Path) -> list[dict[str, Any]]:
+    r = opsctl(hosts, "status", "pair", "r", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def losses(events: Path) -> list[float]:
+    return [e["loss"] for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == "step"]
+
+
+def test_split_group_run_is_ready_on_both_nodes_and_equals_the_colocated_losses(tmp_path: Path,
+                                                                                  nodes: list[Node]) -> None:
+    sections = {"train": {"max_steps": 12, "checkpoint_every": 0, "log_every": 1, "heartbeat_s": 0.1},
+                "dist": {"roles": "split", "target_ranks": 1}}
+    hosts = write_hosts(tmp_path, nodes, sections)
+    r = opsctl(hosts, "launch", "pair", "r", timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ok   node0 n0:" in r.stderr and "ok   node1 n1:" in r.stderr
+    assert "READY r: every rank of 2 nodes stepped (world 2)" in r.stderr
+    assert "[node0 n0] launched" in r.stderr and "[node1 n1] launched" in r.stderr
+    # Both nodes are normal runs on their hosts; `logs -f` follows both, prefixed, until both ended.
+    r = opsctl(hosts, "logs", "pair", "r", "-f", timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "[node1 n1] " in r.stdout and "[node0 n0] " in r.stdout
+    assert any(line.startswith("[node1 n1] ") and "target rank done" in line for line in r.stdout.splitlines())
+    r = opsctl(hosts, "logs", "pair", "r", "--node", "1", "-n", "5")
+    assert r.returncode == 0 and "[node1" not in r.stdout and "target rank done" in r.stdout
+    rows = group_status(hosts)
+    assert [(x["node"], x["host"], x["state"]) for x in rows] == [(0, "n0", "finished"), (1, "n1", "finished")]
+    assert rows[0]["group"]["state"] == "finished" and rows[0]["group"]["world_size"] == 2
+    # Global rank 0 (node 0) is the drafter; node 1 holds the target rank.
+    events = [json.loads(x) for x in (tmp_path / "out/node0/events.jsonl").read_text().splitlines()]
+    start = next(e for e in events if e["kind"] == "run_start")
+    assert start["world_size"] == 2 and start["roles"] == {"drafter": [0], "target": [1]}
+    split = losses(tmp_path / "out/node0/events.jsonl")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks' float reduction order
+    try:
+        colocated = train(run_config(train=sections["train"]), tmp_path / "colocated")
+    finally:
+        torch.set_num_threads(threads)
+    assert len(split) == 12 and split == colocated.losses
+    r = opsctl(hosts, "kill", "pair", "r")
+    assert r.returncode == 0 and "[node0 n0] r is not running" in r.stderr.replace("pair-r-node0", "r")
+    assert nodes[0].training() == [] and nodes[1].training() == []
+
+
+def test_colocated_group_kill_leaves_nothing_and_a_dead_node_crashes_the_group(tmp_path: Path,
+                                                                                nodes: list[Node]) -> None:
+    sections = {"train": {"max_steps": 100000, "checkpoint_every": 0, "log_every": 1, "heartbeat_s": 0.2}}
+    hosts = write_hosts(tmp_path, nodes, sections)
+    r = opsctl(hosts, "launch", "pair", "r", timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "READY r: every rank of 2 nodes stepped (world 2)" in r.stderr
+    rows = group_status(hosts)
+    assert [x["state"] for x in rows] == ["training", "training"] and rows[0]["group"]["state"] == "training"
+    assert nodes[0].training() and nodes[1].training()
+    # A second launch of a running group is refused on the node that runs it, and starts nothing.
+    r = opsctl(hosts, "launch", "pair", "r")
+    assert r.returncode == commands.EXIT_REFUSED and "nothing started on any node" in r.stderr
+    r = opsctl(hosts, "kill", "pair", "r", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "[node0 n0] killed" in r.stderr and "[node1 n1] killed" in r.stderr
+    assert "killed pair/r on every node (2)" in r.stderr
+    assert nodes[0].training() == [] and nodes[1].training() == []
+    rows = group_status(hosts)
+    assert [x["state"] for x in rows] == ["killed", "killed"] and rows[0]["group"]["state"] == "killed"
+
+    # Again, then node 1's ranks die by hand: the group is crashed, named after node 1, and nothing runs anywhere.
+    r = opsctl(hosts, "launch", "pair", "r", timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ranks = [p for p, c in nodes[1].training() if "torch.distributed.run" not in c]
+    assert ranks, nodes[1].procs()
+    nodes[1].pct.pct("exec", str(VMID), "--", "kill", "-KILL", *map(str, ranks))
+    deadline = time.monotonic() + 60
+    while True:  # torchrun notices its dead worker within its monitor interval
+        rows = group_status(hosts)
+        if rows[1]["state"] == "crashed" or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    info = rows[0]["group"]
+    assert info["state"] == "crashed" and info["node"] == 1 and info["reason"].startswith("node1 n1: "), rows
+    deadline = time.monotonic() + 60
+    while (nodes[0].training() or nodes[1].training()) and time.monotonic() < deadline:
+        group_status(hosts)  # status stops what a crashed group still runs
+        time.sleep(0.5)
+    assert nodes[0].training() == [] and nodes[1].training() == []
+    rows = group_status(hosts)
+    assert rows[0]["group"]["state"] == "crashed" and rows[0]["group"]["node"] == 1
+    assert rows[0]["state"] in ("crashed", "killed") and rows[1]["state"] == "crashed"
+
+
+def test_a_member_failing_preflight_starts_nothing_anywhere(tmp_path: Path, nodes: list[Node]) -> None:
+    hosts = write_hosts(tmp_path, nodes, {"train": {"max_steps": 4}})
+    nodes[1].pct.pct("stop", str(VMID))
+    try:
+        r = opsctl(hosts, "launch", "pair", "r")
+    finally:
+        nodes[1].pct.create(VMID)
+    assert r.returncode == commands.EXIT_REFUSED, r.stderr
+    assert "ok   node0 n0:" in r.stderr and "FAIL node1 n1:" in r.stderr
+    assert "refused, nothing started on any node (1 of 2 failed preflight)" in r.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".opsctl").exists()
+    assert nodes[0].training() == []
+    # The run's own preflight command counts too: failing on node 0 only, it refuses the whole group.
+    hosts = write_hosts(tmp_path, nodes, {"train": {"max_steps": 4}},
+                        preflight=["test", "-e", str(tmp_path / "marker{node}")])
+    (tmp_path / "marker1").write_text("")
+    r = opsctl(hosts, "launch", "pair", "r")
+    assert r.returncode == commands.EXIT_REFUSED, r.stderr
+    assert "FAIL node0 n0: preflight command failed (exit 1)" in r.stderr and "ok   node1 n1:" in r.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".opsctl").exists()
