@@ -234,12 +234,8 @@ class AlertTracker:
     def _rules(self, v: RunView) -> Iterable[Alert]:
         if v.state == "crashed":
             yield Alert("crashed", CRITICAL, "run crashed", self._crash_evidence(v))
-        if v.state == "killed":
-            parts = [f"run_end {v.end_reason}" if v.end_reason else "process gone"]
-            if v.exit_code is not None:
-                parts.append(f"exit code {v.exit_code}")
-            parts.append(f"at step {v.step}")
-            yield Alert("killed", WARNING, "run killed", "; ".join(parts))
+        # `killed` is never an alert: the state is only derived when opsctl's kill marker exists (someone asked for
+        # it); the badge and the summary's `ended` line say how it ended.
         if v.state == "stalled":
             where = phase_progress(v.phase or "no phase yet", v.phase_i, v.phase_n)
             yield Alert("stalled", CRITICAL, "run stalled",

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl.alerts import CRITICAL
-from opsctl.watch import RunModel, SourceWorker, WatchSource, fold, stall_after_of
+from opsctl.watch import RunModel, SmoothedRunState, SourceWorker, WatchSource, ending_text, fold, stall_after_of
 from opsctl.widgets import fmt_duration, fmt_num, spark, state_badge
 
 SETTLE_S = 1.0  # --once: a stream quiet this long has sent its backlog
@@ -71,9 +71,13 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
     head.append_text(state_badge(view))
     if view.reason:
         head.append(f" {view.reason}", style="bold red" if view.state in ("crashed", "unreachable") else "yellow")
+    ended = ending_text(view)
+    if ended:
+        head.append(f"  ended {ended}")
     total = f"/{view.total_steps:,}" if view.total_steps else ""
+    rate = model.state.tokens_rate.value if isinstance(model.state, SmoothedRunState) else None
     head.append(f"  step {view.step:,}{total}  epoch {'-' if view.epoch is None else view.epoch}"
-                f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(view.tokens_per_s, 0)}"
+                f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(rate if rate is not None else view.tokens_per_s, 0)}"
                 f"  ETA {fmt_duration(view.eta_s)}  heartbeat "
                 f"{'-' if view.heartbeat_age_s is None else fmt_duration(view.heartbeat_age_s) + ' ago'}"
                 f"  link {model.link}  log {model.lines_total:,} lines, {model.dropped:,} dropped")

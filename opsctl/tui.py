@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ from textual import events, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Footer, Header, Input, Static
+from textual.widgets import Footer, Input, Static
 
 from opsctl.agent import EXIT_CODES
 from opsctl.alerts import CRITICAL, WARNING, Alert
@@ -26,6 +29,7 @@ from opsctl.watch import (
     RunModel,
     SourceWorker,
     WatchSource,
+    attention_rank,
     fold,
     stall_after_of,
 )
@@ -40,6 +44,30 @@ from opsctl.widgets import (
 )
 
 TICK_S = 0.1
+CHART_EVERY_S = 0.5
+SCREENSHOT_ENV = "OPSCTL_SCREENSHOT_DIR"
+
+
+def screenshot_dir(explicit: str | None = None) -> Path:
+    """Where screenshots go: the given dir, $OPSCTL_SCREENSHOT_DIR, ~/Downloads when it exists and is writable,
+    else $XDG_STATE_HOME/opsctl/screenshots (~/.local/state/...), else the temp dir; created when missing."""
+    candidates: list[Path] = []
+    for value in (explicit, os.environ.get(SCREENSHOT_ENV)):
+        if value:
+            candidates.append(Path(value).expanduser())
+    downloads = Path.home() / "Downloads"
+    if downloads.is_dir() and os.access(downloads, os.W_OK):
+        candidates.append(downloads)
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    candidates += [Path(state) / "opsctl" / "screenshots", Path(tempfile.gettempdir())]
+    for place in candidates:
+        try:
+            place.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(place, os.W_OK):
+            return place
+    raise OSError(f"no writable directory among {', '.join(map(str, candidates))}")
 
 
 class WatchApp(App[int]):
@@ -49,15 +77,22 @@ class WatchApp(App[int]):
     CSS = """
     RunsBar { height: 1; background: $panel; }
     #top { height: auto; }
-    RunSummary { width: 46; height: auto; border: round $primary; padding: 0 1; }
+    RunSummary { width: 48; height: auto; border: round $primary; padding: 0 1; }
     #right { width: 1fr; height: auto; }
-    Charts { border: round $primary; height: 6; padding: 0 1; }
-    AlertsPanel { height: auto; min-height: 6; border: round $error; padding: 0 1; }
+    Charts { height: 14; border: round $primary; }
+    Charts.hidden { display: none; }
+    AlertsPanel { height: auto; max-height: 8; border: round $error; padding: 0 1; }
     GpuPanel { border: round $primary; padding: 0 1; }
     LogPane { height: 1fr; min-height: 5; border: round $secondary; }
     #logstatus { height: 1; background: $panel; color: $text-muted; }
     #search { dock: bottom; display: none; }
     #search.visible { display: block; }
+    .compact #top { layout: vertical; }
+    .compact RunSummary { width: 1fr; border: none; padding: 0; text-wrap: nowrap; text-overflow: ellipsis; }
+    .compact #right { width: 1fr; }
+    .compact AlertsPanel { border: none; padding: 0; max-height: 3; text-wrap: nowrap; text-overflow: ellipsis; }
+    .compact GpuPanel { border: none; border-top: solid $primary; padding: 0; }
+    .compact LogPane { min-height: 4; }
     """
     BINDINGS = [
         Binding("k", "kill", "kill"),
@@ -65,8 +100,15 @@ class WatchApp(App[int]):
         Binding("r", "reconnect", "reconnect"),
         Binding("tab", "next_run", "next run", priority=True),
         Binding("slash", "search", "search"),
+        Binding("v", "charts", "charts"),
+        Binding("m", "metric", "metric", show=False),
+        Binding("e", "smoothing", "smooth", show=False),
+        Binding("g", "gpu_history", "GPU history", show=False),
+        Binding("ctrl+s", "screenshot", "screenshot"),
         Binding("q", "quit", "quit"),
     ]
+    COMPACT_BELOW = (100, 34)  # width, height: two-line summary, no charts (v shows them), so 8 GPUs + log fit 80x24
+    OPENING_S = 5.0  # until then (or a key), the dashboard moves to the run that needs attention
 
     def __init__(self, sources: Sequence[WatchSource], bell: bool = False, clock: Callable[[], float] | None = None,
                  tick_s: float = TICK_S, log_capacity: int = DEFAULT_LOG_CAPACITY,
@@ -88,9 +130,13 @@ class WatchApp(App[int]):
         self._shown: tuple[int, int, int, str | None] = (-1, -1, -1, None)
         self.ticks = 0
         self._logstatus = ""
+        self.last_screenshot: str | None = None
+        self.chose = False  # the person picked a run (tab): stop moving to the one that needs attention
+        self.charts_wanted: bool | None = None  # v: None = shown unless the terminal is small
+        self._opened = time.monotonic()
+        self._charts_at = 0.0
 
     def compose(self) -> ComposeResult:
-        yield Header(show_clock=False)
         yield RunsBar(id="runs")
         with Horizontal(id="top"):
             yield RunSummary(id="summary")
@@ -105,6 +151,7 @@ class WatchApp(App[int]):
 
     def on_mount(self) -> None:
         # Kept as attributes: while a dialog is open, queries would look at the dialog's screen instead.
+        self.main_screen = self.screen
         self.w_runs = self.query_one(RunsBar)
         self.w_summary = self.query_one(RunSummary)
         self.w_charts = self.query_one(Charts)
@@ -112,8 +159,8 @@ class WatchApp(App[int]):
         self.w_alerts = self.query_one(AlertsPanel)
         self.w_log = self.query_one(LogPane)
         self.w_logstatus = self.query_one("#logstatus", Static)
-        self.w_charts.border_title = "loss · tokens/s · step time · queue depth"
-        self.w_gpus.border_title = "GPUs"
+        self.w_charts.border_title = "whole run · m: metric · e: smoothing · v: hide"
+        self.w_gpus.border_title = "GPUs · g: history"
         self.w_alerts.border_title = "alerts"
         self.w_log.border_title = "log"
         self.w_log.attach(self.models[0].log)
@@ -123,8 +170,23 @@ class WatchApp(App[int]):
         gc.freeze()
         for worker in self.followers:
             worker.start()
+        self._layout_for(self.size.width, self.size.height)
         self.tick()
         self.set_interval(self._tick_s, self.tick)
+
+    def on_resize(self, event: events.Resize) -> None:
+        if hasattr(self, "w_summary"):  # a resize can arrive before on_mount
+            self._layout_for(event.size.width, event.size.height)
+
+    def _layout_for(self, width: int, height: int) -> None:
+        """Small terminals get the compact layout: an 8-GPU panel and the log still fit in 80x24."""
+        compact = width < self.COMPACT_BELOW[0] or height < self.COMPACT_BELOW[1]
+        self.main_screen.set_class(compact, "compact")  # not a dialog that may be open
+        self.w_summary.compact = self.w_alerts.compact = compact
+        self.w_summary._shown = self.w_alerts._shown = None  # redraw in the new form
+        show = (not compact) if self.charts_wanted is None else self.charts_wanted
+        self.w_charts.set_class(not show, "hidden")
+        self._shown = (-1, -1, -1, None)
 
     def on_unmount(self) -> None:
         for worker in self.followers:
@@ -140,23 +202,35 @@ class WatchApp(App[int]):
         self.ticks += 1
         self.drain()
         entries = []
+        ranks = []
         for i, model in enumerate(self.models):
             view = model.view()
             alerts = model.alerts(view)
             self._maybe_bell(i, alerts)
             entries.append((model.label, view, len(alerts)))
-            if i == self.current:
-                current_view, current_alerts = view, alerts
+            ranks.append(attention_rank(view, alerts))
+        if not self.chose and time.monotonic() - self._opened < self.OPENING_S:
+            best = min(range(len(ranks)), key=lambda i: (ranks[i], i))
+            if ranks[best] < ranks[self.current]:  # open on the run that needs someone: crashed, stalled, ...
+                self.current = best
+                self.w_log.attach(self.models[best].log)
         self.w_runs.show(entries, self.current)
         model = self.models[self.current]
+        current_view = entries[self.current][1]
+        current_alerts = model.alerts(current_view)
         pane = self.w_log
         pane.sync()
-        if self._shown[0] != self.current or self._shown[1] != model.chart_version:
-            self.w_charts.show(model.series)
+        now = time.monotonic()
+        charted = self._shown[1]
+        # plotext redraws whole charts: while a backlog pours in, at most every CHART_EVERY_S; once it is in, at once
+        pouring = now - self._charts_at < CHART_EVERY_S and self.followers[self.current].pending() > 0
+        if self._shown[0] != self.current or (charted != model.chart_version and not pouring):
+            self.w_charts.show(model)
+            self._charts_at, charted = now, model.chart_version
         if self._shown[0] != self.current or self._shown[2:] != (model.gpu_version, current_view.nvml):
-            self.w_gpus.show(current_view.gpus, model.gpu_hist, current_view.nvml)
-        self._shown = (self.current, model.chart_version, model.gpu_version, current_view.nvml)
-        self.w_summary.show(model.label, current_view, model.link, model.lines_total, model.dropped, len(pane.lines))
+            self.w_gpus.show(current_view, model.gpu_hist)
+        self._shown = (self.current, charted, model.gpu_version, current_view.nvml)
+        self.w_summary.show(model, current_view, len(pane.lines))
         self.w_alerts.show(current_alerts)
         status = pane.status()
         if status != self._logstatus:
@@ -174,6 +248,7 @@ class WatchApp(App[int]):
     def action_next_run(self) -> None:
         if isinstance(self.focused, Input):
             return
+        self.chose = True
         self.current = (self.current + 1) % len(self.models)
         self.w_log.attach(self.models[self.current].log)
         self.tick()
@@ -218,6 +293,40 @@ class WatchApp(App[int]):
         worker = self.followers[self.current]
         self.models[self.current].link = "reconnecting: requested"
         worker.request_reconnect()
+
+    def action_charts(self) -> None:
+        shown = not self.w_charts.has_class("hidden")
+        self.charts_wanted = not shown
+        self.w_charts.set_class(shown, "hidden")
+        self._shown = (-1, -1, -1, None)  # draw them at the next tick (a hidden chart is not drawn)
+
+    def action_metric(self) -> None:
+        self.notify(f"right chart: {self.w_charts.next_metric()}", timeout=2)
+
+    def action_smoothing(self) -> None:
+        weight = self.w_charts.toggle_smoothing()
+        self.notify(f"smoothing {'off' if not weight else f'on (EMA weight {weight:g})'}", timeout=2)
+
+    def action_gpu_history(self) -> None:
+        self.notify("GPU columns: " + ("history (sparklines)" if self.w_gpus.toggle_history() else "now (bars)"),
+                    timeout=2)
+
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        """ctrl+s (and the command palette's screenshot): an SVG of the screen, in a directory that exists and is
+        writable on a server (not a ~/Downloads that is not there), and the notification says where."""
+        self.deliver_screenshot(filename, path)
+
+    def deliver_screenshot(self, filename: str | None = None, path: str | None = None,
+                           time_format: str | None = None) -> str | None:
+        try:
+            where = screenshot_dir(path)
+            saved = self.save_screenshot(filename, str(where), time_format)
+        except OSError as exc:
+            self.notify(f"screenshot not saved: {exc}", severity="error", timeout=10)
+            return None
+        self.notify(f"screenshot saved to {saved}", timeout=10)
+        self.last_screenshot = saved
+        return saved
 
     def action_search(self) -> None:
         box = self.query_one("#search", Input)

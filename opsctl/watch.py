@@ -5,6 +5,7 @@ tui.py (Textual) and plain.py (--plain / --once) only draw what this module know
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -28,7 +29,8 @@ from opsctl.transport import Transport
 DEFAULT_LOG_CAPACITY = 10_000  # lines kept per run for scroll-back and search
 DEFAULT_INBOX_LINES = 50_000  # log lines a worker may queue before the UI drains them; more are dropped (and counted)
 DEFAULT_INBOX_OTHER = 20_000  # non-log messages likewise
-HISTORY = 120  # points kept per chart / GPU sparkline
+HISTORY = 120  # points kept per GPU sparkline (the charts keep the whole run: RunSeries)
+UNREACHABLE_AFTER_S = 20.0  # a host that has not answered a connect this long is shown unreachable
 STATE_TYPES = frozenset({"event", "proc", "gpu", "hello", "killed"})
 RECONNECT_BASE_S = 0.2  # first wait before reconnecting a lost link (doubling, with jitter)
 RECONNECT_CAP_S = 10.0  # the longest wait between two reconnect attempts
@@ -98,6 +100,32 @@ def state_label(view: RunView | dict[str, Any]) -> str:
     return f"restarting ({n}/{most})" if n is not None and most is not None else state
 
 
+def ending_text(view: RunView) -> str | None:
+    """How an ended attempt ended, one line: `run_end signal, exit code 0, at step 1,234` (None while it runs)."""
+    if view.state not in ("finished", "crashed", "killed"):
+        return None
+    parts = [f"run_end {view.end_reason}" if view.end_reason else "process gone without run_end"]
+    if view.exit_code is not None:
+        parts.append(f"exit code {view.exit_code}")
+    parts.append(f"at step {view.step:,}")
+    return ", ".join(parts)
+
+
+# Which run `opsctl watch` opens on: the one that needs someone first (lower is more urgent). A kill you asked for
+# needs nobody.
+ATTENTION = {"crashed": 0, "stalled": 1, "unreachable": 2, "restarting": 3}
+
+
+def attention_rank(view: RunView, alerts: Sequence[Alert]) -> int:
+    if view.state in ATTENTION:
+        return ATTENTION[view.state]
+    if any(a.severity == "critical" for a in alerts):
+        return 4
+    if alerts:
+        return 5
+    return 9
+
+
 def fmt_duration(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "-"
@@ -129,15 +157,21 @@ class Ema:
     `alpha` 0.05 weighs about the last 40 steps, so one slow step (a checkpoint, an eval) moves the ETA a few
     percent instead of the jumps a last-20 median makes (3m -> 18m -> 2m within a minute); the first value seeds it."""
 
-    def __init__(self, alpha: float = 0.05) -> None:
+    def __init__(self, alpha: float = 0.05, clip: float | None = None) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if clip is not None and clip <= 1:
+            raise ValueError(f"clip must be > 1 (a factor around the average), got {clip}")
         self.alpha = alpha
-        self.value: float | None = None
+        self.clip = clip  # a sample counts as at most clip x (at least 1/clip x) the average: one 10-minute
+        self.value: float | None = None  # checkpoint step moves the ETA a little; a lasting change still wins
 
     def add(self, x: Any) -> float | None:
         if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
-            self.value = float(x) if self.value is None else self.value + self.alpha * (float(x) - self.value)
+            x = float(x)
+            if self.value is not None and self.clip is not None and self.value > 0:
+                x = min(max(x, self.value / self.clip), self.value * self.clip)
+            self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
         return self.value
 
     def reset(self) -> None:
@@ -150,8 +184,8 @@ class SmoothedRunState(RunState):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.step_time = Ema()
-        self.tokens_rate = Ema()
+        self.step_time = Ema(clip=3.0)
+        self.tokens_rate = Ema(clip=3.0)
 
     def apply_event(self, ev: dict[str, Any]) -> None:
         super().apply_event(ev)
@@ -453,6 +487,46 @@ class SourceWorker:
             return len(self._logs) + len(self._other)
 
 
+class RunSeries:
+    """One metric over the whole run as (step, value) points, for the charts: loaded from the events backlog on
+    connect and kept across reconnects and restarts. Past `capacity` points every other one is dropped (and from
+    then on only every 2nd, 4th, ... step is kept), so a week of steps stays a few thousand points spanning it all.
+
+    A resumed attempt starts again at `resumed_from + 1`: the points of the crashed attempt from there on go, as
+    TensorBoard drops them, so the curve never has two values for one step."""
+
+    def __init__(self, capacity: int = 4000) -> None:
+        if capacity < 2:
+            raise ValueError(f"capacity must be >= 2, got {capacity}")
+        self.capacity = capacity
+        self.steps: list[int] = []
+        self.values: list[float] = []
+        self.stride = 1
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def truncate_after(self, step: int) -> None:
+        """Forget points past `step` (a resume from the checkpoint at `step`)."""
+        cut = bisect.bisect_right(self.steps, step)
+        del self.steps[cut:]
+        del self.values[cut:]
+
+    def add(self, step: int, value: float) -> None:
+        if self.steps and step <= self.steps[-1]:
+            self.truncate_after(step - 1)  # a step seen again: the newer attempt's value wins
+        if self.steps and step % self.stride and step - self.steps[-1] < self.stride:
+            return
+        self.steps.append(step)
+        self.values.append(value)
+        if len(self.steps) > self.capacity:
+            self.steps, self.values = self.steps[::2], self.values[::2]
+            self.stride *= 2
+
+
+CHART_KEYS = ("loss", "tokens_per_s", "step_time_s", "queue_depth")
+
+
 class RunModel:
     """Everything shown about one run, folded on the UI thread from its source's messages."""
 
@@ -467,11 +541,12 @@ class RunModel:
         self.lines_total = 0
         self.dropped = 0
         self._classify = SeverityClassifier()
-        self.series: dict[str, deque[float]] = {k: deque(maxlen=history)
-                                                for k in ("loss", "tokens_per_s", "step_time_s", "queue_depth")}
+        self.series: dict[str, RunSeries] = {k: RunSeries() for k in CHART_KEYS}  # the whole run, for the charts
         self.gpu_hist: dict[int, dict[str, deque[float]]] = {}
         self._history = history
         self.link = "connecting"
+        self._born = time.monotonic()
+        self.state_seen = False  # any agent message ever (a recording's end keeps what it showed)
         self.heard = False  # an agent message arrived since the link was last lost (else: unreachable)
         self.link_error: str | None = None
         self.version = 0  # any change
@@ -488,18 +563,24 @@ class RunModel:
             self.tracker.observe_log(line)
             return
         if t != "link":
-            self.heard = True
+            self.heard = self.state_seen = True
         if t in STATE_TYPES:
             self.state.apply(msg)
         self.tracker.observe(msg)
         if t == "event":
             ev = msg.get("event") or {}
-            if ev.get("kind") == "step":
+            kind = ev.get("kind")
+            if kind == "step" and isinstance(ev.get("step"), int):
                 self.chart_version += 1
                 for key, series in self.series.items():
                     value = ev.get(key)
                     if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        series.append(float(value))
+                        series.add(ev["step"], float(value))
+            elif kind == "run_start":
+                resumed = ev.get("resumed_from")
+                for series in self.series.values():  # a resume continues the curve, a fresh start begins one
+                    series.truncate_after(resumed if isinstance(resumed, int) else -1)
+                self.chart_version += 1
         elif t == "gpu":
             self.gpu_version += 1
             for g in msg.get("gpus") or []:
@@ -519,6 +600,11 @@ class RunModel:
                 self.heard = False
                 self.link_error = str(detail or "link lost")
         elif t == "log_reset":
+            if msg.get("file") == "events":  # a fresh run truncated events.jsonl: its curves start over
+                for series in self.series.values():
+                    series.truncate_after(-1)
+                self.chart_version += 1
+                return
             self.log.append(LogLine(self.lines_total, f"--- log {msg.get('reason', 'reset')} ---", 1))
             self.lines_total += 1
 
@@ -543,9 +629,13 @@ class RunModel:
 
     def view(self) -> RunView:
         view = self.state.view(self.clock() if self.clock is not None else None)
+        if not self.heard and self.link_error is None and time.monotonic() - self._born > UNREACHABLE_AFTER_S:
+            self.link_error = f"no answer for {UNREACHABLE_AFTER_S:g} s ({self.link})"  # a connect that hangs
         if not self.heard and self.link_error is not None:
             # The host did not answer since the link was lost: say so, never `absent` ("reached, no such run").
             view = dataclasses.replace(view, state="unreachable", link_error=self.link_error, reason=self.link_error)
+        elif not self.heard and not self.state_seen:
+            view = dataclasses.replace(view, state="connecting")  # not `absent`: nobody has answered yet
         return view
 
     def mark_unreachable(self, error: str) -> None:

@@ -22,15 +22,20 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Button, Label, Static
+from textual_plotext import PlotextPlot
 
 from opsctl.alerts import CRITICAL, Alert
-from opsctl.runstate import RunView, phase_progress
+from opsctl.runstate import RunView, attempt_clock, phase_progress
 from opsctl.watch import (  # noqa: F401 - re-exported
     SEV_ERROR,
     SEV_INFO,
     SEV_WARNING,
     LogLine,
+    RunModel,
+    RunSeries,
     SeverityClassifier,
+    SmoothedRunState,
+    ending_text,
     fmt_duration,
     fmt_num,
     state_label,
@@ -51,6 +56,7 @@ STATE_STYLES: dict[str, str] = {
     "killed": "bold white on dark_orange3",
     "unreachable": "bold white on purple",
     "restarting": "bold black on dark_orange",
+    "connecting": "bold black on grey58",
 }
 
 # Log lines a person must not miss; the first matching pattern decides the highlight.
@@ -101,9 +107,9 @@ class RunsBar(_Quiet):
 
     def show(self, entries: Sequence[tuple[str, RunView, int]], current: int) -> None:
         text = Text()
+        text.append("opsctl watch ", style="bold")
         for i, (label, view, n_alerts) in enumerate(entries):
-            if i:
-                text.append("  ")
+            text.append(" ")
             marker = "▶ " if i == current else "  "
             text.append(marker + label + " ", style="bold" if i == current else "")
             text.append_text(state_badge(view))
@@ -112,31 +118,66 @@ class RunsBar(_Quiet):
         self.put(text)
 
 
-class RunSummary(_Quiet):
-    """The numbers of one run: phase, step and epoch, ETA, loss, throughput, heartbeat age, link and drops."""
+def _rate(model: RunModel, view: RunView) -> str:
+    """tokens/s as a smoothed rate (an EMA over steps), the last step's own value beside it when they differ."""
+    avg = model.state.tokens_rate.value if isinstance(model.state, SmoothedRunState) else None
+    if avg is None or view.state not in ("training", "stalled"):
+        return fmt_num(view.tokens_per_s, 0)
+    return f"{fmt_num(avg, 0)} avg (last {fmt_num(view.tokens_per_s, 0)})"
 
-    def show(self, label: str, view: RunView, link: str, lines: int, dropped: int, shown: int) -> None:
+
+class RunSummary(_Quiet):
+    """The numbers of one run: phase, step and epoch, ETA, loss, throughput, heartbeat age, link and drops.
+
+    `compact` (small terminals): the same facts on two lines, so an 8-GPU panel and the log still fit in 80x24."""
+
+    compact = False
+
+    def show(self, model: RunModel, view: RunView, shown: int) -> None:
         t = Text()
-        t.append(f"{label}  ", style="bold")
+        t.append(f"{model.label}  ", style="bold")
         t.append_text(state_badge(view))
         if view.reason:  # why: the crash's exception line and exit code, the unreachable host's error, leftovers
             t.append(f"  {view.reason}", style="bold red" if view.state in ("crashed", "unreachable") else "yellow")
         phase = phase_progress(view.phase or "-", view.phase_i, view.phase_n)
         total = f"/{view.total_steps:,}" if view.total_steps else ""
+        pct = f" ({100 * view.step / view.total_steps:.0f}%)" if view.total_steps and view.step else ""
         epoch = "-" if view.epoch is None else str(view.epoch)
+        running = view.proc_state == "running"
+        # No exit code beside a running process: a resumed run's previous attempt ended, this one has not.
+        process = f"{view.proc_state or '-'}  pid {view.pid or '-'}" + (
+            "" if view.exit_code is None or running else f"  exit {view.exit_code}")
+        heartbeat = "-" if view.heartbeat_age_s is None else f"{fmt_duration(view.heartbeat_age_s)} ago"
+        lines, dropped = model.lines_total, model.dropped
+        log = f"{lines:,} lines, {dropped:,} dropped" + (f", {shown:,} shown" if shown != lines else "")
+        ended = ending_text(view)
+        if self.compact:  # the runs bar above already names the run: two lines, cut at the edge, never wrapped
+            rate = model.state.tokens_rate.value if isinstance(model.state, SmoothedRunState) else None
+            t = Text(no_wrap=True, overflow="ellipsis")
+            t.append_text(state_badge(view))
+            t.append(f" step {view.step:,}{total}{pct}  loss {fmt_num(view.loss, 4)}  tok/s "
+                     f"{fmt_num(rate if rate is not None else view.tokens_per_s, 0)}  ETA {fmt_duration(view.eta_s)}")
+            if view.reason:
+                t.append(f"  {view.reason}", style="bold red" if view.state in ("crashed", "unreachable") else "yellow")
+            t.append(f"\nphase {phase}  heartbeat {heartbeat}  {ended or process}  link {model.link}  log {log}",
+                     style="dim")
+            self.put(t)
+            return
         rows = [
             ("phase", phase),
-            ("step", f"{view.step:,}{total}  epoch {epoch}"),
+            ("step", f"{view.step:,}{total}{pct}  epoch {epoch}"),
             ("ETA", fmt_duration(view.eta_s)),
             ("loss", fmt_num(view.loss, 4)),
-            ("tokens/s", fmt_num(view.tokens_per_s, 0)),
+            ("tokens/s", _rate(model, view)),
             ("step time", "-" if view.step_time_s is None else f"{view.step_time_s:.3f} s"),
-            ("heartbeat", "-" if view.heartbeat_age_s is None else f"{fmt_duration(view.heartbeat_age_s)} ago"),
-            ("process", f"{view.proc_state or '-'}  pid {view.pid or '-'}"
-                        + ("" if view.exit_code is None else f"  exit {view.exit_code}")),
-            ("link", link),
-            ("log", f"{lines:,} lines, {dropped:,} dropped" + (f", {shown:,} shown" if shown != lines else "")),
+            ("heartbeat", heartbeat),
+            ("process", process),
+            ("attempt", attempt_clock(view.to_dict())),
+            ("link", model.link),
+            ("log", log),
         ]
+        if ended:
+            rows.insert(1, ("ended", ended))
         for key, value in rows:
             t.append(f"\n{key:>10} ", style="dim")
             style = "bold red" if key == "log" and dropped else ""
@@ -144,37 +185,146 @@ class RunSummary(_Quiet):
         self.put(t)
 
 
-class Charts(Widget):
-    """Sparklines of loss, tokens/s, step time and hidden-state queue depth over the recent steps."""
+def _thin(steps: Sequence[int], values: Sequence[float], width: int) -> tuple[list[int], list[float]]:
+    """At most ~2 points per column (a chart cannot show more), keeping the last one."""
+    n = len(steps)
+    stride = max(1, n // max(1, 2 * width))
+    idx = list(range(0, n, stride))
+    if idx and idx[-1] != n - 1:
+        idx.append(n - 1)
+    return [steps[i] for i in idx], [values[i] for i in idx]
 
-    DEFAULT_CSS = "Charts { height: 4; }"
-    SERIES = (("loss", "loss", "green", 4), ("tokens_per_s", "tok/s", "cyan", 0),
-              ("step_time_s", "step s", "yellow", 3), ("queue_depth", "queue", "magenta", 0))
+
+def smooth(values: Sequence[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing (an EMA, debiased at the start) of a curve; non-finite values pass through."""
+    out: list[float] = []
+    last, n = 0.0, 0
+    for v in values:
+        if not math.isfinite(v):
+            out.append(v)
+            continue
+        last = last * weight + (1 - weight) * v
+        n += 1
+        out.append(last / (1 - weight**n))
+    return out
+
+
+class Chart(PlotextPlot):
+    """One metric over the whole run (x: step), with axes and labels; raw points faint, the smoothed curve on top."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._series: dict[str, Sequence[float]] = {}
+        self.key = ""
 
-    def show(self, series: dict[str, Sequence[float]]) -> None:
-        self._series = {k: list(v) for k, v in series.items()}
+    def draw(self, key: str, series: RunSeries, smoothing: float, capacity: int | None) -> None:
+        label, colour, unit = CHART_STYLE[key]
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        self.key = key
+        width = max(10, self.size.width)
+        steps, values = _thin(series.steps, series.values, width)
+        finite = [(s, v) for s, v in zip(steps, values, strict=True) if math.isfinite(v)]
+        note = ""
+        if key == "queue_depth" and capacity:
+            # A full reservoir is the normal state of a healthy run (the targets are ahead): draw it on a fixed
+            # 0..capacity axis in a calm colour, never as a red wall; the queue alerts say when it is a problem.
+            plt.ylim(0, capacity)
+            note = f" of {capacity} (full: targets ahead)"
+        if finite:
+            xs = [s for s, _ in finite]
+            ys = [v for _, v in finite]
+            if smoothing > 0 and len(ys) > 2:
+                plt.plot(xs, ys, color="gray", marker="braille")
+                plt.plot(xs, smooth(ys, smoothing), color=colour, marker="braille")
+            else:
+                plt.plot(xs, ys, color=colour, marker="braille")
+            lo, hi = xs[0], xs[-1]
+            plt.xticks(sorted({round(lo + (hi - lo) * k / 4) for k in range(5)}))
+            last = values[-1]
+            shown = fmt_num(int(last) if key == "queue_depth" and math.isfinite(last) else last,
+                            4 if key == "loss" else 1)
+            title = f"{label} {shown}{unit}{note}"
+        else:
+            title = f"{label}: no steps yet"
+        if len(title) > width - 8:  # plotext drops a title wider than its plot: keep the short form
+            title = title.split(" (")[0]
+        plt.title(title)
+        plt.xlabel("step" + ("  (smoothed)" if smoothing > 0 and len(finite) > 2 else ""))
         self.refresh()
 
-    def render(self) -> Text:
-        width = max(0, self.size.width - 24)
-        t = Text()
-        for i, (key, label, colour, digits) in enumerate(self.SERIES):
-            vals = self._series.get(key) or []
-            last = fmt_num(vals[-1], digits) if vals else "-"
-            if i:
-                t.append("\n")
-            t.append(f"{label:>7} {last:>10} ", style="dim")
-            lo = 0.0 if key == "queue_depth" else None
-            t.append(spark(vals, width, lo=lo), style=colour)
-        return t
+
+CHART_STYLE: dict[str, tuple[str, str, str]] = {
+    "loss": ("loss", "green", ""), "tokens_per_s": ("tokens/s", "cyan", ""),
+    "step_time_s": ("step time", "yellow", " s"), "queue_depth": ("queue depth", "blue", ""),
+}
+RIGHT_CHARTS = ("tokens_per_s", "step_time_s", "queue_depth")
+
+
+class Charts(Horizontal):
+    """Loss and one more metric (m: tokens/s, step time, queue depth) over the whole run, side by side."""
+
+    DEFAULT_CSS = "Charts { height: 12; } Charts Chart { width: 1fr; height: 1fr; }"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.right = 0
+        self.smoothing = 0.6  # TensorBoard's default weight; e: off and on again
+        self._model: RunModel | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Chart(id="chart-loss")
+        yield Chart(id="chart-right")
+
+    def show(self, model: RunModel) -> None:
+        self._model = model
+        if not self.display or not self.is_mounted:
+            return
+        capacity = model.tracker.capacity
+        left, right = self.query_one("#chart-loss", Chart), self.query_one("#chart-right", Chart)
+        left.draw("loss", model.series["loss"], self.smoothing, capacity)
+        key = RIGHT_CHARTS[self.right]
+        right.draw(key, model.series[key], self.smoothing, capacity)
+
+    def next_metric(self) -> str:
+        self.right = (self.right + 1) % len(RIGHT_CHARTS)
+        if self._model is not None:
+            self.show(self._model)
+        return CHART_STYLE[RIGHT_CHARTS[self.right]][0]
+
+    def toggle_smoothing(self) -> float:
+        self.smoothing = 0.0 if self.smoothing else 0.6
+        if self._model is not None:
+            self.show(self._model)
+        return self.smoothing
+
+
+def _bar(frac: float | None, width: int, warn: bool = False) -> Text:
+    """`██████▌░░░`: a fraction as a bar of `width` cells (eighths for the last cell); `warn`: yellow from 80 %,
+    red from 95 % (memory; a busy GPU is what we want, its util bar stays green)."""
+    if width <= 0:
+        return Text()
+    if frac is None or not math.isfinite(frac):
+        return Text("·" * width, style="dim")
+    frac = min(1.0, max(0.0, frac))
+    eighths = int(round(frac * width * 8))
+    full, part = divmod(eighths, 8)
+    cells = "█" * full + ("▏▎▍▌▋▊▉"[part - 1] if part else "")
+    style = "green" if not warn else ("red" if frac >= 0.95 else ("yellow" if frac >= 0.8 else "cyan"))
+    return Text.assemble((cells, style), ("░" * (width - len(cells)), "dim"))
+
+
+def _owner(proc: dict[str, Any], view: RunView) -> str:
+    """`run` / `other` / `hidden` when the agent tags the process (`whose`), `run` for the run's own pid, else ``."""
+    whose = proc.get("whose")
+    if isinstance(whose, str):
+        return whose
+    return "run" if proc.get("pid") in (view.pid, view.pgid) and proc.get("pid") is not None else ""
 
 
 class GpuPanel(Widget):
-    """Per GPU: utilisation, memory, power and temperature as numbers and sparklines, and who holds the GPU."""
+    """One row per GPU, nvitop-like: util (bar, or history with g), memory used/total as a bar, power, temperature,
+    SM/memory clocks and the processes on it (pid, memory, whether it is the run's). Eight GPUs fit 80x24."""
 
     DEFAULT_CSS = "GpuPanel { height: auto; }"
 
@@ -183,48 +333,95 @@ class GpuPanel(Widget):
         self._gpus: list[dict[str, Any]] = []
         self._hist: dict[int, dict[str, Sequence[float]]] = {}
         self._nvml: str | None = None
+        self._view = RunView()
+        self.history = False  # g: sparklines of util and memory instead of bars
 
-    def show(self, gpus: list[dict[str, Any]], hist: dict[int, dict[str, Sequence[float]]], nvml: str | None) -> None:
-        relayout = len(gpus) != len(self._gpus)
-        self._gpus, self._hist, self._nvml = list(gpus), hist, nvml
+    def show(self, view: RunView, hist: dict[int, dict[str, Sequence[float]]]) -> None:
+        relayout = len(view.gpus) != len(self._gpus)
+        self._gpus, self._hist, self._nvml, self._view = list(view.gpus), hist, view.nvml, view
         self.refresh(layout=relayout)
 
+    def toggle_history(self) -> bool:
+        self.history = not self.history
+        self.refresh()
+        return self.history
+
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        return max(1, len(self._gpus))
+        return 1 + len(self._gpus) if self._gpus else 1
 
     def render(self) -> Text:
         if not self._gpus:
             return Text(f"GPUs: none reported (nvml: {self._nvml or 'no sample yet'})", style="dim")
-        w = max(3, min(16, (self.size.width - 84) // 4))
+        width = max(60, self.size.width)
+        both_clocks = width >= 100  # narrow: the SM clock only
+        clock_w = 10 if both_clocks else 5
+        # fixed columns: idx 4, util 5, mem 11, power 6, temp 6, clocks (+ spaces); the bars and the processes
+        # share the rest, bars first up to 20 cells each
+        rest = width - (4 + 5 + 11 + 6 + 6 + clock_w + 7)
+        bar = max(6, min(20, rest // 3))
+        procs_w = max(6, rest - 2 * bar)
         t = Text()
+        t.append(f"{'GPU':>3} {'util':>4} {'(history)' if self.history else '':<{bar}} {'memory':>10} "
+                 f"{'':<{bar}} {'power':>5} {'temp':>5} {'SM/mem MHz' if both_clocks else 'SM':>{clock_w}} "
+                 "processes", style="bold dim")
         for n, g in enumerate(self._gpus):
             idx = g.get("index", n)
-            h = self._hist.get(idx, {})
-            if n:
-                t.append("\n")
-            used, total = g.get("mem_used_mb"), g.get("mem_total_mb")
-            t.append(f"GPU{idx} ", style="bold")
-            t.append(f"{fmt_num(g.get('util'), 0):>3}% ")
-            t.append(f"{spark(h.get('util', []), w, 0, 100):<{w}}", style="green")
-            mem = "-" if not isinstance(used, (int, float)) or not isinstance(total, (int, float)) \
-                else f"{used / 1024:.1f}/{total / 1024:.0f}G"
+            h = self._hist.get(idx, {}) if isinstance(idx, int) else {}
+            used, total, util = g.get("mem_used_mb"), g.get("mem_total_mb"), g.get("util")
+            num = isinstance(used, (int, float)) and isinstance(total, (int, float)) and total > 0
+            t.append(f"\n{idx!s:>3} ", style="bold")
+            t.append(f"{fmt_num(util, 0):>3}% ")
+            if self.history:
+                t.append(f"{spark(h.get('util', []), bar, 0, 100):<{bar}}", style="green")
+            else:
+                t.append_text(_bar(util / 100 if isinstance(util, (int, float)) else None, bar))
+            mem = f"{used / 1024:.1f}/{total / 1024:.0f}G" if num else "-"  # type: ignore[operator]
             t.append(f" {mem:>10} ")
-            t.append(f"{spark(h.get('mem_used_mb', []), w, 0, total if isinstance(total, (int, float)) else None):<{w}}",
-                     style="cyan")
-            t.append(f" {fmt_num(g.get('power_w'), 0):>4}W ")
-            t.append(f"{spark(h.get('power_w', []), w):<{w}}", style="yellow")
-            t.append(f" {fmt_num(g.get('temp_c'), 0):>3}°C ")
-            t.append(f"{spark(h.get('temp_c', []), w, 20, 95):<{w}}", style="red")
-            procs = g.get("procs") or []
-            desc = " ".join(f"{p.get('pid')}:{fmt_num((p.get('used_mb') or 0) / 1024, 1)}G" for p in procs[:3])
-            if len(procs) > 3:
-                desc += f" +{len(procs) - 3}"
-            t.append(f" procs {desc or 'none'}", style="dim")
+            if self.history:
+                t.append(f"{spark(h.get('mem_used_mb', []), bar, 0, total if num else None):<{bar}}", style="cyan")
+            else:
+                t.append_text(_bar(used / total if num else None, bar, warn=True))  # type: ignore[operator]
+            temp = g.get("temp_c")
+            t.append(f" {fmt_num(g.get('power_w'), 0):>4}W")
+            t.append(f" {fmt_num(temp, 0):>3}°C",
+                     style="red" if isinstance(temp, (int, float)) and temp >= 85 else "")
+            clocks = f"{fmt_num(g.get('sm_clock_mhz'), 0)}" + (
+                f"/{fmt_num(g.get('mem_clock_mhz'), 0)}" if both_clocks else "")
+            t.append(f" {clocks.replace(',', ''):>{clock_w}} ")
+            t.append_text(self._procs(g.get("procs") or [], procs_w))
         return t
+
+    def _procs(self, procs: list[dict[str, Any]], width: int) -> Text:
+        """`pid memG owner` per process while they fit, then `pid owner`, then a count; `+N` for the rest."""
+        if not procs:
+            return Text("none", style="dim")
+        for with_mem in (True, False):
+            out = Text(no_wrap=True, overflow="ellipsis")
+            fitted = 0
+            for i, p in enumerate(procs):
+                owner = _owner(p, self._view)
+                used = p.get("used_mb")
+                part = str(p.get("pid"))
+                if with_mem:
+                    part += f" {fmt_num(used / 1024, 1) + 'G' if isinstance(used, (int, float)) else '?'}"
+                part += f" {owner}" if owner else ""
+                more = len(f" +{len(procs) - i - 1}") if i < len(procs) - 1 else 0
+                if out.cell_len + (1 if i else 0) + len(part) + more > width:
+                    break
+                out.append(" " if i else "")
+                out.append(part, style="green" if owner == "run" else ("yellow" if owner == "other" else ""))
+                fitted += 1
+            if fitted:
+                if fitted < len(procs):
+                    out.append(f" +{len(procs) - fitted}", style="dim")
+                return out
+        return Text(f"{len(procs)} proc{'s' if len(procs) != 1 else ''}", style="dim")
 
 
 class AlertsPanel(_Quiet):
-    """Every active alert with its evidence, critical ones first."""
+    """Every active alert with its evidence, critical ones first; `compact`: one line per alert."""
+
+    compact = False
 
     def show(self, alerts: Sequence[Alert]) -> None:
         if not alerts:
@@ -237,7 +434,7 @@ class AlertsPanel(_Quiet):
                 t.append("\n")
             style = "bold white on red" if a.severity == CRITICAL else "bold black on yellow"
             t.append(f" {a.title} ", style=style)
-            t.append(f"\n  {a.evidence}")
+            t.append(f" {a.evidence}" if self.compact else f"\n  {a.evidence}")
         self.put(t)
 
 

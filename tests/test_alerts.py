@@ -238,10 +238,13 @@ def test_exception_line() -> None:
     assert exception_line("   \n") is None
 
 
-def test_killed_by_us_is_reported_with_how_it_ended() -> None:
+def test_a_kill_we_asked_for_is_no_alert_and_says_how_it_ended() -> None:
+    from opsctl.watch import ending_text
+
     r = training_run(3)
     r.state.killed_by_us = True
     r.feed(ev("run_end", T0 + 10, reason="signal", exit_code=0, step=3, signal="SIGINT"))
     alerts = r.alerts(T0 + 11)
-    assert alerts["killed"].evidence == "run_end signal; exit code 0; at step 3"
-    assert "crashed" not in alerts
+    assert alerts == {}  # killed on request: the badge says so, nothing to alert anyone about
+    assert r.state.view(T0 + 11).state == "killed"
+    assert ending_text(r.state.view(T0 + 11)) == "run_end signal, exit code 0, at step 3"

@@ -82,16 +82,20 @@ async def test_training_stream_shows_state_numbers_gpus_and_no_alerts() -> None:
         await settle(pilot)
         summary = text_of(app, RunSummary)
         assert "TRAINING" in summary
-        assert "step 40/1,000  epoch 0" in summary
+        assert "step 40/1,000 (4%)  epoch 0" in summary
         assert "loss 3.6152" in summary
-        assert "tokens/s 33,393" in summary
+        assert "tokens/s 32,758 avg (last 33,393)" in summary  # smoothed, the last step's own rate beside it
         assert "heartbeat 2s ago" in summary
         assert "ETA 24m" in summary or "ETA 23m" in summary
         assert text_of(app, AlertsPanel) == "no alerts"
-        gpus = app.query_one(GpuPanel).render().plain
-        assert "GPU0  97%" in gpus and "GPU1  91%" in gpus and "procs 31337:59.6G" in gpus
+        gpus = app.query_one(GpuPanel).render().plain.splitlines()
+        assert gpus[0].split() == ["GPU", "util", "memory", "power", "temp", "SM/mem", "MHz", "processes"]
+        assert gpus[1].split()[:2] == ["0", "97%"] and gpus[2].split()[:2] == ["1", "91%"]
+        assert "60.2/140G" in gpus[1] and "1980/3201" in gpus[1]
+        assert "31337 59.6G run" in gpus[1] and "31338 22.9G" in gpus[2]  # the run's own pid is marked
         model = app.models[0]
-        assert len(model.series["loss"]) == 40 and model.series["loss"][0] > model.series["loss"][-1]
+        loss = model.series["loss"]
+        assert loss.steps == list(range(1, 41)) and loss.values[0] > loss.values[-1]
         assert len(model.gpu_hist[0]["util"]) == 48
         # Following: the last line of the log is on screen.
         pane = app.query_one(LogPane)
@@ -116,7 +120,7 @@ async def test_real_h200_recording_replays_to_a_finished_run_with_its_gpu() -> N
         assert peak > 1000 and holders  # the run really held GPU memory while it trained
         alerts = text_of(app, AlertsPanel)
         assert "slow" not in alerts.lower()  # fla and causal_conv1d were bound: no fallback alert
-        assert "GPU0" in app.query_one(GpuPanel).render().plain
+        assert app.query_one(GpuPanel).render().plain.splitlines()[1].split()[0] == "0"
 
 
 @pytest.mark.anyio
@@ -214,16 +218,17 @@ async def test_tab_switches_runs_and_each_keeps_its_own_log() -> None:
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot)
         bar = text_of(app, RunsBar)
-        assert "▶ h200:training" in bar and "CRASHED" in bar
-        assert "h200:training" in text_of(app, RunSummary)
-        await pilot.press("tab")
-        await pilot.pause()
-        assert app.current == 1
+        assert "▶ h200:crashed" in bar and "TRAINING" in bar  # it opens on the crashed run
         assert "h200:crashed" in text_of(app, RunSummary)
         assert app.query_one(LogPane).lines is app.models[1].log
         assert "run crashed" in text_of(app, AlertsPanel)
         await pilot.press("tab")
+        await pilot.pause()
         assert app.current == 0
+        assert "h200:training" in text_of(app, RunSummary)
+        assert app.query_one(LogPane).lines is app.models[0].log
+        await pilot.press("tab")
+        assert app.current == 1
 
 
 class HangingSource:
@@ -291,7 +296,8 @@ async def test_a_hanging_host_does_not_freeze_the_others_or_the_ui() -> None:
         await pilot.pause(0.35)
         assert app.ticks >= ticks + 2  # the batch loop keeps running
         bar = text_of(app, RunsBar)
-        assert "dead:run  ABSENT" in bar and "h200:training  TRAINING" in bar
+        # never ABSENT (that says the host answered): nobody has answered yet
+        assert "dead:run  CONNECTING" in bar and "h200:training  TRAINING" in bar
         assert "dead:run" in text_of(app, RunSummary) and "link connecting" in text_of(app, RunSummary)
         await pilot.press("tab")
         assert "step 40/1,000" in text_of(app, RunSummary)
@@ -456,7 +462,7 @@ def test_replay_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # -- snapshots (fixed size and clock) ----------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["loading", "training", "stalled", "crashed", "h200_tiny"])
+@pytest.mark.parametrize("name", ["loading", "training", "stalled", "crashed", "h200_tiny", "eight_gpus"])
 def test_snapshot_main_screen(name: str, snap_compare: Any) -> None:
     app = app_for(name, after_s=0.0 if name == "stalled" else 2.0)
 
@@ -464,6 +470,17 @@ def test_snapshot_main_screen(name: str, snap_compare: Any) -> None:
         await settle(pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+@pytest.mark.parametrize("names", [("eight_gpus",), ("training", "crashed")])
+def test_snapshot_compact_80x24(names: tuple[str, ...], snap_compare: Any) -> None:
+    """The small terminal: 8 GPUs and the log on one 80x24 screen; with two runs it opens on the crashed one."""
+    app = app_for(*names)
+
+    async def run_before(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
 
 
 # -- sources, --once and --plain ---------------------------------------------------------------------------
@@ -703,11 +720,219 @@ def test_watch_in_tmux_over_ssh_pct_live_run_then_kill_from_the_dashboard(tmp_pa
         watch.keys("k")
         watch.wait("kill box:tiny?")
         watch.keys("y")
-        screen = watch.wait("KILLED", "run killed", "run_end signal", timeout_s=90)
-        assert "exit code 0" in screen
+        # killed on request: the badge and the summary's `ended` line, no alert (nobody needs to act)
+        screen = watch.wait("KILLED", "ended run_end signal", timeout_s=90)
+        assert "exit code 0" in screen and "no alerts" in screen and "run killed" not in screen
         saved = sorted((out / "checkpoints").glob("step-*"))  # the run checkpointed on the way out
         assert saved and (saved[-1] / "manifest.json").is_file()
         watch.keys("q")
     finally:
         watch.close()
         opsctl(hosts, "kill", "box", "tiny")
+
+
+# -- issue 12: charts over the whole run, nvitop-like GPUs, health at a glance ---------------------------------
+def _run_start(ts: float, resumed_from: int | None = None, reservoir: int = 4) -> dict[str, Any]:
+    return {"t": "event", "ts": ts, "off": 0, "end": 1, "event": {
+        "v": 1, "ts": ts, "kind": "run_start", "run_id": "r", "rank": 0, "seq": 0, "config": {"data": {"reservoir":
+                                                                                                   reservoir}},
+        "versions": {}, "kernels": {}, "device": "cuda:0", "world_size": 1, "roles": {"colocated": [0]},
+        "resumed_from": resumed_from, "pid": 7, "host": "h", "total_steps": 1000}}
+
+
+def _step(n: int, ts: float, step_time: float = 1.0, loss: float | None = None, tps: float = 1000.0) -> dict[str, Any]:
+    return {"t": "event", "ts": ts, "off": 0, "end": 1, "event": {
+        "v": 1, "ts": ts, "kind": "step", "run_id": "r", "rank": 0, "seq": n, "step": n, "epoch": 0,
+        "loss": 10.0 / n if loss is None else loss, "acc": [0.5], "lr": 1e-3, "grad_norm": 1.0, "tokens": 100,
+        "tokens_per_s": tps, "step_time_s": step_time, "queue_depth": 4, "queue_wait_s": 0.0, "recompiles": 0,
+        "total_steps": 1000}}
+
+
+def test_charts_keep_the_whole_run_across_a_resume_and_thin_beyond_capacity() -> None:
+    from opsctl.watch import RunModel, RunSeries
+
+    model = RunModel("h:r")
+    model.ingest({"t": "proc", "ts": 0.0, "state": "running", "pid": 7, "pgid": 7, "exit_code": None})
+    model.ingest(_run_start(0.0))
+    for n in range(1, 301):  # more than the old 120-point window
+        model.ingest(_step(n, float(n)))
+    loss = model.series["loss"]
+    assert loss.steps == list(range(1, 301)) and loss.values[0] == 10.0
+    model.ingest(_run_start(400.0, resumed_from=250))  # crashed after 300, resumed from the step-250 checkpoint
+    model.ingest(_step(251, 401.0, loss=0.5))
+    assert loss.steps[-2:] == [250, 251] and loss.values[-1] == 0.5  # steps 251-300 of the crashed attempt gone
+    series = RunSeries(capacity=100)
+    for n in range(1, 1001):
+        series.add(n, float(n))
+    assert len(series) <= 100 and series.steps[0] == 1 and series.steps[-1] >= 990  # still spans the whole run
+    assert series.stride > 1
+
+
+def test_eta_is_an_ema_of_the_step_time_and_one_slow_step_barely_moves_it() -> None:
+    from opsctl.watch import RunModel
+
+    now = [0.0]
+    model = RunModel("h:r", clock=lambda: now[0])
+    model.ingest({"t": "proc", "ts": 0.0, "state": "running", "pid": 7, "pgid": 7, "exit_code": None})
+    model.ingest(_run_start(0.0))
+    now[0] = 101.0
+    for n in range(1, 101):
+        model.ingest(_step(n, float(n), step_time=1.0, tps=1000.0 + (50 if n % 2 else -50)))
+    before = model.view().eta_s
+    assert before == pytest.approx(900.0)  # 900 steps left at 1.0 s
+    model.ingest(_step(101, 160.0, step_time=60.0))  # a checkpoint step: the old last-20 median rule jumped too
+    after = model.view().eta_s
+    assert after is not None and after < 1.15 * before, (before, after)
+    now[0] = 161.0
+    for n in range(102, 262):  # the run really got slower: the ETA follows within a few dozen steps
+        model.ingest(_step(n, 160.0 + n, step_time=2.0))
+    now[0] = 160.0 + 262
+    assert model.view().eta_s == pytest.approx((1000 - 261) * 2.0, rel=0.05)
+    assert model.state.tokens_rate.value == pytest.approx(1000.0, abs=10)  # smoothed, not the last +-50
+
+
+@pytest.mark.anyio
+async def test_a_running_resumed_run_shows_no_stale_exit_code(tmp_path: Path) -> None:
+    msgs = [{"t": "proc", "ts": 1.0, "state": "exited", "pid": 7, "pgid": 7, "exit_code": 0},
+            _run_start(1.0), _step(1, 2.0),
+            {"t": "event", "ts": 3.0, "off": 0, "end": 1, "event": {
+                "v": 1, "ts": 3.0, "kind": "run_end", "run_id": "r", "rank": 0, "seq": 9, "reason": "signal",
+                "exit_code": 0, "step": 1}},
+            {"t": "proc", "ts": 10.0, "state": "running", "pid": 8, "pgid": 8, "exit_code": None},
+            _run_start(11.0, resumed_from=1), _step(2, 12.0)]
+    stream = tmp_path / "resumed.jsonl"
+    stream.write_text("".join(json.dumps(m) + "\n" for m in msgs))
+    app = WatchApp([RecordedSource(stream, label="h:resumed")], clock=lambda: 13.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        view = app.models[0].view()
+        assert view.state == "training" and view.proc_state == "running"
+        summary = text_of(app, RunSummary)
+        assert "running  pid 8" in summary and "exit" not in summary, summary
+
+
+@pytest.mark.anyio
+async def test_opens_on_the_run_that_needs_attention_then_tab_moves_on() -> None:
+    app = app_for("training", "crashed", "loading")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert app.current == 1 and "▶ h200:crashed" in text_of(app, RunsBar)  # crashed first, not the first listed
+        await pilot.press("tab")
+        assert app.current == 2
+        app.tick()
+        assert app.current == 2  # once the person chose, the dashboard stays where they are
+
+
+@pytest.mark.anyio
+async def test_a_kill_we_asked_for_shows_killed_and_how_it_ended_not_an_alert() -> None:
+    class Killed(RecordedSource):
+        """The training recording, then what the agent sends after `opsctl kill`: run_end by signal, exited."""
+
+        def messages(self) -> Iterator[dict[str, Any]]:
+            yield from super().messages()
+            ts = last_ts("training")
+            yield {"t": "killed", "ts": ts + 0.5, "signal": "SIGINT", "pgid": 31337, "alive": []}
+            yield {"t": "event", "ts": ts + 1, "off": 0, "end": 1, "event": {
+                "v": 1, "ts": ts + 1, "kind": "run_end", "run_id": "h200-demo", "rank": 0, "seq": 999,
+                "reason": "signal", "exit_code": 0, "step": 40, "signal": "SIGINT"}}
+            yield {"t": "proc", "ts": ts + 1.5, "state": "exited", "pid": 31337, "pgid": 31337, "exit_code": 0,
+                   "killed_by_opsctl": True}
+
+    clock_at = last_ts("training") + 3
+    app = WatchApp([Killed(STREAMS / "training.jsonl", label="h200:killed")], clock=lambda: clock_at)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert "KILLED" in text_of(app, RunsBar) and "⚠" not in text_of(app, RunsBar)
+        assert text_of(app, AlertsPanel) == "no alerts"
+        assert "ended run_end signal, exit code 0, at step 40" in text_of(app, RunSummary)
+
+
+class RefusedSource:
+    """A host that refuses every connection (what the transport raises for a dead sshd port)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    def kill(self) -> None: ...
+
+    def clean(self) -> None: ...
+
+    def reconnect(self) -> None: ...
+
+
+@pytest.mark.anyio
+async def test_an_unreachable_host_gets_the_unreachable_badge_and_the_dashboard_opens_on_it() -> None:
+    clock_at = last_ts("training") + 2
+    app = WatchApp([recorded("training"), RefusedSource("gone:run")], clock=lambda: clock_at, backoff=(5.0,))
+    async with app.run_test(size=SIZE) as pilot:
+        deadline = time.monotonic() + 10
+        while "UNREACHABLE" not in text_of(app, RunsBar):
+            assert time.monotonic() < deadline, text_of(app, RunsBar)
+            await pilot.pause(0.05)
+        assert app.current == 1 and "Connection refused" in text_of(app, RunSummary)
+
+
+@pytest.mark.anyio
+async def test_eight_gpus_and_the_log_fit_80x24() -> None:
+    app = app_for("eight_gpus")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert app.main_screen.has_class("compact") and app.w_charts.has_class("hidden")
+        gpus = app.query_one(GpuPanel)
+        rows = gpus.render().plain.splitlines()
+        assert len(rows) == 9 and rows[0].split()[:2] == ["GPU", "util"]
+        for i, row in enumerate(rows[1:]):
+            assert row.split()[0] == str(i) and "/140G" in row and "W" in row and "°C" in row, row
+        assert "31337 run" in rows[1]  # the run's own process is marked as the run's
+        assert gpus.region.bottom <= 24 and gpus.region.height == 10  # all eight rows on screen
+        pane = app.query_one(LogPane)
+        assert pane.region.y + pane.region.height <= 23 and pane.size.height >= 4  # and still 4+ log lines
+        assert text_of(app, AlertsPanel) == "no alerts"  # a full reservoir on a colocated run is no alarm
+        await pilot.press("g")
+        assert "(history)" in gpus.render().plain
+        await pilot.press("v")
+        await pilot.pause()
+        assert not app.w_charts.has_class("hidden")  # charts on demand even on a small terminal
+
+
+@pytest.mark.anyio
+async def test_chart_keys_cycle_the_metric_and_toggle_smoothing_and_the_queue_chart_is_calm() -> None:
+    from opsctl.widgets import Chart
+
+    app = app_for("eight_gpus")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        right = app.query_one("#chart-right", Chart)
+        assert right.key == "tokens_per_s"
+        await pilot.press("m", "m")
+        await pilot.pause()
+        assert right.key == "queue_depth"
+        built = re.sub(r"\x1b\[[0-9;]*m", "", right.plt.build())
+        assert "queue depth 4 of 4" in built
+        ticks = [float(m) for m in re.findall(r"^\s*(\d+\.\d+)┤", built, re.M)]
+        assert max(ticks) == 4.0 and min(ticks) == 0.0, built  # the 0..capacity axis: full is a calm top line
+        assert app.w_charts.smoothing > 0
+        await pilot.press("e")
+        assert app.w_charts.smoothing == 0
+        left = re.sub(r"\x1b\[[0-9;]*m", "", app.query_one("#chart-loss", Chart).plt.build())
+        assert "loss 2.3120" in left and "step" in left
+
+
+@pytest.mark.anyio
+async def test_screenshot_key_saves_somewhere_writable_and_says_where(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # a server: no ~/Downloads
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    monkeypatch.delenv("OPSCTL_SCREENSHOT_DIR", raising=False)
+    app = app_for("training")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+s")
+        await pilot.pause(0.2)
+        saved = Path(app.last_screenshot or "")
+        assert saved.parent == tmp_path / ".local" / "state" / "opsctl" / "screenshots" and saved.is_file()
+        assert "<svg" in saved.read_text()[:2000]
+        assert any(str(saved) in str(n.message) for n in app._notifications), "the notification names the file"
