@@ -91,3 +91,17 @@ def test_gpu_samples_become_per_gpu_scalars_at_the_current_step(tmp_path: Path) 
     assert _scalars(tmp_path, "gpu0/power_w") == [(5, pytest.approx(650.5))]
     assert _scalars(tmp_path, "gpu1/mem_used_mb") == [(5, 10.0)]
     assert "gpu1/util_pct" not in EventAccumulator(str(tmp_path)).Reload().Tags()["scalars"]
+
+
+def test_export_follow_adds_steps_until_the_run_ends(tmp_path: Path, sshd) -> None:
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={"live": script_run(
+        tmp_path, "ok_run.py", "--steps", "30", "--step-time", "0.1", tmux_session="export-follow")})
+    try:
+        assert opsctl(hosts, "launch", "box", "live").returncode == 0  # ready at its first step: still running
+        out = tmp_path / "tb"
+        r = opsctl(hosts, "export", "box", "live", "--tensorboard", str(out), "--follow", timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "following box:live" in r.stderr
+        assert [s for s, _ in _scalars(out, "train/loss")] == list(range(1, 31))  # every step, to the end
+    finally:
+        opsctl(hosts, "clean", "box", "live")

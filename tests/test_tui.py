@@ -936,3 +936,21 @@ async def test_screenshot_key_saves_somewhere_writable_and_says_where(tmp_path: 
         assert saved.parent == tmp_path / ".local" / "state" / "opsctl" / "screenshots" and saved.is_file()
         assert "<svg" in saved.read_text()[:2000]
         assert any(str(saved) in str(n.message) for n in app._notifications), "the notification names the file"
+
+
+@pytest.mark.anyio
+async def test_a_restarting_run_is_shown_as_restarting_n_of_max(tmp_path: Path) -> None:
+    # What the agent's `proc` says while the wrapper waits out a restart's back-off (docs/agent-protocol.md).
+    msgs = [{"t": "hello", "ts": 1.0, "agent_version": "1", "host": "h", "pid": 1, "python": "3", "nvml": "ok"},
+            _run_start(1.0), _step(1, 2.0),
+            {"t": "proc", "ts": 5.0, "state": "restarting", "pid": 7, "pgid": 7, "exit_code": 1,
+             "exception": "RuntimeError: boom", "attempt": 2, "started": 1.0, "ended": 4.0, "restarts": 1,
+             "restart_max": 3, "restart": {"attempt": 2, "n": 2, "max": 3, "at": 65.0, "ended": 4.0, "exit_code": 1,
+                                           "exception": "RuntimeError: boom"}}]
+    stream = tmp_path / "restarting.jsonl"
+    stream.write_text("".join(json.dumps(m) + "\n" for m in msgs))
+    app = WatchApp([RecordedSource(stream, label="h:flaky")], clock=lambda: 6.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        assert "RESTARTING (2/3)" in text_of(app, RunsBar)
+        assert "RESTARTING (2/3)" in text_of(app, RunSummary)
