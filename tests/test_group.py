@@ -88,7 +88,7 @@ def write_hosts(tmp: Path, nodes: list[Node], sections: dict[str, Any], **run_ov
     hosts = {f"n{i}": n.sshd.host_entry(pct=VMID) for i, n in enumerate(nodes)}
     run: dict[str, Any] = {
         "nproc_per_node": 1, "workdir": str(tmp),
-        "command": ["-m", "dflash", "train", "--config", "run.yaml", "--out", "out/node{node}"],
+        "command": ["-m", "dflash", "train", "--config", "run.yaml", "--out", "out/node{node}", "--resume", "auto"],
         "log": "out/node{node}.log", "events": "out/node{node}/events.jsonl",
         "env": {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
         "inductor_cache_dir": str(tmp / "cache{node}"), "clean_roots": [str(tmp)],
@@ -143,9 +143,13 @@ def test_split_group_run_is_ready_on_both_nodes_and_equals_the_colocated_losses(
     finally:
         torch.set_num_threads(threads)
     assert len(split) == 12 and split == colocated.losses
+    r = opsctl(hosts, "status", "pair")
+    assert r.returncode == 0 and "pair/r: finished  2 nodes x 1 = world 2, rendezvous 127.0.0.2:" in r.stdout
     r = opsctl(hosts, "kill", "pair", "r")
-    assert r.returncode == 0 and "[node0 n0] r is not running" in r.stderr.replace("pair-r-node0", "r")
+    assert r.returncode == 0 and "[node0 n0] pair-r-node0 is not running" in r.stderr, r.stderr
     assert nodes[0].training() == [] and nodes[1].training() == []
+    r = opsctl(hosts, "clean", "pair", "--dry-run")
+    assert r.returncode == 0 and "[node1 n1] pair-r-node1: would remove" in r.stderr, r.stderr
 
 
 def test_colocated_group_kill_leaves_nothing_and_a_dead_node_crashes_the_group(tmp_path: Path,
