@@ -217,6 +217,10 @@ def parse_groups(raw: Any, hosts: dict[str, HostConfig], file: str, base: Path,
                 problems.append(problem((*rloc, "command"), "a group run's command is an argv list (the script "
                                         "torchrun starts and its arguments, e.g. [-m, dflash, train, ...])"))
                 continue
+            if grun.restart.when != "never":
+                problems.append(problem((*rloc, "restart"), "restart policies are per host run; a group run is "
+                                        "not restarted yet (each node's wrapper would restart its node alone)"))
+                continue
             filled = [a for a in [*grun.command, *grun.torchrun] if a.split("=")[0] in FILLED_OPTIONS]
             if filled:
                 problems.append(problem((*rloc, "command"), f"{', '.join(filled)}: opsctl fills these for every "

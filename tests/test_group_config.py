@@ -97,6 +97,8 @@ def test_head_is_node_zero_and_addresses_override_the_ssh_host() -> None:
     (("workdir: /srv/w", "workdir: /srv/w\n          nproc_per_node: 8"), "nproc_per_node:", None),
     (("train, --config", "train, --nnodes, '3', --config"), "command:",
      "groups.pair.runs.big.command: --nnodes: opsctl fills these for every node"),
+    (("workdir: /srv/w", "workdir: /srv/w\n          restart: {when: on-failure}"), "restart:",
+     "groups.pair.runs.big.restart: restart policies are per host run; a group run is not restarted yet"),
     (("workdir: /srv/w", "workdir: srv/w"), "workdir:",
      "groups.pair.runs.big.workdir: on member a: 'srv/w': a remote (ssh or pct) workdir must be an absolute path"),
 ])
