@@ -121,7 +121,7 @@ class RunsBar(_Quiet):
 def _rate(model: RunModel, view: RunView) -> str:
     """tokens/s as a smoothed rate (an EMA over steps), the last step's own value beside it when they differ."""
     avg = model.state.tokens_rate.value if isinstance(model.state, SmoothedRunState) else None
-    if avg is None or view.state not in ("training", "stalled"):
+    if avg is None:
         return fmt_num(view.tokens_per_s, 0)
     return f"{fmt_num(avg, 0)} avg (last {fmt_num(view.tokens_per_s, 0)})"
 
