@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import io
 import json
 import queue
@@ -532,3 +533,28 @@ def dispatch(ctx: Ctx, args: Any, extra: list[str] | None) -> int | None:
     if args.verb == "kill":
         return cmd_group_kill(ctx, g, args.run)
     return cmd_group_clean(ctx, g, args.run, dry_run=args.dry_run, logs=args.logs)
+
+
+def _quiet(ctx: Ctx, verb: Callable[..., int], *args: Any) -> tuple[int, str]:
+    """A group verb with its output in a buffer (the full-screen watch owns the terminal): (exit code, output)."""
+    buf = io.StringIO()
+    con = Console(file=buf, highlight=False, width=120)
+    quiet = Ctx(hosts_file=ctx.hosts_file, accept_new_host_key=ctx.accept_new_host_key, out=con, err=con, raw=buf,
+                _inv=ctx._inv, transport_factory=ctx.transport_factory)
+    try:
+        rc = verb(quiet, *args)
+    except OpsError as exc:
+        buf.write(str(exc) + "\n")
+        rc = exc.code
+    return rc, buf.getvalue()
+
+
+def watch_sources(ctx: Ctx, g: Group, run: str | None) -> list[Any]:
+    """`watch GROUP[:RUN]`: every node of the group run as a source (its GPUs and log); `k` / `c` on any node
+    kill / clean the whole group run, never one node alone (the others would only wait on it)."""
+    from opsctl.watch import AgentSource
+
+    runs = [group_run(ctx, g, run)] if run else list(g.runs.values())
+    return [AgentSource(n.host, n.run, ctx.transport, kill=functools.partial(_quiet, ctx, cmd_group_kill, g, gr.name),
+                        clean=functools.partial(_quiet, ctx, cmd_group_clean, g, gr.name))
+            for gr in runs for n in gr.nodes]

@@ -162,6 +162,9 @@ def test_colocated_group_kill_leaves_nothing_and_a_dead_node_crashes_the_group(t
     rows = group_status(hosts)
     assert [x["state"] for x in rows] == ["training", "training"] and rows[0]["group"]["state"] == "training"
     assert nodes[0].training() and nodes[1].training()
+    r = opsctl(hosts, "watch", "pair:r", "--once")  # the dashboard's snapshot: every node of the group run
+    assert r.returncode == 0, r.stderr
+    assert [(x["host"], x["run"]) for x in json.loads(r.stdout)] == [("n0", "pair-r-node0"), ("n1", "pair-r-node1")]
     # A second launch of a running group is refused on the node that runs it, and starts nothing.
     r = opsctl(hosts, "launch", "pair", "r")
     assert r.returncode == commands.EXIT_REFUSED and "nothing started on any node" in r.stderr
