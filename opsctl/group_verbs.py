@@ -39,6 +39,7 @@ from opsctl.group import Group, GroupRun, Node
 from opsctl.transport import PreflightRefused, Transport, TransportError
 
 RUNNING = ("starting", "loading", "compiling", "training", "stalled", "restarting")
+PEER_WAIT_S = 5.0  # after a peer-lost failure, how long launch waits for the node that caused it to say so
 PROGRESS = ("starting", "loading", "compiling", "training")  # a group is as far as its slowest node
 # A rank that lost its peer fails with one of these: it is a follower of the crash, not its cause.
 PEER_LOST = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|DistStoreError|"
@@ -188,6 +189,13 @@ class _NodeLaunch:
     ended: bool = False
     ok_exit: bool = False
     failure: str | None = None
+    failed_at: float = 0.0
+    fatal: str | None = None  # the training core's last fatal error event on this node (class: message)
+
+    @property
+    def peer_lost(self) -> bool:
+        """Failed because a peer went away: a consequence of another node's death, not the cause."""
+        return bool(PEER_LOST.search(f"{self.fatal or ''} {self.failure or ''}"))
     ready_detail: str | None = None
 
 
@@ -245,12 +253,14 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
         th.start()
     deadline = t0 + gr.ready_timeout
     ready = False
+    first_failure: float | None = None
     open_streams = len(states)
     try:
-        while open_streams:
+        while True:
             try:
                 i, m = q.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())) if not ready else 1.0)
             except queue.Empty:
+                i, m = -1, None
                 if not ready and time.monotonic() > deadline:
                     waiting = [f"{label(s.node)} (ranks {sorted(set(gr.ranks(s.node.index)) - s.stepped)})"
                                for s in states.values() if not set(gr.ranks(s.node.index)) <= s.stepped]
@@ -258,21 +268,36 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
                                   f"waiting for {', '.join(waiting)}; the nodes were left running (opsctl kill "
                                   f"{g.name} {gr.name} stops them)")
                     return EXIT_TIMEOUT
-                continue
-            st = states[i]
-            if m is None:
-                open_streams -= 1
-                st.ended = True
-                if not st.ok_exit and st.failure is None and not ready:
-                    st.failure = "its launch ended without a verdict"
-            elif isinstance(m, Exception):
-                if st.failure is None and not st.ok_exit and not (ready and not follow):
-                    st.failure = f"link lost: {m}"
-            else:
-                _launch_message(ctx, st, m, lock)
+            if i >= 0:
+                st = states[i]
+                if m is None:
+                    open_streams -= 1
+                    st.ended = True
+                    if not st.ok_exit and st.failure is None and not ready:
+                        st.failure = "its launch ended without a verdict"
+                elif isinstance(m, Exception):
+                    if not st.launched and st.failure is None:
+                        st.failure = f"link lost before it started: {m}"
+                    elif not st.ok_exit and st.failure is None:
+                        # A lost link is not a dead node: nothing is stopped on its account.
+                        ctx.err.print(Text(f"[{label(st.node)}] link lost ({m}); the group run goes on: opsctl "
+                                           f"status {g.name} {gr.name} / opsctl logs {g.name} {gr.name} -f",
+                                           style="yellow"))
+                        return EXIT_TRANSPORT
+                else:
+                    _launch_message(ctx, st, m, lock)
             failed = [s for s in states.values() if s.failure]
             if failed:
-                return _group_failed(ctx, g, gr, states, failed[0], lock)
+                now = time.monotonic()
+                first_failure = first_failure or now
+                for s in failed:
+                    s.failed_at = s.failed_at or now
+                # Ranks that lost a peer fail at about the time the peer's node reports its own death: wait a
+                # moment for the cause before naming a node.
+                if all(s.peer_lost for s in failed) and now < first_failure + PEER_WAIT_S and open_streams:
+                    continue
+                cause = sorted(failed, key=lambda s: (s.peer_lost, s.failed_at))[0]
+                return _group_failed(ctx, g, gr, states, cause, lock)
             if not ready and all(set(gr.ranks(s.node.index)) <= s.stepped or s.ok_exit for s in states.values()):
                 ready = True
                 ctx.err.print(f"[bold green]READY[/] {gr.name}: every rank of {len(gr.nodes)} nodes stepped "
@@ -282,7 +307,8 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
             if all(s.ok_exit for s in states.values()):
                 ctx.err.print(f"[bold green]{gr.name} finished[/] on every node")
                 return EXIT_OK
-        return EXIT_OK if all(s.ok_exit for s in states.values()) else EXIT_FAILED
+            if not open_streams:
+                return EXIT_FAILED
     finally:
         for st in states.values():  # the agents' channels: the runs themselves go on in their tmux sessions
             if st.transport is not None:
@@ -302,9 +328,12 @@ def _launch_message(ctx: Ctx, st: _NodeLaunch, m: dict[str, Any], lock: threadin
         with lock:
             ctx.line(prefix + m["line"])
     elif kind == "event":
-        r = _stepped_rank(m["event"])
+        ev = m["event"]
+        r = _stepped_rank(ev)
         if r is not None:
             st.stepped.add(r)
+        if ev.get("kind") == "error" and ev.get("fatal"):
+            st.fatal = f"{ev.get('class')}: {ev.get('message')}"
     elif kind == "verdict":
         # A node whose ranks never write a step event (e.g. a target node) is not `ready` to its agent: its exit
         # status 0 is what counts.
@@ -326,7 +355,9 @@ def _group_failed(ctx: Ctx, g: Group, gr: GroupRun, states: dict[int, _NodeLaunc
         if st.transport is not None:
             st.transport.close()
     others = [s.node for s in states.values() if s is not first and s.launched]
-    ctx.err.print(Text(f"{g.name}/{gr.name} crashed: {label(first.node)}: {first.failure}", style="bold red"))
+    ctx.err.print(Text(f"{g.name}/{gr.name} crashed: {label(first.node)}: {first.failure}"
+                       + (f" ({first.fatal})" if first.fatal and first.fatal not in (first.failure or "") else ""),
+                       style="bold red"))
     if others:
         ctx.err.print(f"stopping {', '.join(label(n) for n in others)}")
         stop_nodes(ctx, others, lock)

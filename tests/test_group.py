@@ -7,7 +7,9 @@ Each host is its own OpenSSH sshd on its own loopback address (127.0.0.2, 127.0.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -176,12 +178,25 @@ def test_colocated_group_kill_leaves_nothing_and_a_dead_node_crashes_the_group(t
     rows = group_status(hosts)
     assert [x["state"] for x in rows] == ["killed", "killed"] and rows[0]["group"]["state"] == "killed"
 
-    # Again, then node 1's ranks die by hand: the group is crashed, named after node 1, and nothing runs anywhere.
-    r = opsctl(hosts, "launch", "pair", "r", timeout=240)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ranks = [p for p, c in nodes[1].training() if "torch.distributed.run" not in c]
-    assert ranks, nodes[1].procs()
-    nodes[1].pct.pct("exec", str(VMID), "--", "kill", "-KILL", *map(str, ranks))
+    # Again, followed (launch --follow), then node 1's ranks die by hand: the launch ends naming node 1, the
+    # group is crashed, named after node 1, and nothing runs anywhere.
+    cmd = [sys.executable, "-m", "opsctl", "--hosts", str(hosts), "launch", "pair", "r", "--follow"]
+    env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb")
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True) as follow:
+        assert follow.stderr is not None
+        seen = []
+        for line in follow.stderr:
+            seen.append(line)
+            if line.startswith("READY r:"):
+                break
+        assert seen and seen[-1].startswith("READY r:"), "".join(seen)
+        ranks = [p for p, c in nodes[1].training() if "torch.distributed.run" not in c]
+        assert ranks, nodes[1].procs()
+        nodes[1].pct.pct("exec", str(VMID), "--", "kill", "-KILL", *map(str, ranks))
+        rest = follow.stderr.read()
+        assert follow.wait(timeout=120) == commands.EXIT_FAILED, rest
+    assert "pair/r crashed: node1 n1: " in rest, rest
     deadline = time.monotonic() + 60
     while True:  # torchrun notices its dead worker within its monitor interval
         rows = group_status(hosts)
