@@ -154,6 +154,26 @@ def test_split_group_run_is_ready_on_both_nodes_and_equals_the_colocated_losses(
     assert r.returncode == 0 and "[node1 n1] pair-r-node1: would remove" in r.stderr, r.stderr
 
 
+def test_colocated_group_run_equals_the_single_node_run_of_the_same_world_size(tmp_path: Path,
+                                                                                nodes: list[Node]) -> None:
+    sections = {"train": {"max_steps": 8, "checkpoint_every": 0, "log_every": 1, "heartbeat_s": 0.1}}
+    hosts = write_hosts(tmp_path, nodes, sections)
+    r = opsctl(hosts, "launch", "pair", "r", "--follow", timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "READY r: every rank of 2 nodes stepped (world 2)" in r.stderr and "r finished on every node" in r.stderr
+    events = [json.loads(x) for x in (tmp_path / "out/node0/events.jsonl").read_text().splitlines()]
+    start = next(e for e in events if e["kind"] == "run_start")
+    assert start["world_size"] == 2 and start["roles"] == {"colocated": [0, 1]}
+    # The same config, world size 2 on one node (torchrun --standalone), outside opsctl.
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "dflash", "train", "--config", "run.yaml", "--out", "single"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    two_nodes = losses(tmp_path / "out/node0/events.jsonl")
+    assert len(two_nodes) == 8 and two_nodes == losses(tmp_path / "single/events.jsonl")
+
+
 def test_colocated_group_kill_leaves_nothing_and_a_dead_node_crashes_the_group(tmp_path: Path,
                                                                                 nodes: list[Node]) -> None:
     sections = {"train": {"max_steps": 100000, "checkpoint_every": 0, "log_every": 1, "heartbeat_s": 0.2}}
