@@ -51,6 +51,9 @@ examples:
   opsctl export pve-box qwen27b --tensorboard tb/qwen27b
                                              events.jsonl as TensorBoard scalars (tensorboard --logdir tb)
   opsctl hosts                               the hosts and runs of the inventory, and which file it is
+  opsctl launch pair qwen27b                 a hosts.yaml group in place of HOST: one torchrun per member
+                                             (node rank, head and port filled), READY when every node stepped;
+                                             status, logs [--node I], kill, clean and watch take it too
   opsctl init                                write a commented ./hosts.yaml (local host + SSH/pct examples)
 
 inventory: --hosts FILE, else $OPSCTL_HOSTS, else ./hosts.yaml, else ~/.config/opsctl/hosts.yaml, else the
