@@ -421,6 +421,39 @@ def _rankless(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
+
+
+def torchrun_root_cause(lines: list[str]) -> str | None:
+    """torchrun ends a failed node's log with `Root Cause (first observed failure)`: the rank, its exit code and,
+    for a signal, `Signal 9 (SIGKILL) received by PID ...`; its own exception (ChildFailedError) says none of it."""
+    try:
+        at = max(i for i, line in enumerate(lines) if "Root Cause" in line)
+    except ValueError:
+        return None
+    got: dict[str, str] = {}
+    for line in lines[at + 1:at + 12]:
+        m = ROOT_FIELD.match(line)
+        if m and m.group(1) not in got:
+            got[m.group(1)] = m.group(2).strip()
+    if not got:
+        return None
+    tb = got.get("traceback", "")
+    detail = tb if tb and not tb.startswith("To enable traceback") else f"exitcode {got.get('exitcode', '?')}"
+    return f"rank {got.get('rank', '?')}: {detail}"
+
+
+def _root_cause(ctx: Ctx, n: Node) -> str | None:
+    t = ctx.transport(n.host)
+    try:
+        args = run_args(n.run, log_offset=-1, tail=80, once=True, no_events=True, gpu_interval=0)
+        return torchrun_root_cause([m["line"] for m in stream_agent(t, n.host, "follow", args) if m.get("t") == "log"])
+    except TransportError:
+        return None
+    finally:
+        t.close()
+
+
 def group_rows(ctx: Ctx, gr: GroupRun) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """One `status --json` record per node (every node asked at once), each with its node index and the group."""
     rows: dict[int, list[dict[str, Any]]] = {}
@@ -428,6 +461,11 @@ def group_rows(ctx: Ctx, gr: GroupRun) -> tuple[list[dict[str, Any]], dict[str, 
 
     def one(n: Node) -> int:
         got, error = commands._host_status(ctx, n.host, [n.run], quiet=True)
+        for r in got:
+            if r["state"] == "crashed" and "ChildFailedError" in str(r.get("reason")):
+                cause = _root_cause(ctx, n)
+                if cause:
+                    r["reason"] = f"torchrun: {cause} (exit {r.get('exit_code')})"
         rows[n.index] = got
         if error is not None:
             unreachable[n.host.name] = error

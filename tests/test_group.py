@@ -225,6 +225,7 @@ def test_colocated_group_kill_leaves_nothing_and_a_dead_node_crashes_the_group(t
         time.sleep(0.5)
     info = rows[0]["group"]
     assert info["state"] == "crashed" and info["node"] == 1 and info["reason"].startswith("node1 n1: "), rows
+    assert "Signal 9 (SIGKILL)" in info["reason"], rows  # torchrun's root cause, not its ChildFailedError
     deadline = time.monotonic() + 60
     while (nodes[0].training() or nodes[1].training()) and time.monotonic() < deadline:
         group_status(hosts)  # status stops what a crashed group still runs
