@@ -256,3 +256,35 @@ def test_a_member_failing_preflight_starts_nothing_anywhere(tmp_path: Path, node
     assert r.returncode == commands.EXIT_REFUSED, r.stderr
     assert "FAIL node0 n0: preflight command failed (exit 1)" in r.stderr and "ok   node1 n1:" in r.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / ".opsctl").exists()
+
+
+RANK_SCRIPT = """
+import json, os, sys, time
+rank = int(os.environ["RANK"])
+with open(sys.argv[1], "a") as fh:
+    fh.write(json.dumps({"kind": "heartbeat", "rank": rank, "step": 1, "phase": "training", "ts": time.time()}) + "\\n")
+print(f"rank {rank} stepping", flush=True)
+while True:  # no collective: a dead peer never reaches this rank, only opsctl can stop it
+    if rank == 1 and os.path.exists(sys.argv[2]):
+        raise SystemExit("rank 1: boom")
+    time.sleep(0.1)
+"""
+
+
+def test_status_stops_what_a_crashed_group_still_runs(tmp_path: Path, nodes: list[Node]) -> None:
+    (tmp_path / "ranks.py").write_text(RANK_SCRIPT)
+    hosts = write_hosts(tmp_path, nodes, {}, command=["ranks.py", "out/node{node}/events.jsonl", "boom"],
+                        events="out/node{node}/events.jsonl",
+                        preflight=["mkdir", "-p", str(tmp_path / "out/node{node}")])
+    r = opsctl(hosts, "launch", "pair", "r", timeout=120)
+    assert r.returncode == 0 and "READY r: every rank of 2 nodes stepped" in r.stderr, r.stderr
+    (tmp_path / "boom").write_text("")
+    deadline = time.monotonic() + 60
+    while not (proc := opsctl(hosts, "status", "pair", "r")).stderr and time.monotonic() < deadline:
+        time.sleep(0.5)  # until status finds the crash (it says on stderr what it stops)
+    assert "pair/r crashed (node1 n1: " in proc.stderr and "stopping node0 n0" in proc.stderr, proc.stderr
+    assert "[node0 n0] killed pair-r-node0" in proc.stderr, proc.stderr
+    assert [p for p, c in nodes[0].procs() if "ranks.py" in c] == []
+    rows = group_status(hosts)
+    assert [x["state"] for x in rows] == ["killed", "crashed"]
+    assert rows[0]["group"]["state"] == "crashed" and rows[0]["group"]["node"] == 1
