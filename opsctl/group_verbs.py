@@ -43,7 +43,7 @@ PEER_WAIT_S = 5.0  # after a peer-lost failure, how long launch waits for the no
 PROGRESS = ("starting", "loading", "compiling", "training")  # a group is as far as its slowest node
 # A rank that lost its peer fails with one of these: it is a follower of the crash, not its cause.
 PEER_LOST = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|DistStoreError|"
-                       r"remote process exited|peer|NCCL communicator was aborted|Socket Timeout|RendezvousClosed",
+                       r"remote process exited|NCCL communicator was aborted|Socket Timeout|RendezvousClosed",
                        re.I)
 
 
@@ -159,7 +159,7 @@ def node_preflight(ctx: Ctx, n: Node) -> str:
             checked = t.preflight()
         except PreflightRefused as exc:
             raise OpsError(f"{label(n)}: {exc}", EXIT_REFUSED) from None
-        view, st = commands.run_status(ctx, host, run, t)
+        view, _ = commands.run_status(ctx, host, run, t)
         if view.proc_state == "running" or view.state == "restarting":
             raise OpsError(f"{label(n)}: {run.name} is already {view.state} (pid {view.pid}); stop the group run "
                            "first (opsctl kill GROUP RUN)", EXIT_REFUSED)
@@ -196,7 +196,6 @@ class _NodeLaunch:
     def peer_lost(self) -> bool:
         """Failed because a peer went away: a consequence of another node's death, not the cause."""
         return bool(PEER_LOST.search(f"{self.fatal or ''} {self.failure or ''}"))
-    ready_detail: str | None = None
 
 
 def _stepped_rank(ev: dict[str, Any]) -> int | None:
