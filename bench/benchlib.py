@@ -120,6 +120,23 @@ def anchor_pairs(cfg: RunConfig, batch: DraftBatch, anchors: torch.Tensor) -> li
     return [cache[w] for w in layer_windows(cfg)]
 
 
+def flex_tile_pairs(cfg: RunConfig, batch: DraftBatch, anchors: torch.Tensor) -> list[int]:
+    """Pairs flex computes per drafter layer (whole non-empty tiles of the block mask the drafter builds for these
+    anchors): the hardware count of its attention, against anchor_pairs' allowed count."""
+    from dflash.flops import block_mask_pairs
+    from dflash.model import FlexShape, build_block_mask, flex_mask_mod
+
+    b = cfg.drafter.block_size
+    n, m = batch.doc_ids.shape[0], anchors.shape[0] * b
+    dev = batch.doc_ids.device
+    shape = FlexShape(m, n + m, anchors.shape[0], n, str(dev))
+    cache: dict[int | None, int] = {}
+    for w in layer_windows(cfg):
+        if w not in cache:
+            cache[w] = block_mask_pairs(build_block_mask(flex_mask_mod(anchors, batch.doc_ids, b, w), shape, dev))
+    return [cache[w] for w in layer_windows(cfg)]
+
+
 def host_batch(arrays: dict[str, torch.Tensor], hidden_dim: int = 0) -> DraftBatch:
     """A DraftBatch of a buffer's host arrays (no hidden states: enough to sample anchors and count pairs)."""
     n = arrays["input_ids"].shape[0]
@@ -128,11 +145,13 @@ def host_batch(arrays: dict[str, torch.Tensor], hidden_dim: int = 0) -> DraftBat
 
 
 def buffer_flops(cfg: RunConfig, costs: Sequence[TargetLayerCost], taps: Sequence[int], hidden: int, vocab: int,
-                 pieces: Sequence[Piece], pairs: list[int]) -> dict[str, float]:
+                 pieces: Sequence[Piece], pairs: list[int], hw_pairs: list[int] | None = None) -> dict[str, float]:
     """Model FLOPs of one step on this buffer: the target forward (layers up to the deepest tap, real tokens) and
     the drafter step (model and hardware)."""
     t = target_forward_flops(costs, [n for _, _, n in pieces], layers_run=max(taps) + 1)
-    dr = drafter_step_flops(drafter_shape(cfg, hidden, vocab, pairs, len(taps)))
+    shape = drafter_shape(cfg, hidden, vocab, pairs, len(taps))
+    shape.flex_hw_pairs = hw_pairs
+    dr = drafter_step_flops(shape)
     return {"target": t.total, "target_attention": t.attention, "drafter": dr.model, "drafter_hw": dr.hardware,
             "drafter_lm_head": dr.parts["lm_head"] * 2, "tokens": float(t.tokens)}
 

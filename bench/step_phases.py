@@ -171,8 +171,13 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
             nxt = timed[j + 1]["ev"]
             rows_ms["gap"].append(float(ev.marks["optimizer"].elapsed_time(nxt.marks["start"])))
             rows_ms["step"].append(float(ev.marks["start"].elapsed_time(nxt.marks["start"])))
-        pairs = benchlib.anchor_pairs(cfg, benchlib.host_batch(rec["arrays"]), rec["anchors"].cpu())
-        f = benchlib.buffer_flops(cfg, costs, taps, hidden, vocab, rec["pieces"], pairs)
+        host_b = benchlib.host_batch(rec["arrays"])
+        pairs = benchlib.anchor_pairs(cfg, host_b, rec["anchors"].cpu())
+        hw_pairs = None
+        if drafter.attention_backend != "dense":  # flex computes whole tiles: count them from its block mask
+            dev_b = benchlib.host_batch({k: v.to(device) for k, v in rec["arrays"].items()})
+            hw_pairs = benchlib.flex_tile_pairs(cfg, dev_b, rec["anchors"])
+        f = benchlib.buffer_flops(cfg, costs, taps, hidden, vocab, rec["pieces"], pairs, hw_pairs)
         for k in fl:
             fl[k].append(f[k])
     med = {k: benchlib.median(v) for k, v in rows_ms.items()}

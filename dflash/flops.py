@@ -135,6 +135,16 @@ def drafter_attention_pairs(anchor_positions: Tensor, anchor_in_doc: Tensor, blo
     return int(ctx.sum()) + int(blk.sum()) * anchor_positions.shape[0]
 
 
+def block_mask_pairs(block_mask: Any) -> int:
+    """(query, key) pairs flex-attention really computes for a BlockMask: every non-empty tile (partial or full) is
+    computed whole, Q_BLOCK x KV_BLOCK pairs (per batch and head entry of the mask; the drafter's has one of each)."""
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    tiles = int(block_mask.kv_num_blocks.sum())
+    if block_mask.full_kv_num_blocks is not None:
+        tiles += int(block_mask.full_kv_num_blocks.sum())
+    return tiles * q_block * kv_block
+
+
 @dataclass
 class DrafterShape:
     """What the drafter step's cost depends on: the config's sizes and this buffer's attention pairs per layer."""

@@ -252,3 +252,21 @@ def test_both_benches_run_end_to_end_in_a_cpu_smoke_run(tmp_path: Path) -> None:
     for name in ("project padded (sdpa)", "hf padded docs (+LM head)", "hf 2x64 (decoder only)"):
         assert rows[name]["tok_per_s"] > 0 and rows[name]["mfu"] > 0
     assert fwd["summary"]["best_project"] == "project padded (sdpa)"  # type: ignore[index]
+
+
+def test_flex_computes_whole_tiles_of_the_block_mask() -> None:
+    """Hardware pairs of flex attention = every 128x128 tile holding at least one allowed pair, computed whole:
+    counted from the BlockMask, checked against the tiles of the dense mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash.flops import block_mask_pairs
+    from dflash.model import flex_mask_mod
+
+    batch = _batch(600, [150, 300, 100], 8, 50, 1)
+    for window in (None, 64):
+        anchors, _ = sample_anchors(batch, 40, 4, torch.Generator().manual_seed(2))
+        m, n = 160, 600
+        bm = create_block_mask(flex_mask_mod(anchors, batch.doc_ids, 4, window), None, None, m, n + m, device="cpu")
+        dense = dense_mask(anchors, batch.doc_ids, 4, window)
+        tiles = sum(bool(dense[q:q + 128, k:k + 128].any()) for q in range(0, m, 128) for k in range(0, n + m, 128))
+        assert block_mask_pairs(bm) == tiles * 128 * 128 >= int(dense.sum())
