@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from dflash import yamlfile
 from opsctl.agent import SYSTEM_DIRS  # the agent checks the same list again on the host
+from opsctl.group import Checks, GroupProblems, parse_groups  # hosts.yaml `groups:` (below this module)
 
 PYTHON_PLACEHOLDER = "{python}"
 DEFAULT_HOSTS_FILE = "hosts.yaml"
@@ -583,10 +584,33 @@ def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | P
                 problems.extend(e.problems)
     if problems:
         raise InventoryError(problems)
-    from opsctl.group import parse_groups  # it builds on this module's run checks
-
-    groups = parse_groups(groups_raw, hosts, file, base, lines)
+    try:
+        groups = parse_groups(groups_raw, hosts, _group_checks(file, base, lines))
+    except GroupProblems as e:
+        raise InventoryError(e.problems) from None
     return Inventory(path=None, hosts=hosts, runs=runs, groups=groups)
+
+
+def _group_checks(file: str, base: Path, lines: dict[tuple[str, ...], int]) -> Checks:
+    """This loader's checks, lent to opsctl.group: a group run's node runs are checked as a host's runs are."""
+
+    def problem(loc: tuple[str, ...], msg: str) -> Problem:
+        return Problem(file, _line_for(lines, loc), ".".join(loc), msg)
+
+    def from_validation(err: ValidationError, loc: tuple[str, ...]) -> list[Problem]:
+        sub = {k[len(loc):]: v for k, v in lines.items() if k[:len(loc)] == loc}
+        return [p._replace(field=".".join((*loc, p.field)) if p.field else ".".join(loc),
+                           line=p.line if p.line is not None else _line_for(lines, loc))
+                for p in _problems_from(err, sub, file)]
+
+    def finish(data: dict[str, Any], host: HostConfig, loc: tuple[str, ...]) -> RunConfig:
+        try:
+            run = RunConfig.model_validate(data)
+        except ValidationError as e:
+            raise InventoryError(from_validation(e, loc)) from None
+        return _finish_run(run, host, base, file, loc, lines)
+
+    return Checks(problem, from_validation, finish)
 
 
 def default_inventory_path() -> Path | None:
