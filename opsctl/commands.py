@@ -632,15 +632,8 @@ def watch_sources(ctx: Ctx, targets: list[str]) -> list[AgentSource]:
     pairs: list[tuple[str, str]] = []
     if not targets:
         pairs = [(h, r) for h, runs in inv.runs.items() for r in runs]
-    from opsctl.group_verbs import group_of
-    from opsctl.group_verbs import watch_sources as group_sources
-
-    grouped: list[AgentSource] = []
     for tgt in targets:
         host, _, run = tgt.partition(":")
-        if (group := group_of(ctx, host)) is not None:  # every node of a group run (hosts.yaml `groups:`)
-            grouped += group_sources(ctx, group, run or None)
-            continue
         if run:
             pairs.append((host, run))
         else:
@@ -652,4 +645,4 @@ def watch_sources(ctx: Ctx, targets: list[str]) -> list[AgentSource]:
         assert run is not None
         sources.append(AgentSource(host, run, ctx.transport, kill=functools.partial(_quietly, ctx, cmd_kill, h, r),
                                    clean=functools.partial(_quietly, ctx, cmd_clean, h, r)))
-    return sources + grouped
+    return sources
