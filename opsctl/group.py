@@ -6,22 +6,15 @@ hosts.yaml `groups:` is validated here (members, head, port, GPUs); every verb o
 from __future__ import annotations
 
 import difflib
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from opsctl.config import (
-    NAME_RE,
-    HostConfig,
-    InventoryError,
-    Problem,
-    RunConfig,
-    _finish_run,
-    _line_for,
-    _problems_from,
-)
+# hosts.yaml's names (config.NAME_RE spells the same rule for hosts and runs; this module sits below config)
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 NODE_PLACEHOLDER = "{node}"  # in a group run's paths and command: the node rank (members sharing a file system)
 TORCHRUN = ["{python}", "-m", "torch.distributed.run"]
@@ -36,10 +29,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class GroupRunFile(RunConfig):
-    """A run on a group: the fields of a host's run (one command for every node), plus how torchrun starts it."""
+class Launcher(_Strict):
+    """The keys a group run has beyond a host's run: how torchrun starts it on every node."""
 
-    name: str = ""
     nproc_per_node: int | None = Field(None, ge=1)  # default: the members' GPU count (their `gpus:` lists)
     torchrun: list[str] = TORCHRUN  # the launcher argv; opsctl appends the rendezvous options, then `command`
     max_restarts: int = Field(0, ge=0)  # torchrun's own in-place restarts of a node's workers
@@ -52,6 +44,21 @@ class GroupRunFile(RunConfig):
         return v
 
 
+LAUNCHER_KEYS = tuple(Launcher.model_fields)
+
+
+class Checks:
+    """What hosts.yaml's loader (opsctl.config) lends this module, so that a group run's node runs pass exactly the
+    checks of a host's run, and every problem is one of its FILE:LINE problems."""
+
+    def __init__(self, problem: Callable[[tuple[str, ...], str], Any],
+                 from_validation: Callable[[ValidationError, tuple[str, ...]], list[Any]],
+                 finish: Callable[[dict[str, Any], Any, tuple[str, ...]], Any]) -> None:
+        self.problem = problem  # (location, message) -> a Problem
+        self.from_validation = from_validation  # pydantic's errors at a location -> Problems
+        self.finish = finish  # (run mapping, host, location) -> the node's RunConfig; raises with .problems
+
+
 class GroupFile(_Strict):
     """A named set of hosts that run one job together; node i of the job is `members[i]`."""
 
@@ -60,7 +67,7 @@ class GroupFile(_Strict):
     port: int = Field(29400, ge=1, le=65535)  # the rendezvous port on the head
     # where the other nodes reach the head, and where each node's workers listen (default: the member's ssh host)
     addresses: dict[str, str] = {}
-    runs: dict[str, GroupRunFile] = {}
+    runs: dict[str, dict[str, Any]] = {}  # each a host run's keys plus Launcher's
 
     @field_validator("members")
     @classmethod
@@ -86,8 +93,8 @@ class Node:
     """One member's share of a group run: a normal run on its host, whose command is the torchrun line."""
 
     index: int
-    host: HostConfig
-    run: RunConfig
+    host: Any  # opsctl.config.HostConfig
+    run: Any  # opsctl.config.RunConfig: its command is the node's torchrun line
     address: str
 
 
@@ -118,7 +125,7 @@ class Group:
     runs: dict[str, GroupRun]
 
 
-def _address(host: HostConfig, addresses: dict[str, str]) -> str:
+def _address(host: Any, addresses: dict[str, str]) -> str:
     if host.name in addresses:
         return addresses[host.name]
     if host.ssh is not None:
@@ -144,20 +151,16 @@ def node_command(launcher: list[str], g: str, r: str, n_nodes: int, i: int, npro
             "--max-restarts", str(max_restarts), *command]
 
 
-def parse_groups(raw: Any, hosts: dict[str, HostConfig], file: str, base: Path,
-                 lines: dict[tuple[str, ...], int]) -> dict[str, Group]:
+def parse_groups(raw: Any, hosts: dict[str, Any], checks: Checks) -> dict[str, Group]:
     """hosts.yaml `groups:` -> Group objects whose node runs went through the same checks as a host's runs.
 
-    Raises InventoryError with FILE:LINE problems, like the rest of the file."""
+    Raises the loader's error (InventoryError: FILE:LINE problems, like the rest of the file)."""
     if raw is None:
         return {}
-
-    def problem(loc: tuple[str, ...], msg: str) -> Problem:
-        return Problem(file, _line_for(lines, loc), ".".join(loc), msg)
-
+    problem = checks.problem
     if not isinstance(raw, dict):
-        raise InventoryError([problem(("groups",), "groups is a mapping of group name -> {members, runs, ...}")])
-    problems: list[Problem] = []
+        raise GroupProblems([problem(("groups",), "groups is a mapping of group name -> {members, runs, ...}")])
+    problems: list[Any] = []
     out: dict[str, Group] = {}
     for gname, graw in raw.items():
         gloc = ("groups", str(gname))
@@ -169,20 +172,10 @@ def parse_groups(raw: Any, hosts: dict[str, HostConfig], file: str, base: Path,
         if gname in hosts:
             problems.append(problem(gloc, f"'{gname}' is also a host name; a group needs a name of its own"))
             continue
-        if isinstance(graw, dict) and isinstance(graw.get("runs"), dict):
-            for rname, rval in graw["runs"].items():
-                if isinstance(rval, dict):
-                    if "name" in rval:
-                        problems.append(problem((*gloc, "runs", str(rname), "name"),
-                                                "the name is the mapping key; remove this field"))
-                    rval["name"] = str(rname)
         try:
             gf = GroupFile.model_validate(graw)
         except ValidationError as e:
-            sub = {k[2:]: v for k, v in lines.items() if k[:2] == gloc}
-            problems += [p._replace(field=".".join((*gloc, p.field)) if p.field else ".".join(gloc),
-                                    line=p.line if p.line is not None else _line_for(lines, gloc))
-                         for p in _problems_from(e, sub, file)]
+            problems += checks.from_validation(e, gloc)
             continue
         unknown = [m for m in gf.members if m not in hosts]
         for m in unknown:
@@ -203,56 +196,76 @@ def parse_groups(raw: Any, hosts: dict[str, HostConfig], file: str, base: Path,
         mhosts = [hosts[m] for m in members]
         endpoint = f"{_address(hosts[head], gf.addresses)}:{gf.port}"
         runs: dict[str, GroupRun] = {}
-        for rname, grun in gf.runs.items():
+        for rname, rraw in gf.runs.items():
             rloc = (*gloc, "runs", rname)
             if not NAME_RE.match(rname):
                 problems.append(problem(rloc, "run names use letters, digits, '_', '.', '-' and start with a "
                                               "letter or digit"))
                 continue
-            nproc, why = _nproc(grun.nproc_per_node, mhosts)
+            if not isinstance(rraw, dict):
+                problems.append(problem(rloc, "a group run is a mapping (workdir, command, log, ...)"))
+                continue
+            if "name" in rraw:
+                problems.append(problem((*rloc, "name"), "the name is the mapping key; remove this field"))
+                continue
+            try:
+                launcher = Launcher.model_validate({k: rraw[k] for k in LAUNCHER_KEYS if k in rraw})
+            except ValidationError as e:
+                problems += checks.from_validation(e, rloc)
+                continue
+            data = {k: v for k, v in rraw.items() if k not in LAUNCHER_KEYS}
+            nproc, why = _nproc(launcher.nproc_per_node, mhosts)
             if why:
                 problems.append(problem((*rloc, "nproc_per_node"), why))
                 continue
-            if not isinstance(grun.command, list):
+            command = data.get("command")
+            if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
                 problems.append(problem((*rloc, "command"), "a group run's command is an argv list (the script "
                                         "torchrun starts and its arguments, e.g. [-m, dflash, train, ...])"))
                 continue
-            if grun.restart.when != "never":
-                problems.append(problem((*rloc, "restart"), "restart policies are per host run; a group run is "
-                                        "not restarted yet (each node's wrapper would restart its node alone)"))
-                continue
-            filled = [a for a in [*grun.command, *grun.torchrun] if a.split("=")[0] in FILLED_OPTIONS]
+            filled = [a for a in [*command, *launcher.torchrun] if a.split("=")[0] in FILLED_OPTIONS]
             if filled:
                 problems.append(problem((*rloc, "command"), f"{', '.join(filled)}: opsctl fills these for every "
                                         "node (node rank, head address and port from the group); remove them"))
                 continue
+            restart = data.get("restart")
+            if isinstance(restart, dict) and restart.get("when", "never") != "never":
+                problems.append(problem((*rloc, "restart"), "restart policies are per host run; a group run is "
+                                        "not restarted yet (each node's wrapper would restart its node alone)"))
+                continue
             nodes: list[Node] = []
             for i, h in enumerate(mhosts):
-                data = grun.model_dump(exclude={"nproc_per_node", "torchrun", "max_restarts"})
-                data = {k: _subst(v, i) for k, v in data.items()}
-                data["name"] = f"{gname}-{rname}-node{i}"
+                node_data = {k: _subst(v, i) for k, v in data.items()}
+                node_data["name"] = f"{gname}-{rname}-node{i}"
                 addr = _address(h, gf.addresses)
-                data["command"] = node_command(_subst(grun.torchrun, i), gname, rname, len(mhosts), i, nproc,
-                                               endpoint, addr, grun.max_restarts, data["command"])
+                node_data["command"] = node_command(_subst(launcher.torchrun, i), gname, rname, len(mhosts), i,
+                                                    nproc, endpoint, addr, launcher.max_restarts,
+                                                    node_data["command"])
                 try:
-                    run = _finish_run(RunConfig.model_validate(data), h, base, file, rloc, lines)
-                except InventoryError as e:
+                    run = checks.finish(node_data, h, rloc)
+                except Exception as e:  # the loader's error: its problems, said for this member
+                    if not hasattr(e, "problems"):
+                        raise
                     problems += [p._replace(message=f"on member {h.name}: {p.message}") for p in e.problems]
-                    break
-                except ValidationError as e:
-                    problems += [p._replace(message=f"on member {h.name}: {p.message}")
-                                 for p in _problems_from(e, lines, file)]
                     break
                 nodes.append(Node(i, h, run, addr))
             else:
-                runs[rname] = GroupRun(gname, rname, nodes, nproc, endpoint, grun.ready_timeout)
+                runs[rname] = GroupRun(gname, rname, nodes, nproc, endpoint, float(run.ready_timeout))
         out[gname] = Group(gname, members, head, gf.port, runs)
     if problems:
-        raise InventoryError(problems)
+        raise GroupProblems(problems)
     return out
 
 
-def _nproc(given: int | None, hosts: list[HostConfig]) -> tuple[int, str | None]:
+class GroupProblems(Exception):
+    """Problems found here; the loader turns them into its own error (one FILE:LINE line each)."""
+
+    def __init__(self, problems: list[Any]) -> None:
+        super().__init__("\n".join(map(str, problems)))
+        self.problems = problems
+
+
+def _nproc(given: int | None, hosts: list[Any]) -> tuple[int, str | None]:
     """Processes per node: given, or the members' GPU count; a member with fewer listed GPUs is an error."""
     counts = {h.name: len(h.gpus) for h in hosts if h.gpus is not None}
     if given is None:

@@ -580,6 +580,8 @@ GROUP_VERBS = ("launch", "status", "logs", "kill", "clean")
 
 def dispatch(ctx: Ctx, args: Any, extra: list[str] | None) -> int | None:
     """The CLI's hook: a verb whose HOST names a group runs here (None: HOST is a host, the host verbs run)."""
+    if args.verb == "watch":
+        return _watch(ctx, args)
     g = group_of(ctx, getattr(args, "host", None)) if args.verb in GROUP_VERBS else None
     if g is None:
         if getattr(args, "node", None) is not None:
@@ -626,3 +628,18 @@ def watch_sources(ctx: Ctx, g: Group, run: str | None) -> list[Any]:
     return [AgentSource(n.host, n.run, ctx.transport, kill=functools.partial(_quiet, ctx, cmd_group_kill, g, gr.name),
                         clean=functools.partial(_quiet, ctx, cmd_group_clean, g, gr.name))
             for gr in runs for n in gr.nodes]
+
+
+def _watch(ctx: Ctx, args: Any) -> int | None:
+    """`watch GROUP[:RUN] [HOST[:RUN] ...]`: the nodes of the group runs next to the hosts' runs (None: no group
+    among the targets, the host watch runs as it is)."""
+    groups = [(g, run) for host, _, run in (t.partition(":") for t in args.targets)
+              if (g := group_of(ctx, host)) is not None]
+    if not groups:
+        return None
+    from opsctl.tui import watch_main
+
+    others = [t for t in args.targets if group_of(ctx, t.partition(":")[0]) is None]
+    sources = [*(commands.watch_sources(ctx, others) if others else []),
+               *(s for g, run in groups for s in watch_sources(ctx, g, run or None))]
+    return watch_main(sources, plain=args.plain, once_json=args.once or args.json, bell=args.bell)
