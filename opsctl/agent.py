@@ -368,6 +368,24 @@ def notifiers(run: Run) -> frozenset[int]:
     return frozenset(int(p) for p, start in pairs if isinstance(p, int) and proc_starttime(p) == start)
 
 
+def tag_gpu_owners(run: Run, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mark each GPU process `whose`: "run" (this run's process tree: torchrun's ranks too, not only its pid),
+    "other" (another process this host can see), or "hidden" (NVML reports a pid outside this PID namespace, as in
+    a container). The dashboard's GPU panel shows it per process."""
+    info = read_json(run.state_file("pid")) or {}
+    pid = info.get("pid")
+    ours: set[int] = set()
+    if isinstance(pid, int):
+        pgid = info.get("pgid") if isinstance(info.get("pgid"), int) else pid
+        ours = set(run_procs(pid, pgid, {}, wrapper_of(info), notifiers(run)))
+    for g in gpus:
+        for p in g.get("procs", []):
+            q = p.get("pid")
+            if isinstance(q, int):
+                p["whose"] = "run" if q in ours else ("other" if proc_stat(q) is not None else "hidden")
+    return gpus
+
+
 def leftovers(run: Run) -> list[int]:
     """Live processes the run's wrapper still holds (adopted orphans) after the main command ended.
 
@@ -624,7 +642,7 @@ class Follower:
         if self.gpu_interval > 0 and self.nvml.ok and now >= self.next_gpu:
             self.next_gpu = now + self.gpu_interval
             try:
-                emit("gpu", gpus=self.nvml.sample())
+                emit("gpu", gpus=tag_gpu_owners(self.run, self.nvml.sample()))
             except Exception as exc:  # noqa: BLE001 - a failing GPU query must not stop the log stream
                 emit("error", message=f"nvml sample failed: {exc}", fatal=False)
         return self.proc.poll()
@@ -1405,7 +1423,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     # proc after the events: a reducer resets the exit code when it sees run_start
     snap = proc_watch.poll(force=True)
     if nvml.ok:
-        emit("gpu", gpus=nvml.sample())
+        emit("gpu", gpus=tag_gpu_owners(run, nvml.sample()))
     sess = session_info(run)
     try:
         log_size = os.path.getsize(run.log)

@@ -293,11 +293,39 @@ def test_gpus_busy_refuses_launch_unless_forced_and_follow_samples(tmp_path: Pat
         g0 = samples[-1]["gpus"][0]
         assert set(g0) >= {"index", "name", "util", "mem_used_mb", "mem_total_mb", "power_w", "temp_c",
                            "sm_clock_mhz", "mem_clock_mhz", "procs"}
-        assert g0["util"] == 97 and g0["mem_used_mb"] == 40960 and g0["procs"] == [{"pid": other.pid, "used_mb": 40960}]
+        assert g0["util"] == 97 and g0["mem_used_mb"] == 40960
+        assert g0["procs"] == [{"pid": other.pid, "used_mb": 40960, "whose": "other"}]
     finally:
         other.kill()
         other.wait()
         cleanup(run_args(tmp_path, "hang_loading.py"))
+
+
+def test_gpu_processes_are_tagged_run_other_or_hidden(tmp_path: Path) -> None:
+    """The dashboard marks which GPU processes are the run's: every process of its tree (torchrun's ranks are
+    children, one even left the process group), not only its pid; someone else's visible job is `other`; a pid this
+    PID namespace cannot see (a container) is `hidden`."""
+    import subprocess
+
+    other = subprocess.Popen(["sleep", "60"])
+    marker = tmp_path / "pids"
+    state = tmp_path / "nvml.json"
+    state.write_text(json.dumps({"gpus": [{"pids_file": str(marker), "pids_used_mb": 8000,
+                                           "procs": [{"pid": other.pid, "used_mb": 100}], "hidden_pids": [4000000]}]}))
+    env = nvml_env(state)
+    args = run_args(tmp_path, "forker.py", "--marker", str(marker), kill_grace=[0.5, 0.5])
+    try:
+        rc, _ = drive("launch", {**args, "options": {"force": True}}, env=env)
+        assert rc == 0
+        ranks = [int(x) for x in marker.read_text().split()]
+        rc, msgs = drive("status", args, env=env)
+        whose = {p["pid"]: p["whose"] for p in of(msgs, "gpu")[-1]["gpus"][0]["procs"]}
+        assert len(ranks) == 6 and {whose[p] for p in ranks} == {"run"}
+        assert whose[other.pid] == "other" and whose[4000000] == "hidden"
+    finally:
+        other.kill()
+        other.wait()
+        cleanup(args)
 
 
 def test_concurrent_launches_of_one_run_start_it_once(tmp_path: Path) -> None:
