@@ -1491,6 +1491,13 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         # records the attempt this kill ends as `killed`.
         with open(run.state_file("killed"), "w") as fh:
             json.dump({"ts": time.time(), "pid": pid, "pgid": pgid, "by": "opsctl kill"}, fh)
+    if opts.get("mark_only"):
+        # A group kill marks every node before it signals any: a node whose ranks die of their peer's kill (a failed
+        # collective) before its own kill arrives must still read `killed`, not `crashed`.
+        marked = os.path.exists(run.state_file("killed"))
+        emit("verdict", ok=True, reason="marked" if marked else "not_running",
+             detail="kill requested" if marked else f"no live attempt to mark in {run.state_dir}")
+        return EXIT_CODES["ok"]
     if snap["state"] == "restarting":
         r = snap.get("restart") or {}
         deadline = time.monotonic() + 5.0

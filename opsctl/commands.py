@@ -485,6 +485,26 @@ def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: b
 
 
 # -- kill ---------------------------------------------------------------------------------------------------
+def cmd_mark_killed(ctx: Ctx, host_name: str, run_name: str) -> int:
+    """Record a kill request on the run without signalling it (the first phase of a group kill)."""
+    host, run = ctx.resolve(host_name, run_name)
+    assert run is not None
+    t = ctx.transport(host)
+    rc = EXIT_FAILED
+    try:
+        preflight(ctx, host, t)
+        for m in stream_agent(t, host, "kill", run_args(run, gpus=host.gpus, mark_only=True)):
+            if m.get("t") == "error":
+                ctx.err.print(f"[red]agent: {m.get('message')}[/]")
+            elif m.get("t") == "bye":
+                rc = int(m["rc"])
+    except ChannelLost as exc:
+        raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
+    finally:
+        t.close()
+    return rc
+
+
 def cmd_kill(ctx: Ctx, host_name: str, run_name: str) -> int:
     host, run = ctx.resolve(host_name, run_name)
     assert run is not None

@@ -364,6 +364,9 @@ def _group_failed(ctx: Ctx, g: Group, gr: GroupRun, states: dict[int, _NodeLaunc
 
 
 def stop_nodes(ctx: Ctx, nodes: list[Node], lock: threading.Lock) -> dict[int, int]:
+    """Mark every node killed, then kill every node: once one node's ranks die, the others' fail their next
+    collective and may exit before their own kill arrives; marked first, they still read `killed`."""
+    on_every_node(ctx, nodes, lambda n: commands.cmd_mark_killed(node_ctx(ctx, n, lock), n.host.name, n.run.name))
     return on_every_node(ctx, nodes, lambda n: commands.cmd_kill(node_ctx(ctx, n, lock), n.host.name, n.run.name))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -325,6 +326,24 @@ def test_gpu_processes_are_tagged_run_other_or_hidden(tmp_path: Path) -> None:
     finally:
         other.kill()
         other.wait()
+        cleanup(args)
+
+
+def test_kill_mark_only_records_the_request_and_signals_nothing(tmp_path: Path) -> None:
+    """The first phase of a group kill: every node marked before any is signalled, so a node whose ranks die of
+    their peer's kill still ends `killed`."""
+    args = run_args(tmp_path, "ok_run.py", "--steps", "100000", "--step-time", "0.05", "--load-time", "0",
+                    kill_grace=[5, 5])
+    try:
+        assert drive("launch", args)[0] == 0
+        pid = json.loads(Path(args["state_dir"], "pid").read_text())["pid"]
+        rc, msgs = drive("kill", {**args, "options": {"mark_only": True}})
+        assert rc == 0 and of(msgs, "verdict")[0]["reason"] == "marked"
+        assert Path(args["state_dir"], "killed").is_file() and Path(f"/proc/{pid}").exists()
+        os.kill(pid, signal.SIGKILL)  # it dies of something else before its own kill arrives
+        rc, msgs = drive("status", args)
+        assert of(msgs, "status")[0]["killed_by_opsctl"] is True
+    finally:
         cleanup(args)
 
 
