@@ -170,6 +170,34 @@ def diagnose(lm: Any, drafter: Any, data_dir: Path, drafter_dir: Path, target: A
     return out
 
 
+def warm_eval_kernels(dev: torch.device, dtype: torch.dtype, vocab: int) -> int:
+    """Compile the target's kernels for evaluation in `dtype` (fla's Triton kernels JIT-compile and autotune per dtype
+    on first use: 146 s of a cold call's evaluation in float32) on a random-init target of the bench's shape, at the
+    lengths evaluation uses. Run as a background process while the GPU pretrains or trains: Triton's on-disk cache
+    keeps the compiled kernels for the evaluating process."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.speculative import TargetLM
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(vocab_size=vocab, **TARGET_ARCH)).to(dev, dtype).eval()
+    lm = TargetLM(model, [1, 9])
+    prompt = torch.randint(0, vocab - 1, (320,)).tolist()
+    with torch.no_grad():
+        for n in (64, 65, 128, 192, 193, 256, 320):
+            lm.forward(prompt[:n], 0, None, keep=1)
+        for block in (16, 8):
+            drafter = DFlashDrafter(DrafterConfig(num_layers=2, num_heads=16, num_kv_heads=4, block_size=block,
+                                                  mask_token_id=vocab - 1, attention="dense"),
+                                    TARGET_ARCH["hidden_size"], 2).to(dev, dtype)
+            loop_costs(lm, drafter, prompt[:64], block, reps=2)
+    torch.cuda.synchronize()
+    print(f"warm-eval-kernels: {dtype} kernels compiled in {time.perf_counter() - t0:.0f}s", flush=True)
+    return 0
+
+
 def probe(dev: torch.device, block: int) -> int:
     """Where a decoding step's time goes, before anything is trained: loop costs in float32 and bfloat16, and the
     profiler's top operators over a few greedy decode steps (the loop has been host-bound on the GPU)."""
@@ -200,6 +228,26 @@ def probe(dev: torch.device, block: int) -> int:
     return 0
 
 
+def parse_variants(spec: str) -> list[tuple[str, str, str, str]]:
+    """`NAME=ATTENTION/COMPILE/PACKING,...` -> [(name, attention, compile, packing)] (validated by the config)."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, path = item.partition("=")
+        parts = path.split("/")
+        if not name or len(parts) != 3:
+            raise SystemExit(f"--variants: expected NAME=ATTENTION/COMPILE/PACKING, got {item!r}")
+        out.append((name, parts[0], parts[1], parts[2]))
+    return out
+
+
+def latest_checkpoint(drafter_dir: Path, steps: int) -> Path:
+    """step-`steps` if training finished, else the newest checkpoint (a call that ran out of time)."""
+    final = drafter_dir / "checkpoints" / f"step-{steps}"
+    if final.is_dir():
+        return final
+    return sorted((drafter_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))[-1]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="work directory (default: a new temp dir)")
@@ -227,6 +275,18 @@ def main() -> int:
     ap.add_argument("--drafter-compile", default="false", choices=["auto", "true", "false"])
     ap.add_argument("--packing", default="pad", choices=["auto", "pad", "varlen"],
                     help="how the target's forward packs documents in drafter training (eval always runs HF's own)")
+    ap.add_argument("--variants", default="",
+                    help="train several drafters on the same target and data, NAME=ATTENTION/COMPILE/PACKING comma-"
+                         "separated (e.g. dense=dense/false/pad,default=auto/auto/varlen), and report each one's "
+                         "teacher-forced accuracy on held-out target text and on its own training records; the "
+                         "first is the one evaluated by speculative decoding (default: one drafter from the three "
+                         "flags above)")
+    ap.add_argument("--tf-only", action="store_true",
+                    help="stop after the teacher-forced comparison of the variants (no speculative decoding)")
+    ap.add_argument("--warm-eval-kernels", action="store_true",
+                    help="compile the evaluation's target kernels in a background process while the GPU pretrains "
+                         "and trains (saves ~100 s of a cold machine's float32 evaluation)")
+    ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU: checks the plumbing, not the numbers")
     ap.add_argument("--probe", action="store_true",
                     help="only time the decoding loop's pieces on a random-init target of the bench's size, then exit")
@@ -234,7 +294,14 @@ def main() -> int:
 
     from dflash.config import config_from_dict
     from dflash.data import load_tokenizer, read_documents
-    from dflash.eval import evaluate, load_checkpoint, prompts_from_documents, reference_generations, render
+    from dflash.eval import (
+        evaluate,
+        load_checkpoint,
+        prompts_from_documents,
+        reference_generations,
+        render,
+        teacher_forced_accuracy,
+    )
     from dflash.pretrain import pretrain
     from dflash.regen import RegenSettings, regen
     from dflash.speculative import TargetLM
@@ -248,6 +315,12 @@ def main() -> int:
         return 2
     if args.probe:
         return probe(dev, args.train_block)
+    if args.warm_only:
+        return warm_eval_kernels(dev, getattr(torch, args.eval_dtype), args.vocab)
+    warmer = None
+    if args.warm_eval_kernels and dev.type == "cuda":
+        warmer = subprocess.Popen([sys.executable, __file__, "--warm-only", "--eval-dtype", args.eval_dtype,
+                                   "--vocab", str(args.vocab)])
     work = Path(args.out or tempfile.mkdtemp(prefix="dflash-quality-"))
     work.mkdir(parents=True, exist_ok=True)
     stages: dict[str, float] = {}
@@ -307,21 +380,34 @@ def main() -> int:
     regen(tcfg, docs, data_dir, rs, device=dev, max_seconds=None if smoke else args.regen_seconds)
     stage("regen", t0)
 
-    # 4. one drafter at --train-block, trained on the regenerated records (resumed if a call ran out before)
+    # 4. drafters at --train-block, trained on the regenerated records (resumed if a call ran out before)
     t0 = time.perf_counter()
     steps = 20 if smoke else args.drafter_steps
     b_train = args.train_block
-    run = {**base, "target": {"path": str(target_dir), "packing": "pad" if smoke else args.packing},
-           "data": {**base["data"], "paths": [str(data_dir)]},
-           "drafter": {**base["drafter"], "block_size": b_train, "loss_gamma": {8: 4.0, 10: 5.0}.get(b_train, 7.0)}}
-    drafter_dir = work / f"drafter-b{b_train}"
-    final = drafter_dir / "checkpoints" / f"step-{steps}"
-    if not final.is_dir():
-        res = train(config_from_dict(run, f"<bench B={b_train}>"), drafter_dir, fresh=not drafter_dir.is_dir())
-        if res.exit_code != 0:
-            print(f"drafter: training failed (exit {res.exit_code}); see {drafter_dir}/train.log", file=sys.stderr)
-            return 1
+    variants = parse_variants(args.variants) or [
+        ("", "dense" if smoke else args.drafter_attention, "false" if smoke else args.drafter_compile,
+         "pad" if smoke else args.packing)]
+    drafter_dirs: dict[str, Path] = {}
+    for name, attention, compile_, packing in variants:
+        run = {**base, "target": {"path": str(target_dir), "packing": packing},
+               "data": {**base["data"], "paths": [str(data_dir)]},
+               "drafter": {**base["drafter"], "attention": attention, "block_size": b_train,
+                           "loss_gamma": {8: 4.0, 10: 5.0}.get(b_train, 7.0)},
+               "train": {**base["train"], "compile": compile_}}
+        drafter_dir = work / (f"drafter-b{b_train}" + (f"-{name}" if name else ""))
+        drafter_dirs[name] = drafter_dir
+        if not (drafter_dir / "checkpoints" / f"step-{steps}").is_dir():
+            t1 = time.perf_counter()
+            res = train(config_from_dict(run, f"<bench B={b_train} {name}>"), drafter_dir,
+                        fresh=not drafter_dir.is_dir())
+            if res.exit_code != 0:
+                print(f"drafter {name}: training failed (exit {res.exit_code}); see {drafter_dir}/train.log",
+                      file=sys.stderr)
+                return 1
+            print(f"drafter {name or b_train}: {attention}/{compile_}/{packing} trained in "
+                  f"{time.perf_counter() - t1:.0f}s", flush=True)
     stage(f"train_drafter_b{b_train}", t0)
+    final_dirs = {name: latest_checkpoint(d, steps) for name, d in drafter_dirs.items()}
 
     # 5. evaluation at every block size against one set of references (the target's own greedy outputs)
     t0 = time.perf_counter()
@@ -332,11 +418,37 @@ def main() -> int:
     if prompt_tokens + n_new > max_len:
         print(f"note: prompt + new tokens ({prompt_tokens + n_new}) exceed the trained length {max_len}")
     eval_dtype = getattr(torch, args.eval_dtype)
+    if warmer is not None and warmer.wait() != 0:
+        print(f"note: the kernel warm-up process failed (exit {warmer.returncode}); evaluation compiles its own")
     torch.set_float32_matmul_precision("highest")  # float32 really is float32 (no TF32) for the lossless check
     target = Target(TargetConfig(path=str(target_dir)), 1, dev)
     target.model.to(eval_dtype)
-    ck = load_checkpoint(final if final.is_dir() else sorted((drafter_dir / "checkpoints").glob("step-*"),
-                                                             key=lambda p: int(p.name[5:]))[-1])
+    comparison: dict[str, Any] = {}
+    if len(variants) > 1 or args.tf_only:
+        # Held-out target text, regenerated in batch like the training records (bf16 greedy: fine for accuracy).
+        held_cfg = config_from_dict({**base, "target": {"path": str(target_dir)},
+                                     "data": {**base["data"], "paths": [str(held_dir)]}}, "<bench held-out>")
+        regen(held_cfg, held_docs, work / "heldout-regen",
+              dataclasses.replace(rs, num_prompts=16 if smoke else 256), device=dev)
+        held_recs = [json.loads(line) for line in (work / "heldout-regen" / "regen.jsonl").read_text().splitlines()]
+        for name, attention, compile_, packing in variants:
+            ckv = load_checkpoint(final_dirs[name])
+            ckv.drafter.to(device=dev, dtype=eval_dtype)
+            lmv = TargetLM(target.model, ckv.tap_layers)
+            held = teacher_forced_accuracy(ckv.drafter, lmv, [r["input_ids"] for r in held_recs[:64]],
+                                           [r["prompt_tokens"] for r in held_recs[:64]])["all"]
+            comparison[name] = {"path": f"{attention}/{compile_}/{packing}", "tf_acc_heldout": held[:8],
+                                **diagnose(lmv, ckv.drafter, data_dir, drafter_dirs[name], target, dev)}
+            print(f"variant {name}: " + json.dumps(comparison[name]), flush=True)
+        stage("variants_teacher_forced", t0)
+        if args.tf_only:
+            (work / "result.json").write_text(json.dumps({"variants": comparison, "stages_s": stages,
+                                                          "argv": sys.argv}, indent=2) + "\n")
+            return 0
+        t0 = time.perf_counter()
+    first = variants[0][0]
+    drafter_dir = drafter_dirs[first]
+    ck = load_checkpoint(final_dirs[first])
     ck.drafter.to(device=dev, dtype=eval_dtype)
     lm = TargetLM(target.model, ck.tap_layers)
     costs = loop_costs(lm, ck.drafter, prompts[0], b_train) if dev.type == "cuda" else {}
@@ -362,7 +474,7 @@ def main() -> int:
            "gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else None, "smoke": smoke,
            "target": {"params": sum(p.numel() for p in target.model.parameters()), "pretrain": summary},
            "corpus": {"gutenberg_files": n_gut, "files": len(texts), "sdist": str(sdist) if sdist else None},
-           "stages_s": stages, "loop_costs_ms": costs, "diagnosis": diag, "total_s": round(time.perf_counter() - t_all, 1),
+           "stages_s": stages, "loop_costs_ms": costs, "diagnosis": diag, "variants": comparison, "total_s": round(time.perf_counter() - t_all, 1),
            "results": results, "argv": sys.argv}
     (work / "result.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     print(f"\ntarget: {out['target']['params'] / 1e6:.0f}M params, held-out loss {summary['loss']['val']:.3f} vs "
