@@ -79,7 +79,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=cfg.data.vocab_size)
     print(f"target built in {time.perf_counter() - t0:.1f} s: {target.num_layers} layers, vocab {target.vocab_size}, "
-          f"packing {target.packing}, attention {cfg.target.attention}, kernels {target.kernels}", flush=True)
+          f"packing {target.packing}, attention {target.attention}, kernels {target.kernels}", flush=True)
     dcfg = cfg.drafter
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg, target.hidden_size, len(target.tap_layers)).to(device)
@@ -202,7 +202,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         "bf16_matmul_tflops": round(peak, 1), "steps_timed": len(timed), "warmup": args.warmup,
         "first_step_s": round(per_step[0]["wall_s"], 1), "real_tokens_per_step": round(mean_fl["tokens"]),
         "target": {"layers_run": max(taps) + 1, "of": target.num_layers, "vocab": vocab, "packing": target.packing,
-                   "attention": cfg.target.attention, "fixed_shape": args.fixed_shape},
+                   "attention": target.attention, "fixed_shape": args.fixed_shape},
         "phases": phases, "peak_memory_gib": round(peak_mem, 1), "recompiles_after_warmup": recompiles,
         "recompile_limit_hits": limit_hits, "fallbacks": fallbacks[:5],
         "host_syncs_per_target_forward": syncs, "host_sync_sites": where,

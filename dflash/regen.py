@@ -177,7 +177,7 @@ def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: R
 
     `cfg` must already name its target (dflash.pretrain.resolve_target has run). Returns a summary.
     """
-    from dflash.target import Target
+    from dflash.target import Target, use_sdpa_for_decoding
 
     settings.check()
     s = settings.resolved(cfg.data.max_len)
@@ -235,6 +235,7 @@ def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: R
     if target.vocab_size < tok.vocab_size:
         raise DataError(f"target vocab {target.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
     model = target.model
+    use_sdpa_for_decoding(model)  # batched cached decoding: transformers' masks, not the packed-row varlen function
     stop = tok.stop_ids()
     # Equal lengths batch together (text prompts all have prompt_tokens), longest first; order within is corpus order.
     order = sorted(range(len(todo)), key=lambda j: (-len(todo[j].ids), j))

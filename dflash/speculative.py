@@ -47,6 +47,9 @@ class TargetLM:
     """A frozen HF causal LM with tapped layers: cached forwards that return logits and taps, and cache rollback."""
 
     def __init__(self, model: nn.Module, tap_layers: Sequence[int]) -> None:
+        from dflash.target import use_sdpa_for_decoding
+
+        use_sdpa_for_decoding(model)
         self.model = model
         self.tap_layers = [int(t) for t in tap_layers]
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

@@ -81,10 +81,12 @@ FAMILIES: dict[str, TargetFamily] = {f.name: f for f in (
 DEFAULT_FAMILY = "qwen3_5"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PACKINGS = ("auto", "pad", "varlen")
-# target.attention: how the full-attention layers attend. sdpa: transformers' default (a packed row gets a
-# block-diagonal mask, which SDPA runs densely); varlen: PyTorch's fused varlen flash attention over the documents'
-# cu_seqlens. (transformers' flex_attention path is not offered: Qwen3.5 models refuse it.)
-ATTENTIONS = ("sdpa", "varlen")
+# target.attention: how the full-attention layers attend in the packed training forward. sdpa: transformers' default
+# (a packed row gets a block-diagonal mask, which SDPA runs densely); varlen: PyTorch's fused varlen flash attention
+# over the documents' cu_seqlens (27B-like on an H200: 1650 ms vs 2013 ms per 16k-token buffer, docs/perf.md);
+# auto: varlen where the row is packed (packing varlen) and this torch has varlen_attn, else sdpa. Decoding with a
+# cache (regen, eval) always runs sdpa. (transformers' flex_attention path is not offered: Qwen3.5 models refuse it.)
+ATTENTIONS = ("auto", "sdpa", "varlen")
 VARLEN_ATTENTION = "document_varlen"  # registered in transformers' AttentionInterface ("flash" in a name means flash-attn to it)
 _ARCH_POSITIVE = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "vocab_size")
@@ -128,7 +130,7 @@ class TargetConfig:
     packing: str = "auto"  # auto: varlen only if fla (+ causal-conv1d) is really bound, else pad; "pad" | "varlen"
     seed: int = 0  # random-init seed (deterministic weights)
     allow_slow_kernels: bool = False
-    attention: str = "sdpa"  # full-attention layers: sdpa | varlen (see ATTENTIONS)
+    attention: str = "auto"  # full-attention layers in the packed forward: auto | sdpa | varlen (see ATTENTIONS)
 
 
 def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -394,9 +396,6 @@ class Target:
         self.model = build_target_model(cfg, vocab, device=self.device, dtype=self.dtype, on_progress=on_progress)
         self.model.to(self.device)
         self.model.eval()
-        if cfg.attention != "sdpa":
-            name = register_varlen_attention() if cfg.attention == "varlen" else cfg.attention
-            self.model.set_attn_implementation(name)
         self.model.requires_grad_(False)
         self.config = self.model.config
         self.decoder = self._decoder(self.model)
@@ -421,6 +420,9 @@ class Target:
             )
         else:
             self.packing = cfg.packing
+        self.attention = resolve_target_attention(cfg.attention, self.packing, varlen_attn_available())
+        if self.attention == "varlen":
+            self.model.set_attn_implementation(register_varlen_attention())
 
     # ---------------------------------------------------------------- loading
     @staticmethod
@@ -559,6 +561,11 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
     """
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
+        if query.shape[2] != key.shape[2]:
+            # A cached decode (queries after cached keys): is_causal would align the mask top-left, and transformers
+            # builds no mask for a registered function. Decoding must run sdpa (TargetLM and regen switch to it).
+            raise RuntimeError(f"varlen attention got {query.shape[2]} queries over {key.shape[2]} keys (a cached "
+                               "decode); decoding runs with attention sdpa (model.set_attn_implementation('sdpa'))")
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
@@ -588,6 +595,35 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
     max_q = int(kwargs.get("max_length_q") or 0)
     out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu32, cu32, max_q, max_q, **opts)
     return out.reshape(1, t, hq, -1), None
+
+
+def varlen_attn_available() -> bool:
+    """Whether this torch has PyTorch's fused varlen attention (torch.nn.attention.varlen.varlen_attn, torch >= 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_target_attention(choice: str, packing: str, varlen_available: bool) -> str:
+    """target.attention -> the implementation used: auto picks varlen for packed rows when torch has it (the fused
+    kernel; sdpa would get a dense block-diagonal mask), sdpa otherwise (padded rows gain nothing from varlen)."""
+    if choice not in ATTENTIONS:
+        raise ValueError(f"target.attention must be one of {', '.join(ATTENTIONS)}; got {choice!r}")
+    if choice == "auto":
+        return "varlen" if packing == "varlen" and varlen_available else "sdpa"
+    if choice == "varlen" and not varlen_available:
+        raise ValueError(f"target.attention=varlen needs torch.nn.attention.varlen (torch >= 2.10); this is torch "
+                         f"{torch.__version__}. Use attention: sdpa or auto.")
+    return choice
+
+
+def use_sdpa_for_decoding(model: nn.Module) -> None:
+    """Put a model whose full attention runs the packed-row varlen function back on sdpa: cached decoding (regen,
+    eval) needs transformers' own masks, which it builds only for its built-in implementations."""
+    if getattr(model.config, "_attn_implementation", None) == VARLEN_ATTENTION:
+        model.set_attn_implementation("sdpa")
 
 
 def register_varlen_attention() -> str:

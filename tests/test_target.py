@@ -5,6 +5,7 @@ The fla varlen path needs a GPU and the kernels; its equality with padding is in
 
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 
@@ -291,5 +292,44 @@ def test_varlen_attention_target_equals_sdpa_on_right_padded_rows(family: str) -
     a, b = sdpa.hidden_states(ids, mask), varlen.hidden_states(ids, mask)
     for i, n in enumerate(lengths):
         torch.testing.assert_close(b[i, :n], a[i, :n], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="target.attention must be one of sdpa, varlen; got 'flex_attention'"):
+    with pytest.raises(ValueError, match="target.attention must be one of auto, sdpa, varlen; got 'flex_attention'"):
         Target(TargetConfig(attention="flex_attention"), num_draft_layers=2, device=CPU)
+
+
+def test_target_attention_auto_picks_varlen_only_for_packed_rows_with_torchs_varlen_kernel() -> None:
+    from dflash.target import resolve_target_attention
+
+    assert resolve_target_attention("auto", "varlen", True) == "varlen"
+    assert resolve_target_attention("auto", "pad", True) == "sdpa"  # padded rows gain nothing from varlen
+    assert resolve_target_attention("auto", "varlen", False) == "sdpa"
+    assert resolve_target_attention("sdpa", "varlen", True) == "sdpa"
+    with pytest.raises(ValueError, match="needs torch.nn.attention.varlen"):
+        resolve_target_attention("varlen", "varlen", False)
+    # On CPU packing resolves to pad, so the default target keeps sdpa.
+    t = Target(TargetConfig(seed=1), num_draft_layers=2, device=CPU)
+    assert (t.packing, t.attention) == ("pad", "sdpa")
+    assert t.model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])
+def test_decoding_puts_a_varlen_attention_target_back_on_sdpa(family: str) -> None:
+    """The packed-row varlen function gets no mask from transformers, so a cached decode through it would attend
+    wrongly (queries after cached keys): it refuses, and TargetLM (eval) switches the model to sdpa, decoding exactly
+    as the sdpa target does."""
+    from transformers import DynamicCache
+
+    from dflash.speculative import TargetLM, target_greedy
+
+    varlen = Target(TargetConfig(family=family, seed=4, attention="varlen"), num_draft_layers=2, device=CPU)
+    sdpa = Target(TargetConfig(family=family, seed=4, attention="sdpa"), num_draft_layers=2, device=CPU)
+    prompt = random_ids([9], seed=3)[0]
+    cache = DynamicCache(config=varlen.model.config)
+    kw = "cache" if "cache" in inspect.signature(varlen.model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        varlen.model(input_ids=prompt[None, :5], use_cache=True, **{kw: cache})
+        with pytest.raises(RuntimeError, match="cached decode"):
+            varlen.model(input_ids=prompt[None, 5:], use_cache=True, **{kw: cache})
+    lm = TargetLM(varlen.model, [0, 1])
+    assert varlen.model.config._attn_implementation == "sdpa"
+    got = target_greedy(lm, prompt.tolist(), 12).tokens
+    assert got == target_greedy(TargetLM(sdpa.model, [0, 1]), prompt.tolist(), 12).tokens
