@@ -36,7 +36,7 @@ from dflash.data import (
     tokenize,
 )
 from dflash.kernels import fla_backward_refused, reference_delta_rule
-from dflash.target import Target, TargetConfig, TargetPretrainConfig
+from dflash.target import Target, TargetConfig, TargetPretrainConfig, use_sdpa_for_decoding
 
 Log = Callable[[str], None]
 _FORMAT = 1  # bump when the training procedure changes, so old cache entries are not reused
@@ -144,6 +144,7 @@ def pretrain(cfg: RunConfig, docs: Sequence[Document], tok: TokenizerAdapter, ou
     tcfg = replace_fields(TargetConfig(), family=cfg.target.family, arch=arch, seed=cfg.target.seed, dtype="float32")
     try:
         model = Target(tcfg, 1, dev).model  # the same random init `dflash train` would build from this arch
+        use_sdpa_for_decoding(model)  # dense rows; and the saved config must not name a function only we register
     except ValueError as exc:
         raise ConfigError(f"target.arch: {exc}") from None
     model.train()
