@@ -204,11 +204,16 @@ class DistConfig(_Section):
     # None: the split that balances the measured per-step times (dflash.pipeline.balanced_target_ranks, 5 of 8 at
     # the 27B shape); set it to override.
     target_ranks: int | None = None
+    # Several nodes (torchrun --nnodes > 1): left out, every node runs its own balanced split (the last t local ranks
+    # run the target for that node's drafters; hidden states stay on the node); set it to choose t. target_ranks
+    # instead places that many target ranks at the end of the whole job.
+    target_ranks_per_node: int | None = None
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
 
     _roles = _v(_one_of("colocated", "split"), "roles")
     _backend = _v(_one_of("auto", "gloo", "nccl"), "backend")
     _ranks = _v(_at_least(1), "target_ranks")
+    _ranks_node = _v(_at_least(1), "target_ranks_per_node")
 
 
 @pydantic_dataclass(config=ConfigDict(extra="forbid"))

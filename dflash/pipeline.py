@@ -39,6 +39,9 @@ class Roles:
     drafters: list[int] = field(default_factory=lambda: [0])  # ranks that train (colocated ranks included)
     targets: list[int] = field(default_factory=lambda: [0])  # ranks that run the target
     local_rank: int = 0
+    # Split mode: (drafter ranks, target ranks) of each lane; a lane's targets serve only its drafters. One lane of
+    # every rank on one node; one lane per node across nodes (hidden states then never leave a node).
+    lanes: list[tuple[list[int], list[int]]] | None = None
 
     @property
     def is_drafter(self) -> bool:
@@ -60,6 +63,19 @@ class Roles:
     def split(self) -> bool:
         return self.role != "colocated"
 
+    def lane(self, rank: int) -> tuple[list[int], list[int]]:
+        """(drafter ranks, target ranks) of the lane `rank` belongs to."""
+        for ds, ts in self.lanes or [(self.drafters, self.targets)]:
+            if rank in ds or rank in ts:
+                return ds, ts
+        raise ValueError(f"rank {rank} is in no lane of {self.lanes}")
+
+    def target_for(self, j: int, drafter_rank: int) -> int:
+        """The target rank that computes item j of this drafter: its lane's targets in turn, in the lane's global
+        order (item j of the lane's drafter i has sequence number j * lane drafters + i)."""
+        ds, ts = self.lane(drafter_rank)
+        return ts[(j * len(ds) + ds.index(drafter_rank)) % len(ts)]
+
     def as_event(self) -> dict[str, list[int]]:
         if not self.split:
             return {"colocated": list(self.drafters)}
@@ -77,7 +93,24 @@ def resolve_roles(cfg: DistConfig, env: dict[str, str] | None = None) -> Roles:
         return Roles(rank=rank, world_size=world, role="colocated", drafters=ranks, targets=ranks, local_rank=local)
     if world < 2:
         raise ValueError(f"dist.roles=split needs at least 2 processes (a target rank and a drafter rank), got {world}")
-    n_t = cfg.target_ranks if cfg.target_ranks is not None else balanced_target_ranks(world)
+    node = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    per_node = cfg.target_ranks_per_node
+    if cfg.target_ranks is not None and per_node is not None:
+        raise ValueError("set dist.target_ranks (counted over the whole job) or dist.target_ranks_per_node, not both")
+    if world > node >= 2 and world % node == 0 and cfg.target_ranks is None:
+        # Several nodes: every node runs its own split (the last t local ranks run the target for that node's
+        # drafters), so the hidden states (token_budget x taps x hidden x 2 bytes per buffer) stay on the node.
+        t = per_node if per_node is not None else balanced_target_ranks(node)
+        if t >= node:
+            raise ValueError(f"dist.target_ranks_per_node={t} leaves no drafter rank on a node of {node} processes")
+        lanes = [(list(range(b, b + node - t)), list(range(b + node - t, b + node))) for b in range(0, world, node)]
+        drafters = [r for ds, _ in lanes for r in ds]
+        targets = [r for _, ts in lanes for r in ts]
+        role = "drafter" if rank in drafters else "target"
+        return Roles(rank=rank, world_size=world, role=role, drafters=drafters, targets=targets, local_rank=local,
+                     lanes=lanes)
+    n_t = cfg.target_ranks if cfg.target_ranks is not None else per_node if per_node is not None else \
+        balanced_target_ranks(world)
     if world < n_t + 1:
         raise ValueError(f"dist.roles=split needs at least dist.target_ranks+1 = {n_t + 1} processes, got {world}")
     drafters = list(range(world - n_t))
@@ -446,11 +479,10 @@ class Feeder:
     def state(self) -> FeedState:
         return FeedState(received=self.received, reservoir=self.reservoir.keys(), rng=self.reservoir.rng_state())
 
-    def pending_targets(self, n_targets: int, d: int, n_d: int) -> list[int]:
-        """Targets that still expect to serve this drafter (they must be told to stop when it stops early)."""
-        out = set()
-        for j in range(self._seq, min(len(self._refeed), self._seq + n_targets)):
-            out.add((j * n_d + d) % n_targets)
+    def pending_targets(self, roles: Roles) -> list[int]:
+        """Target ranks that still expect to serve this drafter (they must be told to stop when it stops early)."""
+        n_targets = len(roles.lane(roles.rank)[1])
+        out = {roles.target_for(j, roles.rank) for j in range(self._seq, min(len(self._refeed), self._seq + n_targets))}
         return sorted(out)
 
 
@@ -468,11 +500,9 @@ class RemoteSource:
         self.dtype = dtype
         self.device = device
         self.dev = _comm_device(device)
-        self.d = roles.drafter_index
-        self.n_d = len(roles.drafters)
 
     def __call__(self, j: int, key: Key) -> DraftBatch:
-        src = self.roles.targets[(j * self.n_d + self.d) % len(self.roles.targets)]
+        src = self.roles.target_for(j, self.roles.rank)
         dist.send(torch.tensor([_GO], dtype=torch.long, device=self.dev), src)
         ints = torch.zeros(2 + 4 * self.n, dtype=torch.long, device=self.dev)
         hidden = torch.zeros(self.n, self.kh, dtype=self.dtype, device=self.dev)
@@ -485,9 +515,9 @@ class RemoteSource:
                           position_ids=f["position_ids"], doc_ids=f["doc_ids"])
 
     def stop(self, targets: Sequence[int]) -> None:
-        """Tell targets that still hold work for us that we are done (non-blocking sends, then wait for all)."""
+        """Tell the target ranks that still hold work for us that we are done (non-blocking sends, then wait)."""
         msgs = [torch.tensor([_STOP], dtype=torch.long, device=self.dev) for _ in targets]
-        reqs = [dist.isend(m, self.roles.targets[t]) for m, t in zip(msgs, targets, strict=True)]
+        reqs = [dist.isend(m, t) for m, t in zip(msgs, targets, strict=True)]
         for r in reqs:
             r.wait()
 
@@ -500,25 +530,28 @@ def serve_target(roles: Roles, target: Any, corpus: TokenizedCorpus, schedule: S
     The target runs one buffer ahead of the drafter (it computes the next while the drafter trains), in this process's
     main thread: no thread touches the GPU.
     """
-    work = target_worklist(refeeds, len(roles.targets), roles.target_index)
+    lane_drafters, lane_targets = roles.lane(roles.rank)
+    lane_refeeds = [refeeds[roles.drafters.index(r)] for r in lane_drafters]
+    work = target_worklist(lane_refeeds, len(lane_targets), lane_targets.index(roles.rank))
     dev = _comm_device(device)
     stopped: set[int] = set()
     sent = 0
     for _seq, d, key in work:
         if d in stopped:
             continue
+        peer = lane_drafters[d]
         batch = compute_batch(target, corpus, schedule.buffer(key), token_budget)
         ints = _pack_ints(key, batch).to(dev)
         hidden = batch.hidden.to(dev).contiguous()
         flag = torch.zeros(1, dtype=torch.long, device=dev)
-        dist.recv(flag, roles.drafters[d])
+        dist.recv(flag, peer)
         if int(flag.item()) == _STOP:
             stopped.add(d)
-            if len(stopped) == len(roles.drafters):
+            if len(stopped) == len(lane_drafters):
                 break
             continue
-        dist.send(ints, roles.drafters[d])
-        dist.send(hidden, roles.drafters[d])
+        dist.send(ints, peer)
+        dist.send(hidden, peer)
         sent += 1
         if on_item is not None:
             on_item(sent)

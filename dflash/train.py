@@ -505,8 +505,7 @@ class Trainer:
             if every and self.global_step % every == 0 and self.global_step < self.total:
                 self.save()
         if reason == "signal" and self.roles.split:
-            n_d = len(self.roles.drafters)
-            self.source.stop(self.feeder.pending_targets(len(self.roles.targets), self.roles.drafter_index, n_d))
+            self.source.stop(self.feeder.pending_targets(self.roles))
         self.save()
         self.phase("finishing")
         if reason == "signal":

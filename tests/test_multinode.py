@@ -30,16 +30,8 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _losses(events: Path) -> list[float]:
-    rows = [json.loads(line) for line in events.read_text().splitlines()]
-    return [e["loss"] for e in rows if e["kind"] == "step"]
-
-
-def test_split_roles_across_two_torchrun_nodes_equal_the_colocated_losses(tmp_path: Path) -> None:
-    sections = {"train": {"max_steps": 6, "checkpoint_every": 0, "log_every": 1},
-                "dist": {"roles": "split", "target_ranks": 1}}
-    cfg_file = tmp_path / "split.yaml"
-    cfg_file.write_text(yaml.safe_dump(tiny_run_yaml(**sections)))
+def _run_nodes(tmp_path: Path, cfg_file: Path, nproc: int, tag: str) -> list[dict]:
+    """Two torchrun nodes (127.0.0.2 hosts the c10d store, 127.0.0.3 joins) of `nproc` ranks each; node 0's events."""
     head = "127.0.0.2"
     port = _free_port(head)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -47,10 +39,10 @@ def test_split_roles_across_two_torchrun_nodes_equal_the_colocated_losses(tmp_pa
     for node, addr in ((0, head), (1, "127.0.0.3")):
         conf = "is_host=true" if node == 0 else "is_host=false"
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:{port}",
-                "--rdzv-id", "multinode-test", "--rdzv-conf", conf, "--local-addr", addr, "--max-restarts", "0",
-                "-m", "dflash", "train", "--config", str(cfg_file), "--out", str(tmp_path / f"node{node}")]
-        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed after wait below
+                "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:{port}",
+                "--rdzv-id", f"multinode-{tag}", "--rdzv-conf", conf, "--local-addr", addr, "--max-restarts", "0",
+                "-m", "dflash", "train", "--config", str(cfg_file), "--out", str(tmp_path / f"{tag}-node{node}")]
+        log = open(tmp_path / f"{tag}-node{node}.log", "w")  # noqa: SIM115 - closed after wait below
         procs.append((subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True), log))
     try:
@@ -61,13 +53,25 @@ def test_split_roles_across_two_torchrun_nodes_equal_the_colocated_losses(tmp_pa
                 os.killpg(p.pid, 9)  # the torchrun agent's own process group, recorded at start
                 p.wait()
             log.close()
-    logs = {n: (tmp_path / f"node{n}.log").read_text()[-3000:] for n in (0, 1)}
+    logs = {n: (tmp_path / f"{tag}-node{n}.log").read_text()[-3000:] for n in (0, 1)}
     assert codes == [0, 0], logs
-    # Node 0 holds global rank 0 (the drafter: events, losses); node 1 the target rank.
-    events = [json.loads(x) for x in (tmp_path / "node0" / "events.jsonl").read_text().splitlines()]
+    # Node 0 holds global rank 0 (a drafter: events, losses).
+    return [json.loads(x) for x in (tmp_path / f"{tag}-node0" / "events.jsonl").read_text().splitlines()]
+
+
+def _write(tmp_path: Path, name: str, sections: dict) -> Path:
+    cfg_file = tmp_path / name
+    cfg_file.write_text(yaml.safe_dump(tiny_run_yaml(**sections)))
+    return cfg_file
+
+
+def test_split_roles_across_two_torchrun_nodes_equal_the_colocated_losses(tmp_path: Path) -> None:
+    sections = {"train": {"max_steps": 6, "checkpoint_every": 0, "log_every": 1},
+                "dist": {"roles": "split", "target_ranks": 1}}
+    events = _run_nodes(tmp_path, _write(tmp_path, "split.yaml", sections), 1, "split")
     start = next(e for e in events if e["kind"] == "run_start")
     assert start["world_size"] == 2 and start["roles"] == {"drafter": [0], "target": [1]}
-    split_losses = _losses(tmp_path / "node0" / "events.jsonl")
+    split_losses = [e["loss"] for e in events if e["kind"] == "step"]
     assert len(split_losses) == 6
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same float reduction order as the one-thread ranks
@@ -76,3 +80,21 @@ def test_split_roles_across_two_torchrun_nodes_equal_the_colocated_losses(tmp_pa
     finally:
         torch.set_num_threads(threads)
     assert split_losses == colocated.losses
+
+
+def test_split_across_nodes_runs_one_split_per_node_and_equals_the_global_layout(tmp_path: Path) -> None:
+    """Two nodes of two ranks, split, no target_ranks: each node's last rank runs the target for its own drafter
+    (drafters 0 and 2, targets 1 and 3; no hidden state crosses nodes), and the losses are exactly those of the
+    global layout (target_ranks: 2 -> drafters 0-1, targets 2-3), since which rank computes a buffer changes nothing."""
+    train_s = {"max_steps": 4, "checkpoint_every": 0, "log_every": 1}
+    per_node = _run_nodes(tmp_path, _write(tmp_path, "node.yaml", {"train": train_s, "dist": {"roles": "split"}}), 2,
+                          "pernode")
+    start = next(e for e in per_node if e["kind"] == "run_start")
+    assert start["world_size"] == 4 and start["roles"] == {"drafter": [0, 2], "target": [1, 3]}
+    glob = _run_nodes(tmp_path, _write(tmp_path, "global.yaml", {"train": train_s,
+                                                                 "dist": {"roles": "split", "target_ranks": 2}}),
+                      2, "global")
+    assert next(e for e in glob if e["kind"] == "run_start")["roles"] == {"drafter": [0, 1], "target": [2, 3]}
+    losses = [e["loss"] for e in per_node if e["kind"] == "step"]
+    assert len(losses) == 4
+    assert losses == [e["loss"] for e in glob if e["kind"] == "step"]

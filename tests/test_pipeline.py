@@ -117,6 +117,33 @@ def test_roles_from_torchrun_env() -> None:
         resolve_roles(DistConfig(roles="split", target_ranks=1), {"WORLD_SIZE": "1"})
 
 
+def test_roles_across_nodes_split_each_node_and_route_only_inside_it() -> None:
+    env = lambda r: {"RANK": str(r), "WORLD_SIZE": "8", "LOCAL_RANK": str(r % 4), "LOCAL_WORLD_SIZE": "4"}  # noqa: E731
+    r = resolve_roles(DistConfig(roles="split"), env(0))  # balanced per node: 3 of 4 at 2.05 s : 0.85 s
+    assert (r.drafters, r.targets, r.lanes) == ([0, 4], [1, 2, 3, 5, 6, 7], [([0], [1, 2, 3]), ([4], [5, 6, 7])])
+    r = resolve_roles(DistConfig(roles="split", target_ranks_per_node=1), env(5))
+    assert (r.role, r.drafters, r.targets) == ("drafter", [0, 1, 2, 4, 5, 6], [3, 7])
+    # Every item of a drafter is computed on its own node, by the target ranks of that node in turn.
+    for d in r.drafters:
+        assert {r.target_for(j, d) for j in range(6)} == ({3} if d < 4 else {7})
+    # The target side agrees: each target's worklist over its lane holds exactly what the drafters will ask it for.
+    r8 = resolve_roles(DistConfig(roles="split", target_ranks_per_node=2), env(0))
+    refeeds = [[(d, i) for i in range(5)] for d in range(len(r8.drafters))]
+    for ds, ts in r8.lanes or []:
+        lane_refeeds = [refeeds[r8.drafters.index(x)] for x in ds]
+        for t in ts:
+            served = {(ds[d], k) for _, d, k in target_worklist(lane_refeeds, len(ts), ts.index(t))}
+            asked = {(x, refeeds[r8.drafters.index(x)][j]) for x in ds for j in range(5) if r8.target_for(j, x) == t}
+            assert served == asked and served
+    # target_ranks keeps the global layout (target ranks at the end of the job), one lane.
+    g = resolve_roles(DistConfig(roles="split", target_ranks=2), env(0))
+    assert (g.drafters, g.targets, g.lanes) == ([0, 1, 2, 3, 4, 5], [6, 7], None)
+    with pytest.raises(ValueError, match="not both"):
+        resolve_roles(DistConfig(roles="split", target_ranks=2, target_ranks_per_node=1), env(0))
+    with pytest.raises(ValueError, match="leaves no drafter rank"):
+        resolve_roles(DistConfig(roles="split", target_ranks_per_node=4), env(0))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
