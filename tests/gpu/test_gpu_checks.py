@@ -313,7 +313,7 @@ def test_target_attention_options_equal_padded_per_document(attention: str) -> N
     from dflash.data import TokenizedCorpus
     from dflash.pipeline import compute_batch
 
-    sdpa = Target(TargetConfig(arch=GPU_ARCH), num_draft_layers=2, device=DEV)
+    sdpa = Target(TargetConfig(arch=GPU_ARCH, attention="sdpa"), num_draft_layers=2, device=DEV)
     other = Target(TargetConfig(arch=GPU_ARCH, attention=attention), num_draft_layers=2, device=DEV)
     lengths = [300, 1000, 77, 2000, 1, 619]
     g = torch.Generator(device="cpu").manual_seed(3)
@@ -337,6 +337,21 @@ def test_target_attention_options_equal_padded_per_document(attention: str) -> N
     assert rel(fixed.hidden, loose.hidden) < 1e-2 and not fixed.hidden[sum(lengths):].any()
     # the whole batch is on the GPU already: the drafter step's batch.to(device) copies (and waits for) nothing
     assert {t.device.type for t in (fixed.input_ids, fixed.loss_mask, fixed.position_ids, fixed.doc_ids)} == {"cuda"}
+
+
+@pytest.mark.skipif(not HAVE_FAST, reason="needs flash-linear-attention and causal-conv1d")
+def test_default_attention_is_varlen_for_packed_training_and_sdpa_for_decoding() -> None:
+    """target.attention auto: the training target (packed varlen rows) runs PyTorch's varlen attention; the same model
+    handed to TargetLM (eval) decodes on sdpa, greedily identical to a target built on sdpa."""
+    from dflash.speculative import TargetLM, target_greedy
+
+    auto = Target(TargetConfig(arch=GPU_ARCH), num_draft_layers=2, device=DEV)
+    assert (auto.packing, auto.attention) == ("varlen", "varlen")
+    sdpa = Target(TargetConfig(arch=GPU_ARCH, attention="sdpa"), num_draft_layers=2, device=DEV)
+    prompt = torch.randint(0, GPU_ARCH["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = target_greedy(TargetLM(auto.model, auto.tap_layers), prompt, 24).tokens
+    assert auto.model.config._attn_implementation == "sdpa"
+    assert got == target_greedy(TargetLM(sdpa.model, sdpa.tap_layers), prompt, 24).tokens
 
 
 def test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_back() -> None:
