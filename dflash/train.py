@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash import checkpoint as ckpt
+from dflash import compile_cache
 from dflash.config import ConfigError, RunConfig, check_mask_token_id, check_run
 from dflash.data import DataError, Document, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
@@ -479,12 +480,48 @@ class Trainer:
         self.feeder = Feeder(self.start.feeds[d], cfg.data.reservoir, t.seed * 1000 + d, self.source,
                              self.start.states[d])
         self.compile_on = t.compile == "true" or (t.compile == "auto" and device.type == "cuda")
+        self.warm: compile_cache.WarmStart | None = None
+        if self.compile_on:
+            self._warm_start()
         self.step_model = torch.compile(self.model, backend=t.compile_backend) if self.compile_on else self.model
         if self.compile_on:
-            self.phase("compiling", detail="the first step compiles the drafter")
+            assert self.warm is not None
+            self.phase("compiling", detail="the first step compiles the drafter", warm_start=self.warm.event())
         self.log.info("drafter: %d params, attention %s, compile %s (setup %.1fs)",
                       sum(p.numel() for p in self.params), self.drafter.attention_backend, self.compile_on,
                       time.perf_counter() - self.t_start)
+
+    def _warm_start(self) -> None:
+        """Caches on, and the run's saved mega-cache artifacts loaded before the first compiled step when their key
+        matches this process (docs/warm-start.md): a restart then skips inductor's codegen even if its cache dir
+        was emptied (opsctl's default `clear` policy, or a new host)."""
+        caches = compile_cache.enable_caches()
+        info = self.info
+        graph = {"drafter": dataclasses.asdict(self.dcfg), "token_budget": self.cfg.data.token_budget,
+                 "compile_backend": self.cfg.train.compile_backend, "attention": self.drafter.attention_backend,
+                 "target": {"hidden_size": info.hidden_size, "taps": len(info.tap_layers), "dtype": str(info.dtype),
+                            "vocab_size": info.vocab_size},
+                 "drafter_ranks": len(self.roles.drafters), "autocast": self.device.type == "cuda"}
+        self.artifact_key = compile_cache.artifact_key(self.device, graph)
+        self.warm = compile_cache.load(self.run_dir.out, self.artifact_key, caches)
+        self.log.info("warm start %s: %s", "used" if self.warm.used else "not used", self.warm.reason)
+
+    def _first_step_fields(self, t0: float) -> dict[str, Any]:
+        """What the first compiled step of this attempt reports: its time (the compile is in it), whether the warm
+        start was used, and torch's cache hit/miss counters, which show what it saved."""
+        first_s = time.perf_counter() - t0
+        counts = compile_cache.counters()
+        warm = self.warm is not None and self.warm.used
+        self.log.info("first compiled step: %.2f s (warm start %s; fx graph cache %d hit / %d miss, aot autograd "
+                      "cache %d hit / %d miss)", first_s, "used" if warm else "not used", counts["fxgraph_hit"],
+                      counts["fxgraph_miss"], counts["aotautograd_hit"], counts["aotautograd_miss"])
+        return {"first_step_s": round(first_s, 3), "warm_start": warm, "compile_cache": counts}
+
+    def _save_artifacts(self) -> None:
+        """Rank 0 keeps what this attempt compiled (or hit) for the next start; never fails the run."""
+        if self.rank0:
+            prev = self.warm.sha256 if self.warm is not None else None
+            self.log.info("%s", compile_cache.save(self.run_dir.out, self.artifact_key, prev))
 
     # -- the loop
     def train(self) -> TrainResult:
@@ -544,7 +581,11 @@ class Trainer:
         recompiles = self._recompiles()
         self._report_fallbacks(watch)
         self.losses.append(stats.loss)
-        self.step_event(key, stats, lr, grad_norm, t0, wait_s, recompiles)
+        first = self.compile_on and self.global_step == self.start.start_step + 1
+        extra = self._first_step_fields(t0) if first else None
+        self.step_event(key, stats, lr, grad_norm, t0, wait_s, recompiles, extra)
+        if first:
+            self._save_artifacts()
         return stats
 
     def _report_fallbacks(self, watch: FlexWarningWatch) -> None:
@@ -599,16 +640,17 @@ class Trainer:
                          acc=[round(float(a) / n_d, 4) for a in vals[5:]])
 
     def step_event(self, key: Any, st: StepStats, lr: float, grad_norm: float, t0: float, wait_s: float,
-                   recompiles: int) -> None:
+                   recompiles: int, extra: dict[str, Any] | None = None) -> None:
+        """`extra` (the first compiled step's fields) is always written, whatever log_every says."""
         step_time = time.perf_counter() - t0
         step = self.global_step if not st.nonfinite else self.global_step + 1
-        if step % self.cfg.train.log_every and step != self.total and not st.nonfinite:
+        if step % self.cfg.train.log_every and step != self.total and not st.nonfinite and not extra:
             return
         tps = st.real_tokens / max(step_time, 1e-9)
         self.emit("step", step=step, epoch=int(key[0]), loss=st.loss, acc=st.acc, lr=lr, grad_norm=grad_norm,
                   tokens=st.tokens, tokens_per_s=tps, step_time_s=step_time,
                   queue_depth=len(self.feeder.reservoir), queue_wait_s=wait_s, recompiles=recompiles,
-                  total_steps=self.total, buffer=[int(key[0]), int(key[1])])
+                  total_steps=self.total, buffer=[int(key[0]), int(key[1])], **(extra or {}))
         self.log.info("step %d/%d  loss %.4f  acc[1] %.3f  lr %.2e  gnorm %.2f  %.0f tok/s  %.2fs", step,
                       self.total, st.loss, st.acc[0] if st.acc else float("nan"), lr, grad_norm, tps, step_time)
 

@@ -1,0 +1,189 @@
+"""Warm starts of the compiled drafter step: torch's FX graph and AOT autograd caches on, and torch's mega-cache
+artifacts saved in OUT/compile_cache, so a restart whose inductor cache was wiped still skips most of the compile.
+
+The artifacts are keyed like opsctl's keyed inductor cache (torch/triton/python versions, the device, a hash of what
+shapes the compiled graph); a file with another key, unreadable or corrupt, is ignored with a reason: a cold start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DIR_NAME = "compile_cache"
+BLOB = "artifacts.bin"
+META = "artifacts.json"
+FORMAT = 1
+
+
+def cache_dir(out: Path) -> Path:
+    return Path(out) / DIR_NAME
+
+
+def enable_caches() -> dict[str, bool]:
+    """Turn on the local FX graph cache and AOT autograd cache and return what is in effect.
+
+    Both default to on in open-source torch 2.11-2.13, but an environment (TORCHINDUCTOR_FX_GRAPH_CACHE=0,
+    TORCHINDUCTOR_AUTOGRAD_CACHE=0, TORCHINDUCTOR_FORCE_DISABLE_CACHES=1) can turn them off, and then every restart
+    compiles from nothing and mega-cache artifacts have nothing to fill: the run must say so, not be slow silently.
+    An environment override wins over the assignment here (torch's own precedence), which is what its user asked for.
+    """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    functorch_config.enable_autograd_cache = True
+    disabled = bool(getattr(inductor_config, "force_disable_caches", False))
+    return {"fx_graph_cache": bool(inductor_config.fx_graph_cache) and not disabled,
+            "autograd_cache": bool(functorch_config.enable_autograd_cache) and not disabled}
+
+
+def _triton_version() -> str:
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version("triton")
+    except Exception:  # noqa: BLE001 - absent on CPU machines
+        return "none"
+
+
+def device_name(device: torch.device) -> str:
+    """What compiled code depends on: the GPU model and compute capability, or the CPU architecture."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"{torch.cuda.get_device_name(index)} sm{major}{minor}"
+    return f"{device.type} {platform.machine()}"
+
+
+def artifact_key(device: torch.device, graph: dict[str, Any]) -> dict[str, str]:
+    """The key of a run's artifacts: versions, device, and a hash of the graph-shaping settings in `graph`
+    (drafter shape, token budget, compile backend, ...; not the learning rate or the step count)."""
+    text = json.dumps(graph, sort_keys=True, default=str)
+    return {"torch": torch.__version__, "triton": _triton_version(), "python": platform.python_version(),
+            "device": device_name(device), "graph": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
+@dataclass
+class WarmStart:
+    """What happened to the saved artifacts at this start; `reason` is the human line (also in the event)."""
+
+    used: bool
+    reason: str
+    path: str | None = None
+    bytes: int | None = None
+    load_s: float | None = None
+    artifacts: dict[str, int] | None = None
+    sha256: str | None = None
+
+    def event(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "sha256"}
+
+
+def _counts(info: Any) -> dict[str, int]:
+    """CacheInfo's artifact lists (inductor, aot_autograd, autotune, pgo, precompile) as counts."""
+    found = {}
+    for name in ("inductor", "aot_autograd", "autotune", "pgo", "precompile"):
+        items = getattr(info, f"{name}_artifacts", None)
+        if isinstance(items, list) and items:
+            found[name] = len(items)
+    return found
+
+
+def _mismatch(old: dict[str, Any], new: dict[str, str]) -> list[str]:
+    return [f"{k} {old.get(k, 'none')} -> {new.get(k, 'none')}" for k in sorted(set(old) | set(new))
+            if str(old.get(k)) != str(new.get(k))]
+
+
+def load(out: Path, key: dict[str, str], caches: dict[str, bool]) -> WarmStart:
+    """Load OUT's artifacts into torch's caches when their key matches; never raises (a cold start is always safe)."""
+    d = cache_dir(out)
+    meta_path, blob_path = d / META, d / BLOB
+    if not all(caches.values()):
+        off = ", ".join(k for k, v in caches.items() if not v)
+        return WarmStart(False, f"not loaded: torch's {off} is disabled in this environment")
+    if not meta_path.exists():
+        return WarmStart(False, f"no saved artifacts in {d} (first compiled attempt of this run)")
+    try:
+        meta = json.loads(meta_path.read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("key"), dict):
+            raise ValueError("no key in it")
+    except (OSError, ValueError) as exc:
+        return WarmStart(False, f"ignored {meta_path}: unreadable ({exc})", str(blob_path))
+    if meta.get("format") != FORMAT:
+        return WarmStart(False, f"ignored {blob_path}: format {meta.get('format')} is not {FORMAT}", str(blob_path))
+    diff = _mismatch(meta["key"], key)
+    if diff:
+        return WarmStart(False, f"ignored {blob_path}: key changed ({'; '.join(diff)})", str(blob_path))
+    try:
+        data = blob_path.read_bytes()
+    except OSError as exc:
+        return WarmStart(False, f"ignored {blob_path}: unreadable ({exc.strerror or exc})", str(blob_path))
+    sha = hashlib.sha256(data).hexdigest()
+    if len(data) != meta.get("bytes") or sha != meta.get("sha256"):
+        return WarmStart(False, f"ignored {blob_path}: corrupt ({len(data)} bytes, sha256 {sha[:12]}; saved "
+                                f"{meta.get('bytes')} bytes, sha256 {str(meta.get('sha256'))[:12]})",
+                         str(blob_path), len(data))
+    t0 = time.perf_counter()
+    try:
+        info = torch.compiler.load_cache_artifacts(data)
+    except Exception as exc:  # noqa: BLE001 - whatever torch raises on bad bytes, the run starts cold instead
+        return WarmStart(False, f"ignored {blob_path}: torch could not load it ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:200] if str(exc) else ''})", str(blob_path), len(data))
+    load_s = round(time.perf_counter() - t0, 3)
+    if info is None:  # torch logs a warning and returns None for bytes it cannot unpickle
+        return WarmStart(False, f"ignored {blob_path}: torch could not deserialize it", str(blob_path), len(data))
+    counts = _counts(info)
+    what = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no artifacts"
+    return WarmStart(True, f"loaded {what} from {blob_path} ({len(data) / 2**20:.1f} MiB, {load_s:.2f} s)",
+                     str(blob_path), len(data), load_s, counts, sha)
+
+
+def save(out: Path, key: dict[str, str], previous_sha: str | None = None) -> str:
+    """Write what this process compiled or loaded from its caches to OUT/compile_cache (atomic: temp + rename,
+    the blob before its key file, so a crash in between leaves a sha256 mismatch, which load() ignores).
+    Returns the human line; never raises (losing the warm start must not lose the run)."""
+    d = cache_dir(out)
+    try:
+        result = torch.compiler.save_cache_artifacts()
+    except Exception as exc:  # noqa: BLE001 - see docstring
+        return f"compile artifacts not saved: torch failed to serialize them ({type(exc).__name__}: {exc})"
+    if result is None:
+        return "compile artifacts not saved: torch recorded none (caches disabled?)"
+    data, info = result
+    sha = hashlib.sha256(data).hexdigest()
+    if sha == previous_sha:
+        return f"compile artifacts unchanged ({d / BLOB})"
+    meta = {"format": FORMAT, "key": key, "bytes": len(data), "sha256": sha, "artifacts": _counts(info),
+            "saved": time.time()}
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        for name, payload in ((BLOB, data), (META, (json.dumps(meta, indent=1) + "\n").encode())):
+            tmp = d / f".{name}.tmp"
+            with open(tmp, "wb") as fh:
+                fh.write(payload)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, d / name)
+    except OSError as exc:
+        return f"compile artifacts not saved: {exc}"
+    what = ", ".join(f"{n} {k}" for k, n in meta["artifacts"].items())
+    return f"compile artifacts saved: {what} ({len(data) / 2**20:.1f} MiB) to {d / BLOB}"
+
+
+def counters() -> dict[str, int]:
+    """This process's cache hits and misses so far (torch's own counters): proof of what the warm start saved."""
+    from torch._dynamo.utils import counters as c
+
+    return {"fxgraph_hit": int(c["inductor"].get("fxgraph_cache_hit", 0)),
+            "fxgraph_miss": int(c["inductor"].get("fxgraph_cache_miss", 0)),
+            "aotautograd_hit": int(c["aot_autograd"].get("autograd_cache_hit", 0)),
+            "aotautograd_miss": int(c["aot_autograd"].get("autograd_cache_miss", 0))}

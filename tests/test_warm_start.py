@@ -1,0 +1,211 @@
+"""Warm starts of the compiled drafter step (issue 11 item 5): the mega-cache artifacts a run saves in
+OUT/compile_cache are loaded by its next attempt when their key matches, ignored with a reason when not.
+
+Real `dflash train` processes with `train.compile: true` (inductor, C++ on CPU). Each resume runs on a copy of the
+first run's inductor cache without its `fxgraph` and `aotautograd` dirs: the FX graph and AOT autograd lookups then
+hit only if the artifacts filled them, while the compiled C++ libraries (found by source hash) keep each run short.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dflash_fixtures import tiny_run_yaml  # noqa: E402
+
+from dflash import compile_cache  # noqa: E402
+from dflash.telemetry import read_events  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "events.md"
+CACHE_ENV = ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
+             "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+@dataclass
+class Primed:
+    """A finished 2-step compiled run, its inductor cache, and its first attempt's output."""
+
+    config: Path
+    out: Path
+    cache: Path
+    first: subprocess.CompletedProcess[str]
+
+
+def train(config: Path, out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
+    env.update(PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache))
+    return subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(config), "--out", str(out),
+                           *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def attempt(out: Path) -> list[dict[str, Any]]:
+    """The events of the newest attempt (from its run_start on)."""
+    evs = list(read_events(out / "events.jsonl"))
+    start = max(i for i, e in enumerate(evs) if e["kind"] == "run_start")
+    return evs[start:]
+
+
+def compiling(evs: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(e for e in evs if e["kind"] == "phase" and e["phase"] == "compiling")
+
+
+def first_step(evs: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(e for e in evs if e["kind"] == "step")
+
+
+@pytest.fixture(scope="module")
+def primed(tmp_path_factory: pytest.TempPathFactory) -> Primed:
+    base = tmp_path_factory.mktemp("warm")
+    # log_every 5: the first compiled step of an attempt is written anyway (it carries first_step_s).
+    cfg = tiny_run_yaml(train={"compile": "true", "max_steps": 2, "checkpoint_every": 0, "log_every": 5})
+    config = base / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    out, cache = base / "out", base / "inductor"
+    first = train(config, out, cache)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    return Primed(config, out, cache, first)
+
+
+def resume_setup(primed: Primed, tmp_path: Path, strip: bool = True) -> tuple[Path, Path]:
+    """A copy of the primed run dir, and of its inductor cache minus (strip) the FX graph and AOT autograd entries."""
+    out, cache = tmp_path / "out", tmp_path / "inductor"
+    shutil.copytree(primed.out, out)
+    shutil.copytree(primed.cache, cache, ignore=shutil.ignore_patterns(
+        *(("fxgraph", "aotautograd", "locks") if strip else ("locks",))))
+    assert (cache / "fxgraph").exists() != strip and (cache / "aotautograd").exists() != strip
+    return out, cache
+
+
+def check_saved(out: Path) -> dict[str, Any]:
+    """The artifacts file on disk is whole and carries this torch's key."""
+    meta = json.loads((out / "compile_cache" / "artifacts.json").read_text())
+    blob = (out / "compile_cache" / "artifacts.bin").read_bytes()
+    assert meta["sha256"] == hashlib.sha256(blob).hexdigest() and meta["bytes"] == len(blob)
+    assert meta["key"]["torch"] == torch.__version__ and meta["artifacts"]["inductor"] >= 1
+    return meta
+
+
+def test_first_compiled_attempt_saves_artifacts_and_reports_a_cold_first_step(primed: Primed) -> None:
+    evs = attempt(primed.out)
+    warm = compiling(evs)["warm_start"]
+    assert warm["used"] is False and "no saved artifacts" in warm["reason"]
+    step = first_step(evs)
+    assert step["step"] == 1  # written although log_every is 5
+    assert step["warm_start"] is False and step["first_step_s"] > 0
+    assert step["compile_cache"]["fxgraph_miss"] >= 1 and step["compile_cache"]["fxgraph_hit"] == 0
+    assert [e["step"] for e in evs if e["kind"] == "step"] == [1, 2]
+    meta = check_saved(primed.out)
+    assert meta["artifacts"]["aot_autograd"] >= 1
+    assert "compile artifacts saved" in primed.first.stdout
+
+
+def test_resume_loads_the_artifacts_and_its_compile_hits_the_caches(primed: Primed, tmp_path: Path) -> None:
+    out, cache = resume_setup(primed, tmp_path)
+    r = train(primed.config, out, cache, "--resume", "--max-steps", "3")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    evs = attempt(out)
+    assert evs[0]["resumed_from"] == 2
+    warm = compiling(evs)["warm_start"]
+    assert warm["used"] is True and warm["reason"].startswith("loaded "), warm
+    assert warm["artifacts"]["inductor"] >= 1 and warm["artifacts"]["aot_autograd"] >= 1
+    assert warm["bytes"] == (primed.out / "compile_cache" / "artifacts.bin").stat().st_size
+    step = first_step(evs)
+    assert step["step"] == 3 and step["warm_start"] is True
+    counts = step["compile_cache"]
+    # Every graph the step needed came from the loaded artifacts: nothing was compiled from scratch.
+    assert counts["fxgraph_hit"] >= 1 and counts["fxgraph_miss"] == 0, counts
+    assert counts["aotautograd_hit"] >= 1 and counts["aotautograd_miss"] == 0, counts
+    assert re.search(r"warm start used: loaded \d+ inductor", r.stdout)
+    assert re.search(r"first compiled step: [\d.]+ s \(warm start used", r.stdout)
+    assert evs[-1]["kind"] == "run_end" and evs[-1]["reason"] == "completed"
+
+
+def test_artifacts_with_another_key_are_ignored_with_the_reason(primed: Primed, tmp_path: Path) -> None:
+    out, cache = resume_setup(primed, tmp_path)
+    meta_path = out / "compile_cache" / "artifacts.json"
+    meta = json.loads(meta_path.read_text())
+    meta["key"]["torch"] = "2.11.0+cu130"  # what the GPU machine's torch writes
+    meta_path.write_text(json.dumps(meta))
+    r = train(primed.config, out, cache, "--resume", "--max-steps", "3")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    evs = attempt(out)
+    warm = compiling(evs)["warm_start"]
+    assert warm["used"] is False
+    assert f"key changed (torch 2.11.0+cu130 -> {torch.__version__})" in warm["reason"], warm
+    assert "warm start not used: ignored" in r.stdout
+    step = first_step(evs)
+    assert step["warm_start"] is False and step["compile_cache"]["fxgraph_miss"] >= 1  # compiled again
+    assert check_saved(out)["key"]["torch"] == torch.__version__  # replaced by this torch's artifacts
+
+
+def test_corrupt_artifacts_mean_no_warm_start_not_a_crash(primed: Primed, tmp_path: Path) -> None:
+    """Garbage bytes with a matching sha256 (a file torch itself wrote badly) reach torch's loader, which must fail
+    without taking the run down. The inductor cache is kept whole here, so the run goes on at disk-cache speed."""
+    out, cache = resume_setup(primed, tmp_path, strip=False)
+    blob, meta_path = out / "compile_cache" / "artifacts.bin", out / "compile_cache" / "artifacts.json"
+    bad = os.urandom(4096)
+    blob.write_bytes(bad)
+    meta = json.loads(meta_path.read_text())
+    meta.update(bytes=len(bad), sha256=hashlib.sha256(bad).hexdigest())
+    meta_path.write_text(json.dumps(meta))
+    r = train(primed.config, out, cache, "--resume", "--max-steps", "3")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    evs = attempt(out)
+    warm = compiling(evs)["warm_start"]
+    assert warm["used"] is False and "torch could not" in warm["reason"], warm
+    assert "warm start not used: ignored" in r.stdout
+    step = first_step(evs)
+    assert step["step"] == 3 and step["warm_start"] is False
+    assert evs[-1]["kind"] == "run_end" and evs[-1]["reason"] == "completed"
+    assert not [e for e in evs if e["kind"] == "error"]
+    check_saved(out)  # the next attempt has good artifacts again
+
+
+def test_a_truncated_file_is_refused_before_torch_sees_it(primed: Primed, tmp_path: Path) -> None:
+    """A crash between writing the blob and its key file, or a disk that lost the tail: the sha256 check says so
+    (in-process: load() returns before calling torch, so no compile state of this test process changes)."""
+    out = tmp_path / "out"
+    shutil.copytree(primed.out / "compile_cache", out / "compile_cache")
+    key = json.loads((out / "compile_cache" / "artifacts.json").read_text())["key"]
+    caches = {"fx_graph_cache": True, "autograd_cache": True}
+    blob = out / "compile_cache" / "artifacts.bin"
+    blob.write_bytes(blob.read_bytes()[:1000])
+    warm = compile_cache.load(out, key, caches)
+    assert not warm.used and "corrupt (1000 bytes" in warm.reason, warm
+    blob.unlink()
+    warm = compile_cache.load(out, key, caches)
+    assert not warm.used and "unreadable" in warm.reason, warm
+    (out / "compile_cache" / "artifacts.json").write_text("{not json")
+    assert "unreadable" in compile_cache.load(out, key, caches).reason
+    off = compile_cache.load(out, key, {"fx_graph_cache": False, "autograd_cache": True})
+    assert not off.used and "fx_graph_cache is disabled" in off.reason
+
+
+def test_the_warm_start_fields_are_documented() -> None:
+    """The contract: what the trainer adds to `phase` and `step` is in docs/events.md."""
+    text = DOC.read_text()
+    phase = text.split("### `phase`", 1)[1].split("###", 1)[0]
+    step = text.split("### `step`", 1)[1].split("###", 1)[0]
+    assert "`warm_start`" in phase
+    ws = compile_cache.WarmStart(True, "x").event()
+    for key in ws:
+        assert f"`{key}`" in phase, key
+    for key in ("first_step_s", "warm_start", "compile_cache"):
+        assert f"`{key}`" in step, key
+    for key in compile_cache.counters():
+        assert f"`{key}`" in step, key
