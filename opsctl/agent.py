@@ -61,6 +61,8 @@ traceback_from_lines = _W["traceback_from_lines"]
 crash_line = _W["crash_line"]
 history_add = _W["history_add"]
 read_history = _W["read_history"]
+history_lines = _W["_history_lines"]
+GROUP_FILE: str = _W["GROUP_FILE"]
 with_args = _W["with_args"]
 proc_starttime = _W["proc_starttime"]
 RESTARTING_FILE: str = _W["RESTARTING_FILE"]
@@ -1674,8 +1676,20 @@ def verb_history(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     return EXIT_CODES["ok"]
 
 
+def verb_group(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
+    """A group run's own records on its head node (its attempts, restart state, kill), appended like the history:
+    the opsctl that follows the group writes them (no process on one host can stop and restart every node)."""
+    rec, added = opts.get("record"), None
+    if isinstance(rec, dict):
+        os.makedirs(run.state_dir, exist_ok=True)
+        added = history_add(run.state_dir, _file=GROUP_FILE, **rec)  # without an `id`: a new attempt, numbered
+    emit("group", records=history_lines(run.state_file(GROUP_FILE)), added=added, ts=time.time())
+    return EXIT_CODES["ok"]
+
+
 VERBS = {"launch": verb_launch, "follow": verb_follow, "status": verb_status, "kill": verb_kill,
-         "clean": verb_clean, "hello": verb_hello, "history": verb_history}
+         "clean": verb_clean, "hello": verb_hello, "history": verb_history,
+         "group": verb_group}
 
 
 def main(argv: list[str]) -> None:

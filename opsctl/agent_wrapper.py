@@ -43,6 +43,7 @@ STALL_FLOOR_S = 60.0
 STALL_FACTOR = 10.0
 NOTIFY_TIMEOUT_S = 30.0  # a notify command still running after this is killed (and the failure logged)
 HISTORY_FILE = "history.jsonl"  # one JSON object per line; lines of one attempt `id` merge, later keys win
+GROUP_FILE = "group.jsonl"  # a group run's own attempts, on its head node, written by the opsctl that follows it
 ROTATIONS_FILE = "log_rotations"  # how many times the log was rotated: maps an attempt's log_seq to LOG.N
 RESTARTING_FILE = "restarting"  # exists while the wrapper waits out the back-off before the next attempt
 # notifiers.WRAPPER_PID.json: the notify commands a wrapper runs now, its children that are not the run's processes
@@ -176,10 +177,11 @@ def resume_argv(argv: list[str], resume_args: list[str]) -> list[str]:
     return with_args(argv, resume_args)
 
 
-def history_add(state_dir: str, **fields: Any) -> int:
+def history_add(state_dir: str, _file: str = HISTORY_FILE, **fields: Any) -> int:
     """Append one record to the attempt history and return its attempt id; without `id` a new attempt is
-    numbered (under a lock: the agent and the wrapper both add attempts). One write per line, O_APPEND."""
-    path = os.path.join(state_dir, HISTORY_FILE)
+    numbered (under a lock: the agent and the wrapper both add attempts). One write per line, O_APPEND.
+    `_file`: another record file kept by the same rules (a group run's own attempts, GROUP_FILE)."""
+    path = os.path.join(state_dir, _file)
     lock = os.open(os.path.join(state_dir, "history.lock"), os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -53,7 +53,8 @@ examples:
   opsctl hosts                               the hosts and runs of the inventory, and which file it is
   opsctl launch pair qwen27b                 a hosts.yaml group in place of HOST: one torchrun per member
                                              (node rank, head and port filled), READY when every node stepped;
-                                             status, logs [--node I], kill, clean and watch take it too
+                                             status, logs [--node I], history, kill, clean and watch take it
+                                             too; with `restart:` only `launch --follow` restarts the group
   opsctl init                                write a commented ./hosts.yaml (local host + SSH/pct examples)
 
 inventory: --hosts FILE, else $OPSCTL_HOSTS, else ./hosts.yaml, else ~/.config/opsctl/hosts.yaml, else the
@@ -147,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     _host_run(s)
     s.add_argument("--force", action="store_true", help="start even if other processes hold the GPUs")
     s.add_argument("--follow", action="store_true",
-                   help="after ready, keep streaming the log until the run ends; exit with its status")
+                   help="after ready, keep streaming the log until the run ends; exit with its status. For a "
+                        "group run with a restart policy this opsctl is what restarts the group (every node "
+                        "stopped, then started again): nothing on the hosts does; keep it running")
     s.add_argument("--fresh-cache", action="store_true",
                    help="empty the run's inductor cache first, whatever inductor_cache_policy says")
     s.add_argument("extra_args", nargs="*", metavar="-- ARGS",
@@ -160,10 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "its exception line, killed, refused with the reason, running, restarting, lost), exit "
                        "code, first and last step, the log file that holds it now (LOG, LOG.1, ...), its last "
                        "checkpoint and the extra arguments it was given. Newest last. Read from the run's state "
-                       "dir on the host, so every client sees the same history.",
+                       "dir on the host, so every client sees the same history. For a group run (HOST names a group): one row per "
+                       "attempt of the group, with how each node's own attempt ended and which node failed first.",
                        epilog="""examples:
   opsctl history pve-box qwen27b          one row per attempt
-  opsctl history pve-box qwen27b --json   the same as a JSON list (one object per attempt)""")
+  opsctl history pve-box qwen27b --json   the same as a JSON list (one object per attempt)
+  opsctl history pair qwen27b             a group run: one row per attempt of the group, a line per node""")
     _host_run(s)
     s.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
 

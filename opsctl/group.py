@@ -5,6 +5,7 @@ hosts.yaml `groups:` is validated here (members, head, port, GPUs); every verb o
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from collections.abc import Callable
@@ -106,6 +107,9 @@ class GroupRun:
     nproc_per_node: int
     head: str  # HEAD:PORT as every node's --rdzv-endpoint says it
     ready_timeout: float
+    # The group's restart policy (opsctl.config.RestartPolicy; None: never). The nodes' own runs carry none: a
+    # node's wrapper would restart its node alone, so the opsctl that follows the group restarts it as a whole.
+    restart: Any = None
 
     @property
     def world_size(self) -> int:
@@ -228,11 +232,6 @@ def parse_groups(raw: Any, hosts: dict[str, Any], checks: Checks) -> dict[str, G
                 problems.append(problem((*rloc, "command"), f"{', '.join(filled)}: opsctl fills these for every "
                                         "node (node rank, head address and port from the group); remove them"))
                 continue
-            restart = data.get("restart")
-            if isinstance(restart, dict) and restart.get("when", "never") != "never":
-                problems.append(problem((*rloc, "restart"), "restart policies are per host run; a group run is "
-                                        "not restarted yet (each node's wrapper would restart its node alone)"))
-                continue
             nodes: list[Node] = []
             for i, h in enumerate(mhosts):
                 node_data = {k: _subst(v, i) for k, v in data.items()}
@@ -250,7 +249,13 @@ def parse_groups(raw: Any, hosts: dict[str, Any], checks: Checks) -> dict[str, G
                     break
                 nodes.append(Node(i, h, run, addr))
             else:
-                runs[rname] = GroupRun(gname, rname, nodes, nproc, endpoint, float(run.ready_timeout))
+                policy = nodes[0].run.restart
+                # Validated with the node runs (same rules, same FILE:LINE errors), then taken off them: the group
+                # is restarted as a whole by the opsctl that follows it, never one node by its wrapper.
+                nodes = [dataclasses.replace(n, run=n.run.model_copy(update={"restart": type(policy)()}))
+                         for n in nodes]
+                runs[rname] = GroupRun(gname, rname, nodes, nproc, endpoint, float(run.ready_timeout),
+                                       policy if policy.when != "never" else None)
         out[gname] = Group(gname, members, head, gf.port, runs)
     if problems:
         raise GroupProblems(problems)

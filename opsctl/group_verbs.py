@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl import commands
+from opsctl.agent_wrapper import resume_argv, with_args
 from opsctl.channel import run_args, stream_agent
 from opsctl.commands import (
     EXIT_FAILED,
@@ -36,6 +37,7 @@ from opsctl.commands import (
     OpsError,
 )
 from opsctl.group import Group, GroupRun, Node
+from opsctl.group_record import GroupRecord, cmd_group_history, try_group_record
 from opsctl.transport import PreflightRefused, Transport, TransportError
 
 RUNNING = ("starting", "loading", "compiling", "training", "stalled", "restarting")
@@ -191,6 +193,8 @@ class _NodeLaunch:
     failure: str | None = None
     failed_at: float = 0.0
     fatal: str | None = None  # the training core's last fatal error event on this node (class: message)
+    attempt: int | None = None  # the node's own attempt id (its history), once launched
+    killed: bool = False  # the node's run carries opsctl kill's marker
 
     @property
     def peer_lost(self) -> bool:
@@ -209,22 +213,51 @@ def _stepped_rank(ev: dict[str, Any]) -> int | None:
     return None
 
 
-def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, follow: bool = False,
-                     fresh_cache: bool = False, extra_args: list[str] | None = None) -> int:
-    """Preflight every node, then start every node's torchrun; READY when every rank of every node stepped."""
-    gr = group_run(ctx, g, run_name)
-    t0 = time.monotonic()
-    refusals: list[OpsError] = []
-    for n in gr.nodes:  # nothing starts anywhere unless every node passes
+def _preflight_all(ctx: Ctx, g: Group, gr: GroupRun) -> list[OpsError]:
+    """Every node's preflight, each said as it is done; the refusals (nothing starts unless every node passes)."""
+    said: dict[int, OpsError | str] = {}
+
+    def one(n: Node) -> int:
         try:
-            ctx.err.print(Text(f"ok   {label(n)}: {node_preflight(ctx, n)}"))
+            said[n.index] = node_preflight(ctx, n)
         except OpsError as exc:
-            ctx.err.print(Text(f"FAIL {exc}", style="red"))
-            refusals.append(exc)
+            said[n.index] = exc
+        return EXIT_OK
+
+    on_every_node(ctx, gr.nodes, one)  # every node at once, said in node order
+    refusals: list[OpsError] = []
+    for n in gr.nodes:
+        got = said[n.index]
+        if isinstance(got, OpsError):
+            ctx.err.print(Text(f"FAIL {got}", style="red"))
+            refusals.append(got)
+        else:
+            ctx.err.print(Text(f"ok   {label(n)}: {got}"))
     if refusals:
         ctx.err.print(Text(f"{g.name}/{gr.name}: refused, nothing started on any node "
                            f"({len(refusals)} of {len(gr.nodes)} failed preflight)", style="bold red"))
-        return max(x.code for x in refusals)
+    return refusals
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """How one start of every node ended."""
+
+    rc: int
+    outcome: str  # ready (returned at READY) | finished | crashed | killed | timeout | lost
+    node_attempts: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+# Called once a node failed, before the other nodes are stopped: (cause node, reason, killed by opsctl).
+BeforeStop = Callable[[int, str, bool], None]
+
+
+def _attempt(ctx: Ctx, g: Group, gr: GroupRun, force: bool, follow: bool, fresh_cache: bool,
+             extra_args: list[str], before_stop: BeforeStop, on_launched: Callable[[dict[int, int]], None]
+             ) -> _Attempt:
+    """Start every node's torchrun (preflight passed) and follow them: READY when every rank of every node
+    stepped; one node failing stops the others."""
+    t0 = time.monotonic()
     ctx.err.print(f"[cyan]starting[/] {gr.name} on {len(gr.nodes)} nodes x {gr.nproc_per_node} ranks (world "
                   f"{gr.world_size}), rendezvous {gr.head}")
     lock = threading.Lock()
@@ -254,6 +287,11 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
     ready = False
     first_failure: float | None = None
     open_streams = len(states)
+    told_launched = False
+
+    def result(rc: int, outcome: str) -> _Attempt:
+        return _Attempt(rc, outcome, {i: s.attempt for i, s in states.items() if s.attempt is not None})
+
     try:
         while True:
             try:
@@ -266,7 +304,7 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
                     ctx.err.print(f"[bold yellow]TIMEOUT[/] {gr.name}: not ready after {gr.ready_timeout:g} s; "
                                   f"waiting for {', '.join(waiting)}; the nodes were left running (opsctl kill "
                                   f"{g.name} {gr.name} stops them)")
-                    return EXIT_TIMEOUT
+                    return result(EXIT_TIMEOUT, "timeout")
             if i >= 0:
                 st = states[i]
                 if m is None:
@@ -282,9 +320,12 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
                         ctx.err.print(Text(f"[{label(st.node)}] link lost ({m}); the group run goes on: opsctl "
                                            f"status {g.name} {gr.name} / opsctl logs {g.name} {gr.name} -f",
                                            style="yellow"))
-                        return EXIT_TRANSPORT
+                        return result(EXIT_TRANSPORT, "lost")
                 else:
                     _launch_message(ctx, st, m, lock)
+            if not told_launched and all(s.attempt is not None for s in states.values()):
+                told_launched = True
+                on_launched({i: s.attempt for i, s in states.items() if s.attempt is not None})
             failed = [s for s in states.values() if s.failure]
             if failed:
                 now = time.monotonic()
@@ -296,22 +337,156 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
                 if all(s.peer_lost for s in failed) and now < first_failure + PEER_WAIT_S and open_streams:
                     continue
                 cause = sorted(failed, key=lambda s: (s.peer_lost, s.failed_at))[0]
-                return _group_failed(ctx, g, gr, states, cause, lock)
+                rc, outcome = _group_failed(ctx, g, gr, states, cause, lock, before_stop)
+                return result(rc, outcome)
             if not ready and all(set(gr.ranks(s.node.index)) <= s.stepped or s.ok_exit for s in states.values()):
                 ready = True
                 ctx.err.print(f"[bold green]READY[/] {gr.name}: every rank of {len(gr.nodes)} nodes stepped "
                               f"(world {gr.world_size})  [{time.monotonic() - t0:.2f} s]")
                 if not follow:
-                    return EXIT_OK
+                    return result(EXIT_OK, "ready")
             if all(s.ok_exit for s in states.values()):
+                if any(s.killed for s in states.values()):
+                    return result(EXIT_FAILED, "killed")
                 ctx.err.print(f"[bold green]{gr.name} finished[/] on every node")
-                return EXIT_OK
+                return result(EXIT_OK, "finished")
             if not open_streams:
-                return EXIT_FAILED
+                return result(EXIT_FAILED, "crashed")
     finally:
         for st in states.values():  # the agents' channels: the runs themselves go on in their tmux sessions
             if st.transport is not None:
                 st.transport.close()
+
+
+def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, follow: bool = False,
+                     fresh_cache: bool = False, extra_args: list[str] | None = None) -> int:
+    """Preflight every node, then start every node's torchrun; READY when every rank of every node stepped.
+
+    With a restart policy and --follow this opsctl is the group's supervisor: a node that crashes gets every node
+    stopped, and after the back-off every node starts again with the resume arguments, up to `max` restarts. No
+    process on one host can stop and restart the other hosts' nodes, so without a following opsctl nothing
+    restarts; every step is recorded on the head node (status, history and kill read it from any client)."""
+    gr = group_run(ctx, g, run_name)
+    name, policy, extra = f"{g.name}/{gr.name}", gr.restart, list(extra_args or [])
+    supervised = bool(policy and follow)
+    if policy and not follow:
+        ctx.err.print(Text(f"note: {name} has a restart policy, which only an opsctl that follows the group carries "
+                           f"out (opsctl launch {g.name} {gr.name} --follow): this launch returns at READY, and a "
+                           "crash after that stays a crash", style="yellow"))
+    rec, _ = try_group_record(ctx, gr)
+    rs = rec.restart_state() if rec else None
+    if rs and not rs["stale"]:
+        raise OpsError(f"{name} is restarting (restart {rs['n']} of {rs['max']}, by the opsctl that follows it); "
+                       f"stop it first: opsctl kill {g.name} {gr.name}", EXIT_REFUSED)
+    if _preflight_all(ctx, g, gr):
+        return EXIT_REFUSED
+    _, gid = try_group_record(ctx, gr, {"started": _head_now(rec), "by": "launch", "extra_args": extra,
+                                        "supervised": supervised, "restart_max": policy.max if policy else None})
+    restarts: list[float] = []
+    resume = _resume_args(gr, extra)
+    now_extra = extra
+    while True:
+        decision: dict[str, Any] = {"again": False}
+
+        def before_stop(node: int, reason: str, killed: bool, gid: int | None = gid,
+                        decision: dict[str, Any] = decision) -> None:
+            used = _restart_count(restarts, policy.within_s if policy else None)
+            again = supervised and not killed and policy is not None and used < policy.max
+            r: dict[str, Any] = {"id": gid, "ended": _head_now(rec), "outcome": "killed" if killed else "crashed",
+                                 "node": node, "reason": reason}
+            if again:
+                assert policy is not None
+                r.update(restart_n=used + 1, restart_max=policy.max, restart_at=_head_now(rec) + policy.backoff_s)
+            elif supervised and not killed and policy is not None:
+                r["no_restart"] = f"restart limit reached ({used} of {policy.max} restarts used)"
+            got, _ = try_group_record(ctx, gr, r) if gid is not None else (None, None)
+            if again and got is not None and got.killed(gid):  # `opsctl kill GROUP RUN` came first: no restart
+                killed = True
+                try_group_record(ctx, gr, {"id": gid, "outcome": "killed", "restart_at": None})
+                again = False
+            decision.update(again=again, killed=killed, n=used + 1, used=used,
+                            at=time.monotonic() + (policy.backoff_s if policy else 0.0))
+
+        def on_launched(ids: dict[int, int], gid: int | None = gid) -> None:
+            if gid is not None:
+                try_group_record(ctx, gr, {"id": gid, "launched": True, "nodes": {str(k): v for k, v in ids.items()}})
+
+        try:
+            res = _attempt(ctx, g, gr, force, follow, fresh_cache, now_extra, before_stop, on_launched)
+        except KeyboardInterrupt:
+            if supervised and gid is not None:  # nobody restarts the group now: status will say so
+                try_group_record(ctx, gr, {"id": gid, "supervised": False})
+            ctx.err.print(f"[yellow]interrupted[/]: {name} goes on on every node, "
+                          + ("no longer supervised: a crash will not be restarted; " if supervised else "")
+                          + f"opsctl status {g.name} {gr.name} / opsctl kill {g.name} {gr.name}")
+            return 130
+        if gid is not None and res.outcome in ("finished", "killed"):
+            got, _ = try_group_record(ctx, gr)
+            outcome = "killed" if res.outcome == "killed" or (got and got.killed(gid)) else "finished"
+            try_group_record(ctx, gr, {"id": gid, "ended": _head_now(got), "outcome": outcome,
+                                       "nodes": {str(k): v for k, v in res.node_attempts.items()}})
+            if outcome == "killed":
+                ctx.err.print(f"[yellow]{name} was killed[/] (opsctl kill): no restart")
+                return EXIT_FAILED
+        if res.outcome != "crashed" or not decision["again"]:
+            if res.outcome == "crashed" and supervised and not decision.get("killed"):
+                assert policy is not None
+                ctx.err.print(Text(f"{name}: restart limit reached ({decision.get('used')} of {policy.max}): the "
+                                   "group stays crashed", style="bold red"))
+            return res.rc
+        assert policy is not None
+        n = decision["n"]
+        ctx.err.print(f"[yellow]restarting[/] {name}: every node stopped; restart {n} of {policy.max} in "
+                      f"{policy.backoff_s:g} s" + (f", resuming with {' '.join(resume)}" if resume else ""))
+        try:
+            while True:  # the back-off; `opsctl kill GROUP RUN` from anywhere cancels the restart
+                got, _ = try_group_record(ctx, gr)
+                if got is not None and got.killed(gid):
+                    ctx.err.print(f"[yellow]{name}: restart {n} of {policy.max} cancelled[/]: the group was killed")
+                    return EXIT_FAILED
+                left = decision["at"] - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(1.0, left))
+        except KeyboardInterrupt:  # the supervisor goes: say so on the head, so status does not wait for it
+            try_group_record(ctx, gr, {"id": gid, "restart_at": None, "no_restart": "its opsctl was interrupted "
+                                       f"before restart {n} of {policy.max}"})
+            ctx.err.print(f"[yellow]{name}: restart {n} of {policy.max} cancelled[/] (interrupted): the group stays "
+                          "crashed")
+            return 130
+        restarts.append(time.time())
+        previous = gid
+        got, gid = try_group_record(ctx, gr, {"started": _head_now(got), "by": "restart", "restart": n,
+                                              "restart_of": previous, "restart_max": policy.max,
+                                              "extra_args": [*extra, *resume], "supervised": True})
+        if got is not None and got.killed(previous):  # killed just before this attempt was recorded
+            try_group_record(ctx, gr, {"id": gid, "ended": _head_now(got), "outcome": "killed", "killed": True})
+            return EXIT_FAILED
+        if _preflight_all(ctx, g, gr):
+            try_group_record(ctx, gr, {"id": gid, "ended": _head_now(got), "outcome": "refused",
+                                       "reason": "a node failed preflight at the restart"})
+            return EXIT_REFUSED
+        now_extra = [*extra, *resume]
+
+
+def _head_now(rec: GroupRecord | None) -> float:
+    return rec.now() if rec is not None else time.time()
+
+
+def _restart_count(times: list[float], within: float | None) -> int:
+    """Restarts that count against `max`: all of this launch's, or those of the last `within` seconds."""
+    now = time.time()
+    return len(times) if not within else sum(1 for t in times if now - t < within)
+
+
+def _resume_args(gr: GroupRun, extra: list[str]) -> list[str]:
+    """What a restart appends to every node's command: the policy's resume_args, unless the command (with this
+    launch's extra arguments) already carries them."""
+    if gr.restart is None:
+        return []
+    want = [str(a) for a in gr.restart.resume_args]
+    argv = with_args(gr.nodes[0].run.argv, extra)
+    return [] if resume_argv(argv, want) == argv else want
 
 
 def _launch_message(ctx: Ctx, st: _NodeLaunch, m: dict[str, Any], lock: threading.Lock) -> None:
@@ -321,6 +496,7 @@ def _launch_message(ctx: Ctx, st: _NodeLaunch, m: dict[str, Any], lock: threadin
             ctx.err.print(Text(f"{prefix}FAIL {m.get('name')}: {m.get('detail')}", style="red"))
     elif kind == "launched":
         st.launched = True
+        st.attempt = m.get("attempt") if isinstance(m.get("attempt"), int) else None
         ctx.err.print(Text(f"{prefix}launched: pid {m.get('pid')} (pgid {m.get('pgid')}), tmux session "
                            f"{m.get('session')}, log {m.get('log')}", style="cyan"))
     elif kind == "log":
@@ -342,25 +518,35 @@ def _launch_message(ctx: Ctx, st: _NodeLaunch, m: dict[str, Any], lock: threadin
             st.failure = str(m.get("detail") or m.get("reason"))
             if m.get("traceback"):
                 st.failure += ": " + str(m["traceback"]).strip().splitlines()[-1]
+    elif kind == "proc":
+        st.killed = bool(m.get("killed_by_opsctl"))
     elif kind == "error" and m.get("fatal"):
         st.failure = f"agent: {m.get('message')}"
 
 
 def _group_failed(ctx: Ctx, g: Group, gr: GroupRun, states: dict[int, _NodeLaunch], first: _NodeLaunch,
-                  lock: threading.Lock) -> int:
+                  lock: threading.Lock, before_stop: BeforeStop) -> tuple[int, str]:
     """One node failed: stop every other node that started (kill: SIGINT first, so ranks checkpoint where they
-    can), and say the group crashed, naming the node and why."""
+    can), and say the group crashed, naming the node and why (or that opsctl kill stopped it)."""
     for st in states.values():
         if st.transport is not None:
             st.transport.close()
     others = [s.node for s in states.values() if s is not first and s.launched]
-    ctx.err.print(Text(f"{g.name}/{gr.name} crashed: {label(first.node)}: {first.failure}"
-                       + (f" ({first.fatal})" if first.fatal and first.fatal not in (first.failure or "") else ""),
-                       style="bold red"))
+    reason = str(first.failure) + (f" ({first.fatal})" if first.fatal and first.fatal not in (first.failure or "")
+                                   else "")
+    if "ChildFailedError" in reason:  # torchrun's own exception: its root cause says which rank and how
+        cause = _root_cause(ctx, first.node)
+        reason = f"torchrun: {cause}" if cause else reason
+    killed = any(s.killed for s in states.values())
+    before_stop(first.node.index, f"{label(first.node)}: {reason}", killed)
+    if killed:
+        ctx.err.print(Text(f"{g.name}/{gr.name} killed (opsctl kill): {label(first.node)} ended", style="yellow"))
+    else:
+        ctx.err.print(Text(f"{g.name}/{gr.name} crashed: {label(first.node)}: {reason}", style="bold red"))
     if others:
         ctx.err.print(f"stopping {', '.join(label(n) for n in others)}")
         stop_nodes(ctx, others, lock)
-    return EXIT_FAILED
+    return EXIT_FAILED, "killed" if killed else "crashed"
 
 
 def stop_nodes(ctx: Ctx, nodes: list[Node], lock: threading.Lock) -> dict[int, int]:
@@ -473,15 +659,41 @@ def group_rows(ctx: Ctx, gr: GroupRun) -> tuple[list[dict[str, Any]], dict[str, 
             unreachable[n.host.name] = error
         return EXIT_OK
 
+    got: dict[str, GroupRecord | None] = {}
+    reader = threading.Thread(target=lambda: got.update(rec=try_group_record(ctx, gr)[0]), daemon=True)
+    reader.start()  # the group's own record on the head, while the nodes are asked
     on_every_node(ctx, gr.nodes, one)
+    reader.join()
     out: list[dict[str, Any]] = []
     for n in gr.nodes:
         for r in rows.get(n.index, []):
             out.append(_rankless({**r, "node": n.index}))
     state, why, node = group_verdict(gr, out)
-    info = {"name": gr.group, "run": gr.name, "state": state, "reason": why, "node": node,
-            "nodes": len(gr.nodes), "nproc_per_node": gr.nproc_per_node, "world_size": gr.world_size,
-            "rendezvous": gr.head}
+    rec = got.get("rec")
+    restart = rec.restart_state() if rec is not None else None
+    info: dict[str, Any] = {"restart_n": None, "restart_max": gr.restart.max if gr.restart else None,
+                            "restart_in_s": None, "attempt": rec.last.get("id") if rec and rec.last else None}
+    if restart is not None and not restart["stale"]:
+        # The opsctl that follows the group is between two attempts: every node stopped (or being stopped, or
+        # starting again); a node's old `crashed` is not the group's state.
+        assert rec is not None
+        left = max(0.0, restart["at"] - rec.now())
+        state, node = "restarting", restart["node"]
+        why = (f"restart {restart['n']}/{restart['max']} " + (f"in {left:.0f} s " if left else "starting ")
+               + f"after {restart['reason'] or 'a crash'}")
+        info.update(restart_n=restart["n"], restart_in_s=left)
+    elif state == "crashed" and gr.restart is not None and rec is not None and rec.last is not None:
+        if restart is not None:
+            why = f"{why}; restart {restart['n']}/{restart['max']} was due and never started: no opsctl follows " \
+                  f"the group (opsctl launch {gr.group} {gr.name} --follow starts it again)"
+        elif not rec.last.get("supervised"):
+            why = f"{why}; not restarted: the restart policy needs an opsctl following the group (opsctl " \
+                  f"launch {gr.group} {gr.name} --follow)"
+        elif rec.last.get("no_restart"):
+            why = f"{why}; not restarted: {rec.last['no_restart']}"
+    info.update({"name": gr.group, "run": gr.name, "state": state, "reason": why, "node": node,
+                 "nodes": len(gr.nodes), "nproc_per_node": gr.nproc_per_node, "world_size": gr.world_size,
+                 "rendezvous": gr.head})
     for r in out:
         r["group"] = info
     return out, unreachable
@@ -539,6 +751,14 @@ def cmd_group_status(ctx: Ctx, g: Group, run_name: str | None, as_json: bool = F
 def cmd_group_kill(ctx: Ctx, g: Group, run_name: str) -> int:
     """Every node at once (its ranks wait on each other's collectives), each node's result on its own lines."""
     gr = group_run(ctx, g, run_name)
+    rec, _ = try_group_record(ctx, gr)
+    last = rec.last if rec is not None else None
+    restart = rec.restart_state() if rec is not None else None
+    if last is not None and (not last.get("ended") or (restart is not None and not restart["stale"])):
+        # Recorded first: the opsctl that follows the group never restarts a group that was killed.
+        try_group_record(ctx, gr, {"id": last["id"], "killed": True})
+        if restart is not None and not restart["stale"]:
+            ctx.err.print(f"{g.name}/{gr.name}: restart {restart['n']} of {restart['max']} cancelled")
     rcs = stop_nodes(ctx, gr.nodes, threading.Lock())
     worst = max(rcs.values()) if rcs else EXIT_FAILED
     bad = [label(n) for n in gr.nodes if rcs.get(n.index, EXIT_FAILED) != EXIT_OK]
@@ -578,7 +798,22 @@ def cmd_group_clean(ctx: Ctx, g: Group, run_name: str | None, dry_run: bool = Fa
     return worst
 
 
-GROUP_VERBS = ("launch", "status", "logs", "kill", "clean")
+def _node_histories(ctx: Ctx, gr: GroupRun) -> dict[int, list[dict[str, Any]]]:
+    """Every node's own attempts (its history on its host), asked of every node at once."""
+    from opsctl.history import fetch_history
+
+    lock = threading.Lock()
+    out: dict[int, list[dict[str, Any]]] = {}
+
+    def one(n: Node) -> int:
+        out[n.index] = fetch_history(node_ctx(ctx, n, lock), n.host.name, n.run.name)
+        return EXIT_OK
+
+    on_every_node(ctx, gr.nodes, one)
+    return out
+
+
+GROUP_VERBS = ("launch", "status", "logs", "kill", "clean", "history")
 
 
 def dispatch(ctx: Ctx, args: Any, extra: list[str] | None) -> int | None:
@@ -598,6 +833,9 @@ def dispatch(ctx: Ctx, args: Any, extra: list[str] | None) -> int | None:
                                 fresh_cache=args.fresh_cache, extra_args=extra)
     if args.verb == "status":
         return cmd_group_status(ctx, g, args.run, as_json=args.json)
+    if args.verb == "history":
+        gr = group_run(ctx, g, args.run)
+        return cmd_group_history(ctx, gr, _node_histories(ctx, gr), as_json=args.json)
     if args.verb == "logs":
         if args.lines < 0:
             raise OpsError("-n must be >= 0", EXIT_USAGE)

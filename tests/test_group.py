@@ -288,3 +288,111 @@ def test_status_stops_what_a_crashed_group_still_runs(tmp_path: Path, nodes: lis
     rows = group_status(hosts)
     assert [x["state"] for x in rows] == ["killed", "crashed"]
     assert rows[0]["group"]["state"] == "crashed" and rows[0]["group"]["node"] == 1
+
+
+# A rank that steps at once; rank 1 dies unless resumed (mode `once`) or always (mode `always`); rank 0 runs until
+# opsctl stops it, or, resumed, ends after a moment like rank 1.
+RESTART_SCRIPT = """
+import json, os, sys, time
+rank, resumed = int(os.environ["RANK"]), "--resume" in sys.argv
+with open(sys.argv[1], "a") as fh:
+    fh.write(json.dumps({"kind": "heartbeat", "rank": rank, "step": 1, "phase": "training", "ts": time.time()}) + "\\n")
+print(f"rank {rank} stepping, resumed {resumed}", flush=True)
+time.sleep(1.0)
+if rank == 1 and (sys.argv[2] == "always" or not resumed):
+    raise SystemExit(f"rank 1: boom ({'resumed' if resumed else 'first'} attempt)")
+while not resumed:
+    time.sleep(0.1)
+time.sleep(1.0)
+print(f"rank {rank} done", flush=True)
+"""
+
+
+def restart_hosts(tmp: Path, nodes: list[Node], mode: str, max_restarts: int, backoff: float) -> Path:
+    (tmp / "ranks.py").write_text(RESTART_SCRIPT)
+    return write_hosts(tmp, nodes, {}, command=["ranks.py", "out/node{node}/events.jsonl", mode],
+                       events="out/node{node}/events.jsonl", kill_grace=[5, 2],
+                       preflight=["mkdir", "-p", str(tmp / "out/node{node}")],
+                       restart={"when": "on-failure", "max": max_restarts, "backoff_s": backoff,
+                                "resume_args": ["--resume"]})
+
+
+def group_history(hosts: Path) -> list[dict[str, Any]]:
+    r = opsctl(hosts, "history", "pair", "r", "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def supervise(hosts: Path) -> subprocess.Popen[str]:
+    """`launch --follow` in the background: the group's supervisor."""
+    cmd = [sys.executable, "-m", "opsctl", "--hosts", str(hosts), "launch", "pair", "r", "--follow"]
+    env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_group(hosts: Path, state: str, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = group_status(hosts)[0]["group"]
+        if info["state"] == state:
+            return info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.3)
+
+
+def test_a_group_whose_node_crashes_once_is_restarted_as_a_whole(tmp_path: Path, nodes: list[Node]) -> None:
+    hosts = restart_hosts(tmp_path, nodes, "once", max_restarts=2, backoff=2.0)
+    with supervise(hosts) as sup:
+        # another client sees the group between its attempts: restarting (1/2), naming node 1, stopping nothing
+        info = wait_group(hosts, "restarting")
+        assert (info["restart_n"], info["restart_max"], info["node"]) == (1, 2, 1), info
+        assert info["reason"].startswith("restart 1/2 ") and "after node1 n1: " in info["reason"], info
+        out, err = sup.communicate(timeout=120)
+    assert sup.returncode == 0, err[-3000:]
+    assert "pair/r crashed: node1 n1: " in err and "restart 1 of 2 in 2 s, resuming with --resume" in err, err
+    assert err.count("READY r: every rank of 2 nodes stepped") == 2 and "r finished on every node" in err, err
+    h = group_history(hosts)
+    assert [(a["id"], a["by"], a["outcome"]) for a in h] == [(1, "launch", "crashed"), (2, "restart", "finished")]
+    assert h[0]["node"] == 1 and h[0]["reason"].startswith("node1 n1: "), h[0]
+    # per node: node 1 crashed (its exit code), node 0 was stopped by opsctl because of it
+    assert [(x["node"], x["outcome"]) for x in h[0]["nodes"]] == [(0, "stopped"), (1, "crashed")], h[0]
+    assert h[0]["nodes"][1]["exit_code"] == 1 and h[0]["nodes"][0]["exit_code"] is not None
+    assert (h[1]["restart"], h[1]["restart_of"], h[1]["restart_max"]) == (1, 1, 2)
+    assert h[1]["extra_args"] == ["--resume"] and [x["outcome"] for x in h[1]["nodes"]] == ["finished"] * 2
+    assert h[1]["started"] - h[0]["ended"] >= 2.0  # the back-off, after every node was stopped
+    # every node's own second attempt ran with the resume flag, the first without
+    assert [x["argv"][-1] for x in h[1]["nodes"]] == ["--resume"] * 2 and "--resume" not in h[0]["nodes"][0]["argv"]
+    assert "resumed True" in (tmp_path / "out/node1.log").read_text()
+
+
+def test_a_group_that_always_crashes_stops_after_max_and_a_kill_cancels_a_restart(tmp_path: Path,
+                                                                                   nodes: list[Node]) -> None:
+    hosts = restart_hosts(tmp_path, nodes, "always", max_restarts=1, backoff=0.5)
+    r = opsctl(hosts, "launch", "pair", "r", "--follow", timeout=120)
+    assert r.returncode == commands.EXIT_FAILED, r.stderr[-3000:]
+    assert "restart limit reached (1 of 1): the group stays crashed" in r.stderr, r.stderr
+    r = opsctl(hosts, "history", "pair", "r")  # the table: one row per group attempt, its nodes in it
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.lstrip("│ ")[:2] in ("1 ", "2 ")]
+    assert len(rows) == 2 and all("crashed (node1 n1: torchrun: rank 1" in ln for ln in rows), r.stdout
+    assert "node0 n0: stopped" in rows[0] and "restart 1 of 1 after #1" in rows[1], r.stdout
+    info = group_status(hosts)[0]["group"]
+    assert info["state"] == "crashed" and "not restarted: restart limit reached (1 of 1 restarts used)" in info["reason"], info
+    assert nodes[0].training() == [] and [p for p, c in nodes[0].procs() if "ranks.py" in c] == []
+
+    # A kill from another client during the back-off: no further attempt, the supervisor says so and ends.
+    hosts = restart_hosts(tmp_path, nodes, "always", max_restarts=3, backoff=30.0)
+    with supervise(hosts) as sup:
+        wait_group(hosts, "restarting")
+        # a second launch meanwhile is refused (without --follow it would not restart anything: it says so)
+        r = opsctl(hosts, "launch", "pair", "r")
+        assert r.returncode == commands.EXIT_REFUSED and "pair/r is restarting (restart 1 of 3" in r.stderr, r.stderr
+        assert "only an opsctl that follows the group carries out" in " ".join(r.stderr.split()), r.stderr
+        r = opsctl(hosts, "kill", "pair", "r")
+        assert r.returncode == 0 and "pair/r: restart 1 of 3 cancelled" in r.stderr, r.stderr
+        out, err = sup.communicate(timeout=30)
+    assert sup.returncode == commands.EXIT_FAILED and "restart 1 of 3 cancelled: the group was killed" in err, err
+    h = group_history(hosts)
+    assert [a["outcome"] for a in h][-1] == "crashed" and h[-1]["restart_cancelled"], h
+    assert group_status(hosts)[0]["group"]["state"] == "crashed"
+    assert nodes[0].training() == [] and nodes[1].training() == []

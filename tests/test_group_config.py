@@ -97,8 +97,8 @@ def test_head_is_node_zero_and_addresses_override_the_ssh_host() -> None:
     (("workdir: /srv/w", "workdir: /srv/w\n          nproc_per_node: 8"), "nproc_per_node:", None),
     (("train, --config", "train, --nnodes, '3', --config"), "command:",
      "groups.pair.runs.big.command: --nnodes: opsctl fills these for every node"),
-    (("workdir: /srv/w", "workdir: /srv/w\n          restart: {when: on-failure}"), "restart:",
-     "groups.pair.runs.big.restart: restart policies are per host run; a group run is not restarted yet"),
+    (("workdir: /srv/w", "workdir: /srv/w\n          restart: {when: on-failure, max: 0}"), "restart:",
+     "groups.pair.runs.big.restart.max: on member a: Input should be greater than or equal to 1"),
     (("workdir: /srv/w", "workdir: srv/w"), "workdir:",
      "groups.pair.runs.big.workdir: on member a: 'srv/w': a remote (ssh or pct) workdir must be an absolute path"),
 ])
@@ -120,3 +120,15 @@ def test_group_named_like_a_host_and_gpus_missing_on_a_member() -> None:
     ok = parse_inventory(text.replace("workdir: /srv/w", "workdir: /srv/w\n        nproc_per_node: 2"),
                          file="hosts.yaml", base_dir="/srv/x")
     assert ok.groups["pair"].runs["big"].world_size == 4
+
+
+def test_a_group_restart_policy_belongs_to_the_group_not_to_its_nodes() -> None:
+    text = group(PAIR.replace("workdir: /srv/w", "workdir: /srv/w\n          restart: {when: on-failure, max: 2, "
+                                                 "backoff_s: 7, resume_args: [--resume, auto]}"))
+    run = parse_inventory(text, file="hosts.yaml", base_dir="/srv/x").groups["pair"].runs["big"]
+    assert (run.restart.when, run.restart.max, run.restart.backoff_s, run.restart.resume_args) == (
+        "on-failure", 2, 7.0, ["--resume", "auto"])
+    # a node's wrapper would restart its node alone: the nodes' own runs never restart
+    assert [n.run.restart.when for n in run.nodes] == ["never", "never"]
+    plain = parse_inventory(group(PAIR), file="hosts.yaml", base_dir="/srv/x").groups["pair"].runs["big"]
+    assert plain.restart is None

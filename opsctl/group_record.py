@@ -1,0 +1,192 @@
+"""A group run's own record on its head node: its attempts (each one node attempt per node), its restart state, and
+`opsctl history GROUP RUN` built from it and from every node's own history.
+
+The record is written by the opsctl that launches and follows the group (`launch GROUP RUN --follow`): no process on
+one host can stop and restart every node, so the group's restart policy lives in that client, and the record on the
+head is how every other client (status, history, kill) sees what it does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from opsctl.channel import run_args, stream_agent
+from opsctl.commands import EXIT_OK, EXIT_TRANSPORT, Ctx, OpsError
+from opsctl.group import GroupRun
+from opsctl.history import OUTCOME_STYLES
+from opsctl.runstate import fmt_span, fmt_when
+from opsctl.transport import TransportError
+
+# A restart due this long ago that no new attempt followed: the opsctl that was to start it is gone.
+RELAUNCH_GRACE_S = 60.0
+
+
+class GroupRecord:
+    """The head node's group.jsonl as the agent reads it: attempts merged by id (later keys win), with the head's
+    clock, so that times written by one client are compared with another's on the same clock."""
+
+    def __init__(self, records: list[dict[str, Any]], head_ts: float) -> None:
+        merged: dict[int, dict[str, Any]] = {}
+        for r in records:
+            merged.setdefault(int(r["id"]), {}).update(r)
+        self.attempts = [merged[k] for k in sorted(merged)]
+        self.head_ts = head_ts
+        self.offset = head_ts - time.time()  # head clock - this client's clock
+
+    def now(self) -> float:
+        """The head's clock now."""
+        return time.time() + self.offset
+
+    @property
+    def last(self) -> dict[str, Any] | None:
+        return self.attempts[-1] if self.attempts else None
+
+    def killed(self, gid: int | None) -> bool:
+        return any(a.get("id") == gid and a.get("killed") for a in self.attempts)
+
+    def restart_state(self) -> dict[str, Any] | None:
+        """While the group waits out its back-off or is being relaunched: {n, max, at, reason, node, stale}.
+        `stale`: the restart was due long ago and nothing relaunched it (its opsctl is gone)."""
+        last = self.last
+        if last is None or last.get("killed"):
+            return None
+        now = self.now()
+        if last.get("restart_at") is not None:
+            at = float(last["restart_at"])
+            return {"n": last.get("restart_n"), "max": last.get("restart_max"), "at": at,
+                    "reason": last.get("reason"), "node": last.get("node"), "attempt": last.get("id"),
+                    "stale": now > at + RELAUNCH_GRACE_S}
+        if last.get("by") == "restart" and not last.get("launched") and not last.get("outcome"):
+            started = float(last.get("started") or 0)
+            prev = next((a for a in self.attempts if a.get("id") == last.get("restart_of")), {})
+            return {"n": last.get("restart"), "max": last.get("restart_max"), "at": started,
+                    "reason": prev.get("reason"), "node": prev.get("node"), "attempt": last.get("id"),
+                    "stale": now > started + RELAUNCH_GRACE_S}
+        return None
+
+
+def group_record(ctx: Ctx, gr: GroupRun, record: dict[str, Any] | None = None) -> tuple[GroupRecord, int | None]:
+    """The group run's record on its head node (node 0's state dir), `record` appended first (without an `id`: a
+    new attempt, whose id is returned). Raises OpsError when the head cannot be asked."""
+    head = gr.nodes[0]
+    t = ctx.transport(head.host)
+    try:
+        for m in stream_agent(t, head.host, "group", run_args(head.run, record=record)):
+            if m.get("t") == "group":
+                return GroupRecord(list(m.get("records") or []), float(m.get("ts") or time.time())), m.get("added")
+            if m.get("t") == "error":
+                raise OpsError(f"{head.host.name}: agent: {m.get('message')}", EXIT_TRANSPORT)
+    except TransportError as exc:  # ChannelLost included
+        raise OpsError(f"{head.host.name}: the group's record: {exc}", EXIT_TRANSPORT) from None
+    finally:
+        t.close()
+    raise OpsError(f"{head.host.name}: the agent sent no group record", EXIT_TRANSPORT)
+
+
+def try_group_record(ctx: Ctx, gr: GroupRun, record: dict[str, Any] | None = None
+                     ) -> tuple[GroupRecord | None, int | None]:
+    """group_record, or (None, None) when the head cannot be reached (the node verbs say why)."""
+    try:
+        return group_record(ctx, gr, record)
+    except OpsError:
+        return None, None
+
+
+# -- opsctl history GROUP RUN --------------------------------------------------------------------------------
+def _node_outcome(a: dict[str, Any] | None, cause: int | None, node: int, group_outcome: str | None) -> str:
+    """How one node's attempt ended, as the group sees it: a node opsctl stopped after its peer crashed is
+    `stopped`, not `killed`."""
+    if a is None:
+        return "not started"
+    out = str(a.get("outcome") or "-")
+    if out == "killed" and group_outcome == "crashed" and cause is not None and cause != node:
+        return "stopped"
+    return out
+
+
+def group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every group attempt, oldest first, each with its nodes' own attempts (outcome, exception, exit code, ...);
+    `node_histories`: every node's own history (opsctl.history.fetch_history), by node index."""
+    rec, _ = group_record(ctx, gr)
+    per_node = {i: {int(a["id"]): a for a in h} for i, h in node_histories.items()}
+    out: list[dict[str, Any]] = []
+    restart = rec.restart_state()
+    for g in rec.attempts:
+        ids = {int(k): int(v) for k, v in (g.get("nodes") or {}).items()}
+        nodes = []
+        for n in gr.nodes:
+            a = per_node.get(n.index, {}).get(ids[n.index]) if n.index in ids else None
+            nodes.append({"node": n.index, "host": n.host.name, "run": n.run.name,
+                          "attempt": None if a is None else a.get("id"),
+                          "outcome": _node_outcome(a, g.get("node"), n.index, g.get("outcome")),
+                          **{k: (a or {}).get(k) for k in ("exit_code", "exception", "signal", "reason",
+                                                           "first_step", "last_step", "log", "checkpoint", "argv")}})
+        outcome = g.get("outcome")
+        if outcome is None:  # not recorded (no opsctl followed it to its end): what its nodes say
+            outs = [x["outcome"] for x in nodes]
+            outcome = ("crashed" if "crashed" in outs else "running" if "running" in outs
+                       else "finished" if outs and all(o == "finished" for o in outs)
+                       else "killed" if "killed" in outs else "lost")
+            if g.get("killed") and outcome != "crashed":
+                outcome = "killed"
+            if restart and restart["attempt"] == g.get("id") and not restart["stale"]:
+                outcome = "starting"  # a restart's attempt, its nodes not launched yet
+        started, ended = g.get("started"), g.get("ended")
+        end = ended if isinstance(ended, (int, float)) else (rec.head_ts if outcome == "running" else None)
+        out.append({"group": gr.group, "run": gr.name, "id": g.get("id"), "started": started, "ended": ended,
+                    "duration_s": None if not isinstance(started, (int, float)) or end is None
+                    else max(0.0, end - started),
+                    "by": g.get("by"), "restart": g.get("restart"), "restart_of": g.get("restart_of"),
+                    "restart_max": g.get("restart_max"), "supervised": g.get("supervised"),
+                    "restart_cancelled": bool(g.get("killed") and g.get("restart_at") is not None),
+                    "outcome": outcome, "node": g.get("node"), "reason": g.get("reason"),
+                    "extra_args": g.get("extra_args") or [], "nodes": nodes})
+    return out
+
+
+def cmd_group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dict[str, Any]]],
+                      as_json: bool = False) -> int:
+    """One row per group attempt: how it ended (crashed naming the node and why), and each node's own ending."""
+    attempts = group_history(ctx, gr, node_histories)
+    if as_json:
+        ctx.raw.write(json.dumps(attempts, default=str) + "\n")
+        ctx.raw.flush()
+        return EXIT_OK
+    name = f"{gr.group}/{gr.name}"
+    if not attempts:
+        ctx.err.print(f"{name}: no group attempts recorded (each node's own: opsctl history HOST "
+                      f"{gr.nodes[0].run.name})")
+        return EXIT_OK
+    table = Table(title=f"{name}: {len(attempts)} attempt(s) of the group, newest last")
+    for col in ("#", "started", "duration", "how it ended", "nodes", "args"):
+        table.add_column(col, no_wrap=col in ("#", "started", "duration"))
+    for a in attempts:
+        outcome = str(a["outcome"])
+        how = Text(outcome, style=OUTCOME_STYLES.get(outcome, "white"))
+        if a.get("reason"):
+            how.append(f" ({a['reason']})")
+        nodes = Text()
+        for x in a["nodes"]:
+            if nodes:
+                nodes.append("\n")
+            nodes.append(f"node{x['node']} {x['host']}: ")
+            nodes.append(x["outcome"], style=OUTCOME_STYLES.get(x["outcome"], "white"))
+            detail = x.get("exception") or (f"signal {x['signal']}" if x.get("signal") else None)
+            if x.get("exit_code") is not None:
+                detail = f"{detail}, exit {x['exit_code']}" if detail else f"exit {x['exit_code']}"
+            if detail:
+                nodes.append(f" ({detail})")
+        by = a.get("by") or "launch"
+        if by == "restart":
+            by = f"restart {a.get('restart')} of {a.get('restart_max')} after #{a.get('restart_of')}"
+        extra = " ".join(a.get("extra_args") or [])
+        table.add_row(str(a["id"]), fmt_when(a.get("started")), fmt_span(a.get("duration_s")), how, nodes,
+                      by + (f" -- {extra}" if extra else ""))
+    ctx.out.print(table)
+    return EXIT_OK
+
