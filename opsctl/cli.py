@@ -50,12 +50,12 @@ examples:
   opsctl status                              every host and run in the inventory, one table
   opsctl export pve-box qwen27b --tensorboard tb/qwen27b
                                              events.jsonl as TensorBoard scalars (tensorboard --logdir tb)
-  opsctl hosts                               the hosts and runs of the inventory, and which file it is
+  opsctl hosts                               the hosts, groups and runs of the inventory, and its file
   opsctl launch pair qwen27b                 a hosts.yaml group in place of HOST: one torchrun per member
                                              (node rank, head and port filled), READY when every node stepped;
                                              status, logs [--node I], history, kill, clean and watch take it
                                              too; with `restart:` only `launch --follow` restarts the group
-  opsctl init                                write a commented ./hosts.yaml (local host + SSH/pct examples)
+  opsctl init                                write a commented ./hosts.yaml (local host + SSH/pct/group examples)
 
 inventory: --hosts FILE, else $OPSCTL_HOSTS, else ./hosts.yaml, else ~/.config/opsctl/hosts.yaml, else the
 built-in host `local` (said on stderr). Options such as --hosts and --accept-new-host-key go before or after
@@ -251,9 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--follow", "-f", action="store_true",
                    help="keep exporting new events and GPU samples until the run ends (reconnects like logs -f)")
 
-    s = sub.add_parser("hosts", formatter_class=fmt, help="list the inventory's hosts and runs; `hosts check`",
+    s = sub.add_parser("hosts", formatter_class=fmt, help="list the inventory's hosts, groups and runs; `hosts check`",
                        description="Without a subcommand: every host of the inventory (how it is reached, its "
-                       "GPUs and runs) and which file it came from. `hosts check` validates the file without "
+                       "GPUs and runs), every group (its members in node order, the head first, the rendezvous "
+                       "and each run's nodes x ranks) and which file it came from. `hosts check` validates the file without "
                        "connecting anywhere.")
     hs = s.add_subparsers(dest="hosts_verb", metavar="check", parser_class=Parser)
     hs.add_parser("check", help="validate hosts.yaml without connecting")

@@ -816,10 +816,44 @@ def _node_histories(ctx: Ctx, gr: GroupRun) -> dict[int, list[dict[str, Any]]]:
 GROUP_VERBS = ("launch", "status", "logs", "kill", "clean", "history")
 
 
+def cmd_hosts_with_groups(ctx: Ctx, check: bool = False) -> int:
+    """`opsctl hosts [check]`: the hosts' listing, then the groups: members in node order (the head first), the
+    rendezvous and each run's shape and restart policy."""
+    rc = commands.cmd_hosts_check(ctx) if check else commands.cmd_hosts_list(ctx)
+    if rc != EXIT_OK:
+        return rc
+    groups = ctx.inventory().groups
+    if check:
+        for g in groups.values():
+            ctx.out.print(f"[green]ok[/] group {g.name} ({', '.join(g.members)}): {', '.join(g.runs) or '(no runs)'}")
+        if groups:
+            ctx.err.print(f"{len(groups)} group(s)")
+        return rc
+    if not groups:
+        return rc
+    table = Table(title="groups: one run across several hosts (node i = the i-th member)", title_justify="left")
+    for col in ("group", "members", "rendezvous", "runs"):
+        table.add_column(col, no_wrap=col != "runs")
+    for g in groups.values():
+        runs = []
+        for gr in g.runs.values():
+            how = f"{gr.name}: {len(gr.nodes)} x {gr.nproc_per_node} = world {gr.world_size}"
+            if gr.restart is not None:
+                how += f", restart {gr.restart.when} max {gr.restart.max} (by launch --follow)"
+            runs.append(how)
+        members = ", ".join(f"{m} (head)" if i == 0 else m for i, m in enumerate(g.members))
+        endpoint = next(iter(g.runs.values())).head if g.runs else f"{g.head}:{g.port}"
+        table.add_row(g.name, members, endpoint, "\n".join(runs) or "(no runs)")
+    ctx.out.print(table)
+    return rc
+
+
 def dispatch(ctx: Ctx, args: Any, extra: list[str] | None) -> int | None:
     """The CLI's hook: a verb whose HOST names a group runs here (None: HOST is a host, the host verbs run)."""
     if args.verb == "watch":
         return _watch(ctx, args)
+    if args.verb == "hosts":
+        return cmd_hosts_with_groups(ctx, check=args.hosts_verb == "check")
     g = group_of(ctx, getattr(args, "host", None)) if args.verb in GROUP_VERBS else None
     if g is None:
         if getattr(args, "node", None) is not None:

@@ -114,6 +114,27 @@ hosts:
   #       events: /workspace/runs/qwen27b/events.jsonl
   #       ready_timeout: 1800              # loading a large target takes a while
   #       kill_grace: [60, 20]             # seconds after SIGINT, then SIGTERM: time to checkpoint
+
+# A group: one run across several hosts above, through torchrun's c10d rendezvous (docs/scaling.md). opsctl starts
+# `torchrun --nnodes N --node-rank i --rdzv-endpoint HEAD:PORT ... COMMAND` on every member (node i = members[i],
+# node 0 = the head, which hosts the rendezvous); every verb takes the group in place of HOST
+# (`opsctl launch pair qwen27b`, status, logs [--node I], history, kill, clean, watch pair:qwen27b).
+# groups:
+#   pair:
+#     members: [gpu1, pve-box]             # hosts above, each with its own ssh / pct settings
+#     port: 29400                          # the rendezvous port on the head: every node must reach it
+#     runs:
+#       qwen27b:
+#         nproc_per_node: 8                # default: the members' `gpus:` count
+#         workdir: /workspace/dflash-ops
+#         command: [-m, dflash, train, --config, configs/qwen3.6-27b.yaml, --out, /workspace/runs/qwen27b,
+#                   --resume, auto]        # what torchrun starts; opsctl fills --nnodes, --node-rank, ...
+#         log: /workspace/runs/qwen27b/train.log
+#         events: /workspace/runs/qwen27b/events.jsonl
+#         env: {NCCL_SOCKET_IFNAME: eth0}
+#         # The group restarted as a whole when a node crashes: only while `opsctl launch pair qwen27b --follow`
+#         # runs (no process on one host can restart the others), so keep that in tmux on a machine that stays up.
+#         restart: {when: on-failure, max: 3, backoff_s: 120}
 """
 
 
