@@ -73,6 +73,14 @@ class Work:
 
 def write_config(work: Work, config: Path, compile_mode: str) -> None:
     cfg = yaml.safe_load(config.read_text())
+    # The copy lives in the work dir: paths the original meant next to itself are made absolute (dflash's rule).
+    data, target = cfg.get("data") or {}, cfg.get("target") or {}
+    for holder, key in ((data, "tokenizer"), (target, "path")):
+        if isinstance(holder.get(key), str) and (config.parent / holder[key]).exists():
+            holder[key] = str((config.parent / holder[key]).resolve())
+    if isinstance(data.get("paths"), list):
+        data["paths"] = [str((config.parent / x).resolve()) if (config.parent / x).exists() else x
+                         for x in data["paths"]]
     train = cfg.setdefault("train", {})
     # keep_last 2: a scenario that writes step-2 before its kill lands must not delete the primed step-1.
     train.update(compile=compile_mode, log_every=1, checkpoint_every=0, keep_last=2)

@@ -111,7 +111,7 @@ def load(out: Path, key: dict[str, str], caches: dict[str, bool]) -> WarmStart:
         off = ", ".join(k for k, v in caches.items() if not v)
         return WarmStart(False, f"not loaded: torch's {off} is disabled in this environment")
     if not meta_path.exists():
-        return WarmStart(False, f"no saved artifacts in {d} (first compiled attempt of this run)")
+        return WarmStart(False, f"no saved artifacts in {d} (none saved yet by this run, or removed)")
     try:
         meta = json.loads(meta_path.read_text())
         if not isinstance(meta, dict) or not isinstance(meta.get("key"), dict):
