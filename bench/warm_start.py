@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from dflash.telemetry import EventError, parse_line  # noqa: E402
 
 SCENARIOS = {"cold": (False, False), "kept": (True, False), "artifacts": (False, True), "both": (True, True)}
-CACHE_ENV = ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")
+CACHE_ENV = ("DFLASH_WARM_START", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")
 
 
 class Work:

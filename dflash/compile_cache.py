@@ -22,6 +22,9 @@ DIR_NAME = "compile_cache"
 BLOB = "artifacts.bin"
 META = "artifacts.json"
 FORMAT = 1
+# Set to 0 to start cold on purpose (e.g. opsctl's --fresh-cache, or to measure the cold compile): nothing is loaded,
+# and the first step still saves fresh artifacts.
+ENV_OFF = "DFLASH_WARM_START"
 
 
 def cache_dir(out: Path) -> Path:
@@ -107,6 +110,8 @@ def load(out: Path, key: dict[str, str], caches: dict[str, bool]) -> WarmStart:
     """Load OUT's artifacts into torch's caches when their key matches; never raises (a cold start is always safe)."""
     d = cache_dir(out)
     meta_path, blob_path = d / META, d / BLOB
+    if os.environ.get(ENV_OFF, "").strip().lower() in ("0", "off", "false", "no"):
+        return WarmStart(False, f"not loaded: {ENV_OFF}={os.environ[ENV_OFF]}")
     if not all(caches.values()):
         off = ", ".join(k for k, v in caches.items() if not v)
         return WarmStart(False, f"not loaded: torch's {off} is disabled in this environment")

@@ -32,8 +32,8 @@ from dflash.telemetry import read_events  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "events.md"
-CACHE_ENV = ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
-             "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+CACHE_ENV = ("DFLASH_WARM_START", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+             "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
 @dataclass
@@ -194,6 +194,16 @@ def test_a_truncated_file_is_refused_before_torch_sees_it(primed: Primed, tmp_pa
     assert "unreadable" in compile_cache.load(out, key, caches).reason
     off = compile_cache.load(out, key, {"fx_graph_cache": False, "autograd_cache": True})
     assert not off.used and "fx_graph_cache is disabled" in off.reason
+
+
+def test_a_cold_start_can_be_asked_for(primed: Primed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DFLASH_WARM_START=0 (a compile from nothing on purpose): a good, matching file is not loaded, and says why."""
+    out = tmp_path / "out"
+    shutil.copytree(primed.out / "compile_cache", out / "compile_cache")
+    key = json.loads((out / "compile_cache" / "artifacts.json").read_text())["key"]
+    monkeypatch.setenv("DFLASH_WARM_START", "0")
+    warm = compile_cache.load(out, key, {"fx_graph_cache": True, "autograd_cache": True})
+    assert not warm.used and warm.reason == "not loaded: DFLASH_WARM_START=0"
 
 
 def test_the_warm_start_fields_are_documented() -> None:
