@@ -285,3 +285,65 @@ def _nproc(given: int | None, hosts: list[Any]) -> tuple[int, str | None]:
     if short:
         return 0, (f"{given} processes per node, but " + ", ".join(f"{k} lists {v} GPU(s)" for k, v in short.items()))
     return given, None
+
+
+# -- the group's own state, from its nodes' states (status, watch) ---------------------------------------------
+RUNNING = ("starting", "loading", "compiling", "training", "stalled", "restarting")
+PROGRESS = ("starting", "loading", "compiling", "training")  # a group is as far as its slowest node
+# A rank that lost its peer fails with one of these: it is a follower of the crash, not its cause.
+PEER_LOST = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|DistStoreError|"
+                       r"remote process exited|NCCL communicator was aborted|Socket Timeout|RendezvousClosed",
+                       re.I)
+
+
+def rankless(row: dict[str, Any]) -> dict[str, Any]:
+    """A node without global rank 0 never sees run_start or phase events (rank 0 writes them); its ranks say
+    their phase in heartbeats only. While its process runs, that phase is its state, not `starting`."""
+    if row["node"] > 0 and row["state"] == "starting" and row.get("proc_state") == "running" and row.get("phase"):
+        phase = row["phase"]
+        row["state"] = phase if phase in ("training", "compiling") else "loading"
+    return row
+
+
+def verdict(rows: list[dict[str, Any]]) -> tuple[str, str | None, int | None]:
+    """(group state, why, the node it is about) from one row per node in node order (`node`, `host`, `state`, and
+    where known `reason`, `exception`, `started_at`, `duration_s`): crashed names the node whose failure came first
+    and is not a peer's lost connection; training only when every node trains."""
+    def name(r: dict[str, Any]) -> str:
+        return f"node{r['node']} {r['host']}"
+
+    states = [r["state"] for r in rows]
+    crashed = [r for r in rows if r["state"] == "crashed"]
+    if crashed:
+        def end(r: dict[str, Any]) -> float:
+            return (r.get("started_at") or 0.0) + (r.get("duration_s") or 0.0)
+
+        def follower(r: dict[str, Any]) -> bool:
+            return bool(PEER_LOST.search(" ".join(str(r.get(k) or "") for k in ("reason", "exception"))))
+
+        first = sorted(crashed, key=lambda r: (follower(r), end(r)))[0]
+        running = [name(r) for r in rows if r["state"] in RUNNING]
+        why = f"{name(first)}: {first.get('reason') or 'crashed'}"
+        if running:
+            why += f"; still running: {', '.join(running)}"
+        return "crashed", why, first["node"]
+    unreachable = [r for r in rows if r["state"] == "unreachable"]
+    if unreachable:
+        return "unreachable", ", ".join(name(r) for r in unreachable), unreachable[0]["node"]
+    if all(s == "absent" for s in states):
+        return "absent", None, None
+    running = [s for s in states if s in RUNNING]
+    if running and len(running) < len(states):
+        gone = [r for r in rows if r["state"] not in RUNNING]
+        return "degraded", ", ".join(f"{name(r)} {r['state']}" for r in gone), gone[0]["node"]
+    if running:
+        for s in ("stalled", "restarting"):
+            if s in states:
+                return s, None, rows[states.index(s)]["node"]
+        slowest = min(states, key=lambda s: PROGRESS.index(s) if s in PROGRESS else 0)
+        return slowest, None, None
+    if all(s == "finished" for s in states):
+        return "finished", None, None
+    if "killed" in states:
+        return "killed", None, None
+    return states[0], None, None

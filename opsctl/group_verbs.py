@@ -36,17 +36,11 @@ from opsctl.commands import (
     Ctx,
     OpsError,
 )
-from opsctl.group import Group, GroupRun, Node
+from opsctl.group import PEER_LOST, RUNNING, Group, GroupRun, Node, rankless, verdict
 from opsctl.group_record import GroupRecord, cmd_group_history, try_group_record
 from opsctl.transport import PreflightRefused, Transport, TransportError
 
-RUNNING = ("starting", "loading", "compiling", "training", "stalled", "restarting")
 PEER_WAIT_S = 5.0  # after a peer-lost failure, how long launch waits for the node that caused it to say so
-PROGRESS = ("starting", "loading", "compiling", "training")  # a group is as far as its slowest node
-# A rank that lost its peer fails with one of these: it is a follower of the crash, not its cause.
-PEER_LOST = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|DistStoreError|"
-                       r"remote process exited|NCCL communicator was aborted|Socket Timeout|RendezvousClosed",
-                       re.I)
 
 
 def group_of(ctx: Ctx, name: str | None) -> Group | None:
@@ -558,55 +552,9 @@ def stop_nodes(ctx: Ctx, nodes: list[Node], lock: threading.Lock) -> dict[int, i
 
 # -- status -------------------------------------------------------------------------------------------------
 def group_verdict(gr: GroupRun, rows: list[dict[str, Any]]) -> tuple[str, str | None, int | None]:
-    """(group state, why, the node it is about): crashed names the node whose failure came first and is not a
-    peer's lost connection; training only when every node trains."""
+    """(group state, why, the node it is about) of a group run from its nodes' status rows (opsctl.group.verdict)."""
     by_node = {r["node"]: r for r in rows}
-    states = [by_node[n.index]["state"] for n in gr.nodes]
-    crashed = [n for n in gr.nodes if by_node[n.index]["state"] == "crashed"]
-    if crashed:
-        def end(n: Node) -> float:
-            r = by_node[n.index]
-            return (r.get("started_at") or 0.0) + (r.get("duration_s") or 0.0)
-
-        def follower(n: Node) -> bool:
-            r = by_node[n.index]
-            return bool(PEER_LOST.search(" ".join(str(r.get(k) or "") for k in ("reason", "exception"))))
-
-        first = sorted(crashed, key=lambda n: (follower(n), end(n)))[0]
-        running = [label(n) for n in gr.nodes if by_node[n.index]["state"] in RUNNING]
-        why = f"{label(first)}: {by_node[first.index].get('reason') or 'crashed'}"
-        if running:
-            why += f"; still running: {', '.join(running)}"
-        return "crashed", why, first.index
-    unreachable = [n for n in gr.nodes if by_node[n.index]["state"] == "unreachable"]
-    if unreachable:
-        return "unreachable", ", ".join(label(n) for n in unreachable), unreachable[0].index
-    if all(s == "absent" for s in states):
-        return "absent", None, None
-    running = [s for s in states if s in RUNNING]
-    if running and len(running) < len(states):
-        gone = [n for n in gr.nodes if by_node[n.index]["state"] not in RUNNING]
-        return "degraded", ", ".join(f"{label(n)} {by_node[n.index]['state']}" for n in gone), gone[0].index
-    if running:
-        for s in ("stalled", "restarting"):
-            if s in states:
-                return s, None, states.index(s)
-        slowest = min(states, key=lambda s: PROGRESS.index(s) if s in PROGRESS else 0)
-        return slowest, None, None
-    if all(s == "finished" for s in states):
-        return "finished", None, None
-    if "killed" in states:
-        return "killed", None, None
-    return states[0], None, None
-
-
-def _rankless(row: dict[str, Any]) -> dict[str, Any]:
-    """A node without global rank 0 never sees run_start or phase events (rank 0 writes them); its ranks say
-    their phase in heartbeats only. While its process runs, that phase is its state, not `starting`."""
-    if row["node"] > 0 and row["state"] == "starting" and row.get("proc_state") == "running" and row.get("phase"):
-        phase = row["phase"]
-        row["state"] = phase if phase in ("training", "compiling") else "loading"
-    return row
+    return verdict([by_node[n.index] for n in gr.nodes])
 
 
 ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
@@ -667,7 +615,7 @@ def group_rows(ctx: Ctx, gr: GroupRun) -> tuple[list[dict[str, Any]], dict[str, 
     out: list[dict[str, Any]] = []
     for n in gr.nodes:
         for r in rows.get(n.index, []):
-            out.append(_rankless({**r, "node": n.index}))
+            out.append(rankless({**r, "node": n.index}))
     state, why, node = group_verdict(gr, out)
     rec = got.get("rec")
     restart = rec.restart_state() if rec is not None else None
@@ -897,11 +845,12 @@ def _quiet(ctx: Ctx, verb: Callable[..., int], *args: Any) -> tuple[int, str]:
 def watch_sources(ctx: Ctx, g: Group, run: str | None) -> list[Any]:
     """`watch GROUP[:RUN]`: every node of the group run as a source (its GPUs and log); `k` / `c` on any node
     kill / clean the whole group run, never one node alone (the others would only wait on it)."""
-    from opsctl.watch import AgentSource
+    from opsctl.watch import AgentSource, GroupTag
 
     runs = [group_run(ctx, g, run)] if run else list(g.runs.values())
     return [AgentSource(n.host, n.run, ctx.transport, kill=functools.partial(_quiet, ctx, cmd_group_kill, g, gr.name),
-                        clean=functools.partial(_quiet, ctx, cmd_group_clean, g, gr.name))
+                        clean=functools.partial(_quiet, ctx, cmd_group_clean, g, gr.name),
+                        group=GroupTag(g.name, gr.name, n.index, len(gr.nodes)))
             for gr in runs for n in gr.nodes]
 
 

@@ -22,6 +22,7 @@ from textual.widgets import Footer, Input, Static
 
 from opsctl.agent import EXIT_CODES
 from opsctl.alerts import CRITICAL, WARNING, Alert
+from opsctl.group import rankless
 from opsctl.watch import (
     DEFAULT_INBOX_LINES,
     DEFAULT_LOG_CAPACITY,
@@ -31,6 +32,8 @@ from opsctl.watch import (
     WatchSource,
     attention_rank,
     fold,
+    group_infos,
+    node_view,
     stall_after_of,
 )
 from opsctl.widgets import (
@@ -123,6 +126,7 @@ class WatchApp(App[int]):
         self.models = [RunModel(s.label, clock=clock, log_capacity=log_capacity, stall_after_s=stall_after_of(s))
                        for s in sources]
         self.followers = [SourceWorker(s, inbox_lines=inbox_lines, backoff=backoff) for s in sources]
+        self.tags = [getattr(s, "group", None) for s in sources]  # the group run each source is a node of
         self.bell_on = bell
         self.current = 0
         self._tick_s = tick_s
@@ -204,7 +208,7 @@ class WatchApp(App[int]):
         entries = []
         ranks = []
         for i, model in enumerate(self.models):
-            view = model.view()
+            view = node_view(self.tags[i], model.view())
             alerts = model.alerts(view)
             self._maybe_bell(i, alerts)
             entries.append((model.label, view, len(alerts)))
@@ -214,7 +218,10 @@ class WatchApp(App[int]):
             if ranks[best] < ranks[self.current]:  # open on the run that needs someone: crashed, stalled, ...
                 self.current = best
                 self.w_log.attach(self.models[best].log)
-        self.w_runs.show(entries, self.current)
+        groups = (group_infos(self.tags, [{"host": label.partition(":")[0], **view.to_dict()}
+                                          for label, view, _ in entries])
+                  if any(self.tags) else [None] * len(entries))
+        self.w_runs.show(entries, self.current, groups)
         model = self.models[self.current]
         current_view = entries[self.current][1]
         current_alerts = model.alerts(current_view)
@@ -230,7 +237,7 @@ class WatchApp(App[int]):
         if self._shown[0] != self.current or self._shown[2:] != (model.gpu_version, current_view.nvml):
             self.w_gpus.show(current_view, model.gpu_hist)
         self._shown = (self.current, charted, model.gpu_version, current_view.nvml)
-        self.w_summary.show(model, current_view, len(pane.lines))
+        self.w_summary.show(model, current_view, len(pane.lines), group=groups[self.current])
         self.w_alerts.show(current_alerts)
         status = pane.status()
         if status != self._logstatus:
@@ -366,6 +373,13 @@ def watch_main(sources: list[WatchSource], plain: bool, once_json: bool, bell: b
         from opsctl.plain import snapshot_once
 
         snaps = snapshot_once(sources)
+        tags = [getattr(s, "group", None) for s in sources]
+        for snap, tag in zip(snaps, tags, strict=True):
+            if tag is not None and tag.node > 0 and snap["state"] == "starting" and snap.get("proc_state") == "running":
+                snap["state"] = rankless({**snap, "node": tag.node})["state"]
+        for snap, info in zip(snaps, group_infos(tags, snaps), strict=True):
+            if info is not None:  # a node of a group run: the group's own state, as `status --json` says it
+                snap["group"] = info
         print(json.dumps(snaps, indent=2, default=str))
         # As `opsctl status`: 0 when every host answered, 3 (transport) when one could not be reached.
         return EXIT_CODES["ok"] if all(s["link"] == "up" for s in snaps) else EXIT_CODES["transport"]

@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 from opsctl.alerts import Alert, AlertTracker
 from opsctl.channel import run_args, stream_agent
 from opsctl.config import HostConfig, RunConfig
+from opsctl.group import rankless, verdict
 from opsctl.runstate import RunState, RunView
 from opsctl.transport import Transport
 
@@ -186,10 +187,17 @@ class SmoothedRunState(RunState):
         super().__init__(*args, **kwargs)
         self.step_time = Ema(clip=3.0)
         self.tokens_rate = Ema(clip=3.0)
+        self._phase_events = False
 
     def apply_event(self, ev: dict[str, Any]) -> None:
         super().apply_event(ev)
         kind = ev.get("kind")
+        if kind in ("phase", "step"):
+            self._phase_events = True
+        elif kind == "heartbeat" and not self._phase_events and isinstance(ev.get("phase"), str):
+            # A group node without global rank 0 gets no phase or step events (rank 0 writes them): its ranks'
+            # latest heartbeat says where they are, not the first one.
+            self._v.phase = ev["phase"]
         if kind == "run_start":  # a new attempt (another host, a resume): its speed is its own
             self.step_time.reset()
             self.tokens_rate.reset()
@@ -281,6 +289,51 @@ class WatchSource(Protocol):
     # configured stall threshold (hosts.yaml `stall_after`; the agent source's `run.stall_after` also works).
 
 
+@dataclass(frozen=True)
+class GroupTag:
+    """The group run a source is one node of (`watch GROUP[:RUN]` tags its node sources), so the dashboard can
+    say the group's own state next to each node's."""
+
+    group: str
+    run: str
+    node: int
+    nodes: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}/{self.run}"
+
+
+def node_view(tag: GroupTag | None, view: RunView) -> RunView:
+    """A group node's view with the state its ranks report: a node without global rank 0 never sees run_start or
+    phase events, so while its process runs its heartbeats' phase is its state, not `starting` (as in status)."""
+    if tag is None or tag.node == 0 or view.state != "starting":
+        return view
+    state = rankless({"node": tag.node, "state": view.state, "proc_state": view.proc_state, "phase": view.phase})
+    return view if state["state"] == view.state else dataclasses.replace(view, state=state["state"])
+
+
+def group_infos(tags: Sequence[GroupTag | None], records: Sequence[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """Per source, its group run's own state from every watched node of that run (None: no group's node): the
+    `group` object of `status --json` (`name`, `run`, `state`, `reason`, `node`, `nodes`; training only when every
+    node trains, crashed naming the node that died first). `records`: per source, its RunView as a dict plus
+    `host`."""
+    members: dict[tuple[str, str], list[int]] = {}
+    for i, tag in enumerate(tags):
+        if tag is not None:
+            members.setdefault((tag.group, tag.run), []).append(i)
+    infos: dict[tuple[str, str], dict[str, Any]] = {}
+    for key, idx in members.items():
+        idx = sorted(idx, key=lambda i: tags[i].node)  # type: ignore[union-attr]
+        rows = [rankless({**records[i], "node": tags[i].node}) for i in idx]  # type: ignore[union-attr]
+        state, why, node = verdict(rows)
+        first = tags[idx[0]]
+        assert first is not None
+        infos[key] = {"name": first.group, "run": first.run, "state": state, "reason": why, "node": node,
+                      "nodes": first.nodes, "watched": len(idx)}
+    return [None if t is None else infos[(t.group, t.run)] for t in tags]
+
+
 def stall_after_of(source: WatchSource) -> float | None:
     """The run's configured stall threshold, if its source knows one (else RunState's default rule applies)."""
     value = getattr(source, "stall_after_s", None)
@@ -298,8 +351,9 @@ class RecordedSource:
     finite = True  # its end is the end of the recording, not a lost link
 
     def __init__(self, path: str | Path, label: str | None = None, speed: float | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, group: GroupTag | None = None) -> None:
         self.path = Path(path)
+        self.group = group
         if not self.path.is_file():
             raise FileNotFoundError(f"recorded stream not found: {self.path}")
         self.label = label or self.path.stem
@@ -682,8 +736,10 @@ class AgentSource:
     `last_output` / `last_rc`, never on the terminal a full-screen UI owns."""
 
     def __init__(self, host: HostConfig, run: RunConfig, connect: Callable[[HostConfig], Transport],
-                 kill: Callable[[], tuple[int, str]], clean: Callable[[], tuple[int, str]], tail: int = 200) -> None:
+                 kill: Callable[[], tuple[int, str]], clean: Callable[[], tuple[int, str]], tail: int = 200,
+                 group: GroupTag | None = None) -> None:
         self.host = host
+        self.group = group  # a node of this group run (`watch GROUP[:RUN]`)
         self.run = run
         self.label = f"{host.name}:{run.name}"
         self.offsets: dict[str, Any] = {"log_offset": -1, "events_offset": 0, "tail": tail}

@@ -105,10 +105,19 @@ class _Quiet(Static):
 class RunsBar(_Quiet):
     """Every watched run on one line, so a crash on another host is seen while looking at this one."""
 
-    def show(self, entries: Sequence[tuple[str, RunView, int]], current: int) -> None:
+    def show(self, entries: Sequence[tuple[str, RunView, int]], current: int,
+             groups: Sequence[dict[str, Any] | None] | None = None) -> None:
         text = Text()
         text.append("opsctl watch ", style="bold")
+        seen: set[tuple[str, str]] = set()
         for i, (label, view, n_alerts) in enumerate(entries):
+            info = groups[i] if groups else None
+            if info is not None and (info["name"], info["run"]) not in seen:
+                # a group run's own state before its first node: training only when every node trains
+                seen.add((info["name"], info["run"]))
+                text.append(f" {info['name']}/{info['run']} ", style="bold")
+                text.append_text(group_badge(info))
+                text.append(" :")
             text.append(" ")
             marker = "▶ " if i == current else "  "
             text.append(marker + label + " ", style="bold" if i == current else "")
@@ -133,7 +142,7 @@ class RunSummary(_Quiet):
 
     compact = False
 
-    def show(self, model: RunModel, view: RunView, shown: int) -> None:
+    def show(self, model: RunModel, view: RunView, shown: int, group: dict[str, Any] | None = None) -> None:
         t = Text()
         t.append(f"{model.label}  ", style="bold")
         t.append_text(state_badge(view))
@@ -161,6 +170,11 @@ class RunSummary(_Quiet):
                 t.append(f"  {view.reason}", style="bold red" if view.state in ("crashed", "unreachable") else "yellow")
             t.append(f"\nphase {phase}  heartbeat {heartbeat}  {ended or process}  link {model.link}  log {log}",
                      style="dim")
+            if group is not None:
+                t.append(f"\ngroup {group['name']}/{group['run']} ", style="dim")
+                t.append_text(group_badge(group))
+                if group.get("reason"):
+                    t.append(f" {group['reason']}", style=_group_style(group))
             self.put(t)
             return
         rows = [
@@ -182,7 +196,26 @@ class RunSummary(_Quiet):
             t.append(f"\n{key:>10} ", style="dim")
             style = "bold red" if key == "log" and dropped else ""
             t.append(value, style=style)
+        if group is not None:  # this run is one node of a group run: the group's own state, and why
+            t.append(f"\n{'group':>10} {group['name']}/{group['run']} ")
+            t.append_text(group_badge(group))
+            if group.get("reason"):
+                t.append(f"\n{'':>10} {group['reason']}", style=_group_style(group))
         self.put(t)
+
+
+def group_badge(info: dict[str, Any]) -> Text:
+    """A group run's state as a badge: `TRAINING` only when every node trains, `CRASHED (node1)` naming the node
+    that died first."""
+    state = str(info.get("state") or "absent")
+    label = state.upper()
+    if state in ("crashed", "degraded", "unreachable", "stalled", "restarting") and info.get("node") is not None:
+        label += f" (node{info['node']})"
+    return Text(f" {label} ", style=STATE_STYLES.get(state, "bold reverse"))
+
+
+def _group_style(info: dict[str, Any]) -> str:
+    return "bold red" if info.get("state") in ("crashed", "unreachable") else "yellow"
 
 
 def _thin(steps: Sequence[int], values: Sequence[float], width: int) -> tuple[list[int], list[float]]:

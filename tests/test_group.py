@@ -186,7 +186,11 @@ def test_colocated_group_kill_leaves_nothing_and_a_dead_node_crashes_the_group(t
     assert nodes[0].training() and nodes[1].training()
     r = opsctl(hosts, "watch", "pair:r", "--once")  # the dashboard's snapshot: every node of the group run
     assert r.returncode == 0, r.stderr
-    assert [(x["host"], x["run"]) for x in json.loads(r.stdout)] == [("n0", "pair-r-node0"), ("n1", "pair-r-node1")]
+    snaps = json.loads(r.stdout)
+    assert [(x["host"], x["run"]) for x in snaps] == [("n0", "pair-r-node0"), ("n1", "pair-r-node1")]
+    # each node with the group's own state: training, as every node trains (node 1 has no rank 0: its heartbeats)
+    assert [(x["state"], x["group"]["state"], x["group"]["nodes"]) for x in snaps] == [("training", "training", 2)] * 2, [
+        {k: x.get(k) for k in ("state", "phase", "proc_state", "step")} for x in snaps]
     # A second launch of a running group is refused on the node that runs it, and starts nothing.
     r = opsctl(hosts, "launch", "pair", "r")
     assert r.returncode == commands.EXIT_REFUSED and "nothing started on any node" in r.stderr
