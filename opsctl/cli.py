@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--follow", action="store_true",
                    help="after ready, keep streaming the log until the run ends; exit with its status. For a "
                         "group run with a restart policy this opsctl is what restarts the group (every node "
-                        "stopped, then started again): nothing on the hosts does; keep it running")
+                        "stopped, then started again): nothing on the hosts does; keep it running. On a group "
+                        "that already runs on every node it starts nothing and takes over following it")
     s.add_argument("--fresh-cache", action="store_true",
                    help="empty the run's inductor cache first, whatever inductor_cache_policy says")
     s.add_argument("extra_args", nargs="*", metavar="-- ARGS",

@@ -247,25 +247,33 @@ BeforeStop = Callable[[int, str, bool], None]
 
 
 def _attempt(ctx: Ctx, g: Group, gr: GroupRun, force: bool, follow: bool, fresh_cache: bool,
-             extra_args: list[str], before_stop: BeforeStop, on_launched: Callable[[dict[int, int]], None]
-             ) -> _Attempt:
+             extra_args: list[str], before_stop: BeforeStop, on_launched: Callable[[dict[int, int]], None],
+             attach: dict[int, int] | None = None) -> _Attempt:
     """Start every node's torchrun (preflight passed) and follow them: READY when every rank of every node
-    stepped; one node failing stops the others."""
+    stepped; one node failing stops the others. `attach` (node -> its running attempt): follow the nodes that
+    already run instead of starting them."""
     t0 = time.monotonic()
-    ctx.err.print(f"[cyan]starting[/] {gr.name} on {len(gr.nodes)} nodes x {gr.nproc_per_node} ranks (world "
-                  f"{gr.world_size}), rendezvous {gr.head}")
+    if attach is None:
+        ctx.err.print(f"[cyan]starting[/] {gr.name} on {len(gr.nodes)} nodes x {gr.nproc_per_node} ranks (world "
+                      f"{gr.world_size}), rendezvous {gr.head}")
     lock = threading.Lock()
     q: queue.Queue[tuple[int, dict[str, Any] | Exception | None]] = queue.Queue()
     states = {n.index: _NodeLaunch(n) for n in gr.nodes}
+    for i, aid in (attach or {}).items():
+        states[i].launched, states[i].attempt = True, aid
 
     def worker(st: _NodeLaunch) -> None:
         n = st.node
         try:
-            args = run_args(n.run, force=force, follow=True, gpus=n.host.gpus, fresh_cache=fresh_cache,
-                            extra_args=extra_args or [], host=n.host.name)
-            args["ready_timeout"] = 10 * 365 * 86400.0  # the group decides READY and its timeout, not one node
+            if attach is None:
+                verb = "launch"
+                args = run_args(n.run, force=force, follow=True, gpus=n.host.gpus, fresh_cache=fresh_cache,
+                                extra_args=extra_args or [], host=n.host.name)
+                args["ready_timeout"] = 10 * 365 * 86400.0  # the group decides READY and its timeout, not one node
+            else:  # from now on: the log's new lines, the events' new ones, the verdict when the node ends
+                verb, args = "follow", run_args(n.run, log_offset=-1, tail=0, events_offset=-1, gpu_interval=0)
             assert st.transport is not None
-            for m in stream_agent(st.transport, n.host, "launch", args):
+            for m in stream_agent(st.transport, n.host, verb, args):
                 q.put((n.index, m))
         except Exception as exc:  # noqa: BLE001 - the main loop decides what a lost node means
             q.put((n.index, exc))
@@ -278,10 +286,10 @@ def _attempt(ctx: Ctx, g: Group, gr: GroupRun, force: bool, follow: bool, fresh_
     for th in threads:
         th.start()
     deadline = t0 + gr.ready_timeout
-    ready = False
+    ready = attach is not None  # attached: every node was past READY when this opsctl came
     first_failure: float | None = None
     open_streams = len(states)
-    told_launched = False
+    told_launched = attach is not None
 
     def result(rc: int, outcome: str) -> _Attempt:
         return _Attempt(rc, outcome, {i: s.attempt for i, s in states.items() if s.attempt is not None})
@@ -372,10 +380,20 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
     if rs and not rs["stale"]:
         raise OpsError(f"{name} is restarting (restart {rs['n']} of {rs['max']}, by the opsctl that follows it); "
                        f"stop it first: opsctl kill {g.name} {gr.name}", EXIT_REFUSED)
-    if _preflight_all(ctx, g, gr):
-        return EXIT_REFUSED
-    _, gid = try_group_record(ctx, gr, {"started": _head_now(rec), "by": "launch", "extra_args": extra,
-                                        "supervised": supervised, "restart_max": policy.max if policy else None})
+    attach = _running_attempt(ctx, gr, rec) if follow and not extra and rec is not None else None
+    if attach is not None:
+        assert rec is not None and rec.last is not None
+        gid = int(rec.last["id"])
+        ctx.err.print(f"[cyan]following[/] {name}: already running on every node (group attempt #{gid}); "
+                      + ("carrying out its restart policy from now on" if policy else "until it ends"))
+        if supervised:
+            try_group_record(ctx, gr, {"id": gid, "supervised": True})
+    else:
+        if _preflight_all(ctx, g, gr):
+            return EXIT_REFUSED
+        _, gid = try_group_record(ctx, gr, {"started": _head_now(rec), "by": "launch", "extra_args": extra,
+                                            "supervised": supervised,
+                                            "restart_max": policy.max if policy else None})
     restarts: list[float] = []
     resume = _resume_args(gr, extra)
     now_extra = extra
@@ -406,7 +424,8 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
                 try_group_record(ctx, gr, {"id": gid, "launched": True, "nodes": {str(k): v for k, v in ids.items()}})
 
         try:
-            res = _attempt(ctx, g, gr, force, follow, fresh_cache, now_extra, before_stop, on_launched)
+            res = _attempt(ctx, g, gr, force, follow, fresh_cache, now_extra, before_stop, on_launched, attach)
+            attach = None
         except KeyboardInterrupt:
             if supervised and gid is not None:  # nobody restarts the group now: status will say so
                 try_group_record(ctx, gr, {"id": gid, "supervised": False})
@@ -461,6 +480,18 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
                                        "reason": "a node failed preflight at the restart"})
             return EXIT_REFUSED
         now_extra = [*extra, *resume]
+
+
+def _running_attempt(ctx: Ctx, gr: GroupRun, rec: GroupRecord) -> dict[int, int] | None:
+    """node -> attempt id when every node runs the group's latest recorded attempt (launch --follow then follows
+    and supervises it instead of refusing: the way back after the opsctl that followed it went away)."""
+    last = rec.last
+    if last is None or last.get("ended") or not last.get("nodes"):
+        return None
+    ids = {int(k): int(v) for k, v in last["nodes"].items()}
+    rows, _ = group_rows(ctx, gr)
+    live = {r["node"]: r.get("attempt") for r in rows if r.get("proc_state") == "running"}
+    return ids if all(live.get(n.index) == ids.get(n.index) for n in gr.nodes) else None
 
 
 def _head_now(rec: GroupRecord | None) -> float:

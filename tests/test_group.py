@@ -294,8 +294,8 @@ def test_status_stops_what_a_crashed_group_still_runs(tmp_path: Path, nodes: lis
     assert rows[0]["group"]["state"] == "crashed" and rows[0]["group"]["node"] == 1
 
 
-# A rank that steps at once; rank 1 dies unless resumed (mode `once`) or always (mode `always`); rank 0 runs until
-# opsctl stops it, or, resumed, ends after a moment like rank 1.
+# A rank that steps at once; rank 1 dies always (mode `always`), or unless resumed once the file `boom` exists (mode
+# `boom`); rank 0 runs until opsctl stops it, or, resumed, ends after a moment like rank 1.
 RESTART_SCRIPT = """
 import json, os, sys, time
 rank, resumed = int(os.environ["RANK"]), "--resume" in sys.argv
@@ -303,7 +303,10 @@ with open(sys.argv[1], "a") as fh:
     fh.write(json.dumps({"kind": "heartbeat", "rank": rank, "step": 1, "phase": "training", "ts": time.time()}) + "\\n")
 print(f"rank {rank} stepping, resumed {resumed}", flush=True)
 time.sleep(1.0)
-if rank == 1 and (sys.argv[2] == "always" or not resumed):
+crash = rank == 1 and (sys.argv[2] == "always" or not resumed)
+while crash and sys.argv[2] == "boom" and not os.path.exists("boom"):
+    time.sleep(0.1)
+if crash:
     raise SystemExit(f"rank 1: boom ({'resumed' if resumed else 'first'} attempt)")
 while not resumed:
     time.sleep(0.1)
@@ -345,8 +348,15 @@ def wait_group(hosts: Path, state: str, timeout: float = 60) -> dict[str, Any]:
 
 
 def test_a_group_whose_node_crashes_once_is_restarted_as_a_whole(tmp_path: Path, nodes: list[Node]) -> None:
-    hosts = restart_hosts(tmp_path, nodes, "once", max_restarts=2, backoff=2.0)
+    hosts = restart_hosts(tmp_path, nodes, "boom", max_restarts=2, backoff=2.0)
+    r = opsctl(hosts, "launch", "pair", "r")  # returns at READY, saying that nothing would restart it
+    assert r.returncode == 0 and "only an opsctl that follows the group carries out" in " ".join(r.stderr.split())
     with supervise(hosts) as sup:
+        # launch --follow on the running group takes over its supervision (no second start)
+        assert sup.stderr is not None
+        first = sup.stderr.readline()
+        assert first.startswith("following pair/r: already running on every node (group attempt #1)"), first
+        (tmp_path / "boom").write_text("")  # node 1's rank dies
         # another client sees the group between its attempts: restarting (1/2), naming node 1, stopping nothing
         info = wait_group(hosts, "restarting")
         assert (info["restart_n"], info["restart_max"], info["node"]) == (1, 2, 1), info
@@ -354,9 +364,10 @@ def test_a_group_whose_node_crashes_once_is_restarted_as_a_whole(tmp_path: Path,
         out, err = sup.communicate(timeout=120)
     assert sup.returncode == 0, err[-3000:]
     assert "pair/r crashed: node1 n1: " in err and "restart 1 of 2 in 2 s, resuming with --resume" in err, err
-    assert err.count("READY r: every rank of 2 nodes stepped") == 2 and "r finished on every node" in err, err
+    assert err.count("READY r: every rank of 2 nodes stepped") == 1 and "r finished on every node" in err, err
     h = group_history(hosts)
     assert [(a["id"], a["by"], a["outcome"]) for a in h] == [(1, "launch", "crashed"), (2, "restart", "finished")]
+    assert h[0]["supervised"] and h[1]["supervised"]
     assert h[0]["node"] == 1 and h[0]["reason"].startswith("node1 n1: "), h[0]
     # per node: node 1 crashed (its exit code), node 0 was stopped by opsctl because of it
     assert [(x["node"], x["outcome"]) for x in h[0]["nodes"]] == [(0, "stopped"), (1, "crashed")], h[0]
