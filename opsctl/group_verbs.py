@@ -394,7 +394,12 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
         _, gid = try_group_record(ctx, gr, {"started": _head_now(rec), "by": "launch", "extra_args": extra,
                                             "supervised": supervised,
                                             "restart_max": policy.max if policy else None})
-    restarts: list[float] = []
+    restarts: list[float] = []  # this launch's restarts (client clock), against the policy's max
+    if attach is not None and rec is not None:  # taken over: the restarts made since the launch count too
+        for a in reversed(rec.attempts):
+            if a.get("by") != "restart":
+                break
+            restarts.insert(0, float(a.get("started") or 0.0) - rec.offset)
     resume = _resume_args(gr, extra)
     now_extra = extra
     while True:
@@ -442,7 +447,7 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
                 ctx.err.print(f"[yellow]{name} was killed[/] (opsctl kill): no restart")
                 return EXIT_FAILED
         if res.outcome != "crashed" or not decision["again"]:
-            if res.outcome == "crashed" and supervised and not decision.get("killed"):
+            if res.outcome == "crashed" and supervised and "used" in decision and not decision.get("killed"):
                 assert policy is not None
                 ctx.err.print(Text(f"{name}: restart limit reached ({decision.get('used')} of {policy.max}): the "
                                    "group stays crashed", style="bold red"))
