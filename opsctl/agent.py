@@ -1105,15 +1105,21 @@ def old_logs(run: Run) -> list[str]:
     return _W["old_logs"](run.log)  # type: ignore[no-any-return]
 
 
-def prepare_cache(run: Run, real: str, prev: dict[str, Any], fresh: bool) -> str:
-    """Clear or keep the run's cache dir by its policy; returns what was done and why (launch prints it)."""
-    reasons: list[str] = []
-    key_file = run.state_file("inductor_key.json")
-    if fresh:
-        reasons.append("--fresh-cache")
+def cold_start_reasons(prev: dict[str, Any], fresh: bool) -> list[str]:
+    """Why this launch must compile from nothing: asked for, or the last attempt died compiling (a bad cache entry
+    would kill it again). Then the run's own saved compile artifacts (dflash's warm start, OUT/compile_cache) must not
+    be loaded either: the launch sets DFLASH_WARM_START=0 for the run."""
+    reasons = ["--fresh-cache"] if fresh else []
     if prev.get("phase") == "compiling" and (prev.get("exit_code") not in (0, None) or prev.get("error")
                                              or (prev.get("run_end") or {}).get("reason") in ("error", "signal")):
         reasons.append("the previous attempt died in phase compiling (exit {})".format(prev.get("exit_code")))
+    return reasons
+
+
+def prepare_cache(run: Run, real: str, prev: dict[str, Any], fresh: bool) -> str:
+    """Clear or keep the run's cache dir by its policy; returns what was done and why (launch prints it)."""
+    key_file = run.state_file("inductor_key.json")
+    reasons = cold_start_reasons(prev, fresh)
     key: dict[str, str] | None = None
     if run.cache_policy == "clear":
         reasons.append("inductor_cache_policy clear")
@@ -1132,6 +1138,8 @@ def prepare_cache(run: Run, real: str, prev: dict[str, Any], fresh: bool) -> str
     if reasons:
         n, size = empty_dir(real, dry_run=False, quiet=True)
         what = f"inductor cache cleared: {'; '.join(reasons)} ({real}: {n} entries, {size / 2**20:.1f} MiB)"
+        if cold_start_reasons(prev, fresh):
+            what += "; the run's saved compile artifacts are not loaded either (DFLASH_WARM_START=0)"
     else:
         n, size = _count_tree(real)
         what = (f"inductor cache kept: key unchanged (torch {key['torch']}, triton {key['triton']}, python "  # type: ignore[index]
@@ -1277,6 +1285,8 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     with open(run.log, "wb"):
         pass  # this attempt's log starts empty (the earlier ones were rotated, never truncated); offsets at 0
     env = dict(run.env)
+    if cold_start_reasons(prev, bool(opts.get("fresh_cache"))):
+        env["DFLASH_WARM_START"] = "0"  # dflash's own compile artifacts would bring back what was just cleared
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", real)
     env.setdefault("TRITON_CACHE_DIR", os.path.join(env["TORCHINDUCTOR_CACHE_DIR"], "triton"))
     env.setdefault("PYTHONUNBUFFERED", "1")

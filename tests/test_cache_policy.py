@@ -172,6 +172,7 @@ def test_cache_policy_keyed_keeps_the_cache_while_its_key_is_unchanged(tmp_path:
         assert r.returncode == 0, r.stderr
         line = _cache_line(r)
         assert "inductor cache kept: key unchanged (torch " in line and "files " in line, line
+        assert "DFLASH_WARM_START=\n" in r.stdout  # a kept cache: the run's saved compile artifacts may load
         assert set(first) < set(cache.glob("artifact-*.so"))  # the earlier attempt's artifacts survived
 
         (pkg / "__init__.py").write_text("VERSION = 2\n")  # the code that runs changed
@@ -187,9 +188,11 @@ def test_cache_policy_keyed_keeps_the_cache_while_its_key_is_unchanged(tmp_path:
         r = _launch(hosts)
         line = _cache_line(r)
         assert r.returncode == 0 and "the previous attempt died in phase compiling (exit 1)" in line, line
+        assert "not loaded either (DFLASH_WARM_START=0)" in line and "DFLASH_WARM_START=0" in r.stdout
 
         r = _launch(hosts, "--fresh-cache")
         assert r.returncode == 0 and "inductor cache cleared: --fresh-cache" in _cache_line(r)
+        assert "DFLASH_WARM_START=0" in r.stdout  # dflash's warm start must not bring back what was cleared
         assert len(list(cache.glob("artifact-*.so"))) == 1
     finally:
         kill_tmux(tmp_path, "k")

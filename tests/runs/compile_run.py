@@ -16,6 +16,7 @@ w = writer(args.events, 1000)  # never "finished": a relaunch is allowed
 cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
 print(f"TORCHINDUCTOR_CACHE_DIR={cache}", flush=True)
 print(f"TRITON_CACHE_DIR={os.environ.get('TRITON_CACHE_DIR', '')}", flush=True)
+print(f"DFLASH_WARM_START={os.environ.get('DFLASH_WARM_START', '')}", flush=True)
 w.emit("phase", phase="compiling", detail="the first step compiles the drafter")
 if cache:
     os.makedirs(cache, exist_ok=True)
