@@ -61,18 +61,35 @@ def _classify(fn: Any) -> str:
     return "unknown"
 
 
-def _is_fallback_wrapper(fn: Any) -> bool:
-    """True for transformers 5.2x's `use_kernel_func_from_hub_with_fallback` wrapper, which hides its choice in a closure."""
+def _cells(fn: Any) -> dict[str, Any]:
     closure = getattr(fn, "__closure__", None)
-    if not closure:
-        return False
-    names = fn.__code__.co_freevars
-    return "implementation" in names and "torch_function" in names
+    code = getattr(fn, "__code__", None)
+    if not closure or code is None:
+        return {}
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure, strict=True)}
+
+
+def _fallback_wrapper(fn: Any) -> Any:
+    """transformers' `use_kernel_func_from_hub_with_fallback` wrapper (a function whose closure holds
+    `implementation` and `torch_function`) behind `fn`, or None. 5.2x binds that function itself; from 5.25 the
+    module global is a `Func` nn.Module whose `forward` closes over it as `func`."""
+    cells = _cells(fn)
+    if "implementation" in cells and "torch_function" in cells:
+        return fn
+    if isinstance(fn, nn.Module):
+        inner = _cells(getattr(fn, "forward", None)).get("func")
+        if inner is not None and inner is not fn:
+            return _fallback_wrapper(inner)
+    return None
+
+
+def _is_fallback_wrapper(fn: Any) -> bool:
+    """True when `fn` hides transformers' choice of kernel (fla, or its own PyTorch code) in a fallback wrapper."""
+    return _fallback_wrapper(fn) is not None
 
 
 def _wrapper_implementation(fn: Any) -> Any:
-    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
-    return cells["implementation"].cell_contents
+    return _cells(_fallback_wrapper(fn))["implementation"]
 
 
 def _linear_attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -318,9 +335,8 @@ class reference_delta_rule:  # noqa: N801 - used as a context manager, named lik
             fn = getattr(mod, name, None) if mod is not None else None
             if fn is None or not _is_fallback_wrapper(fn) or any(s[0] is mod for s in self._swapped):
                 continue
-            cells = dict(zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
             self._swapped.append((mod, name, fn))
-            self._reference = cells["torch_function"].cell_contents
+            self._reference = _cells(_fallback_wrapper(fn))["torch_function"]
 
     @property
     def active(self) -> bool:
