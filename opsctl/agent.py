@@ -462,6 +462,7 @@ class ProcWatch:
             code = restart.get("exit_code")
         return {"state": state, "pid": pid, "pgid": pgid, "exit_code": code, "session": self.run.session,
                 "killed_by_opsctl": os.path.exists(self.run.state_file("killed")),
+                "killed_at": (read_json(self.run.state_file("killed")) or {}).get("ts"),
                 "exception": restart.get("exception") if restart else (self.exception(pid, code) if exited else None),
                 "leftovers": self.leftovers(info) if exited else [],
                 "attempt": info.get("attempt"), "started": info.get("started"), "ended": ended,

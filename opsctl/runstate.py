@@ -136,6 +136,7 @@ class RunState:
         self._run_end_ts: float | None = None
         self._ended: float | None = None
         self._restart_at: float | None = None
+        self._killed_at: float | None = None  # when opsctl asked for the kill (the agent host's clock, as events')
 
     # -- input ---------------------------------------------------------------------------
     def apply(self, msg: dict[str, Any]) -> None:
@@ -162,6 +163,8 @@ class RunState:
             self._restart_at = restart.get("at") if isinstance(restart, dict) else None
             if msg.get("killed_by_opsctl"):
                 self.killed_by_us = True
+            if isinstance(msg.get("killed_at"), (int, float)):
+                self._killed_at = float(msg["killed_at"])
             v.exception = msg.get("exception")
             v.leftover_pids = [int(p) for p in msg.get("leftovers") or []]
         elif t == "gpu":
@@ -272,7 +275,11 @@ class RunState:
             return "restarting"
         if v.end_reason is not None:
             if v.end_reason == "error":
-                return "crashed"
+                # An error that ended the run after the kill was asked for is the kill's doing (a rank whose peer was
+                # signalled first fails its collective): killed. One before it was a crash the kill only cleaned up.
+                killed_first = self._killed_at is not None and self._run_end_ts is not None \
+                    and self._run_end_ts >= self._killed_at - 0.5
+                return "killed" if self.killed_by_us and killed_first else "crashed"
             if self.killed_by_us and v.end_reason == "signal":
                 return "killed"
             return "finished" if (v.exit_code in (0, None)) else "crashed"

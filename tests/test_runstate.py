@@ -166,3 +166,20 @@ def test_killed_marker_from_status_or_proc() -> None:
                   marker):
             rs.apply(m)
         assert rs.view(T0 + 4).state == "killed"
+
+
+def test_an_error_after_the_kill_was_asked_for_reads_killed_one_before_it_crashed() -> None:
+    """A group kill: the rank whose peer was signalled first fails its collective and ends with an error. Asked for
+    first, that is the kill's doing (killed); an error that ended the run before the kill stays a crash."""
+    def fold(kill_ts: float, end_ts: float) -> str:
+        rs = RunState()
+        for m in (proc("running", T0), run_start(T0), step(1, T0 + 1),
+                  ev("error", end_ts, **{"class": "runtime", "message": "Connection closed by peer", "traceback": "tb",
+                                         "fatal": True}),
+                  ev("run_end", end_ts, reason="error", exit_code=1, step=1),
+                  {**proc("exited", end_ts + 0.5, 1), "killed_by_opsctl": True, "killed_at": kill_ts}):
+            rs.apply(m)
+        return rs.view(end_ts + 1).state
+
+    assert fold(kill_ts=T0 + 5, end_ts=T0 + 5.2) == "killed"
+    assert fold(kill_ts=T0 + 9, end_ts=T0 + 5.2) == "crashed"
