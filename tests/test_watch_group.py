@@ -8,12 +8,11 @@ check is in tests/test_group.py.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from textual.pilot import Pilot
+from test_tui import settle, text_of  # the dashboard tests' own helpers
 
 from opsctl.tui import WatchApp, watch_main
 from opsctl.watch import GroupTag, RecordedSource, group_infos
@@ -62,21 +61,6 @@ def sources(tmp: Path, crash1: str | None = None, crash0: str | None = None) -> 
     return [RecordedSource(node_stream(tmp, "n0", 0, crash0), label="n0:pair-r-node0", group=GroupTag("pair", "r", 0, 2)),
             RecordedSource(node_stream(tmp, "n1", 1, crash1), label="n1:pair-r-node1", group=GroupTag("pair", "r", 1, 2)),
             RecordedSource(node_stream(tmp, "solo", 0), label="box:solo")]
-
-
-async def settle(pilot: Pilot[Any]) -> None:
-    app = pilot.app
-    assert isinstance(app, WatchApp)
-    deadline = time.monotonic() + 10
-    while not app.replay_done():
-        assert time.monotonic() < deadline, "replay did not finish"
-        await pilot.pause(0.02)
-    app.tick()
-    await pilot.pause()
-
-
-def text_of(app: WatchApp, widget: type) -> str:
-    return str(app.query_one(widget).content)
 
 
 def test_group_state_from_its_nodes() -> None:
