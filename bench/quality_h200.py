@@ -312,6 +312,7 @@ def main() -> int:
         render,
         teacher_forced_accuracy,
     )
+    from dflash.kernels import exact_float32_kernels
     from dflash.pretrain import pretrain
     from dflash.regen import RegenSettings, regen
     from dflash.speculative import TargetLM
@@ -325,6 +326,10 @@ def main() -> int:
         return 2
     if args.probe:
         return probe(dev, args.train_block)
+    if args.eval_dtype == "float32" and dev.type == "cuda":
+        # Before any fla kernel compiles in this process (and in the warm-up process, which inherits the
+        # environment): float32 evaluation must really be float32, or the lossless check trips on TF32 rounding.
+        print(f"float32 kernels: {exact_float32_kernels()}", flush=True)
     if args.warm_only:
         return warm_eval_kernels(dev, getattr(torch, args.eval_dtype), args.vocab)
     if args.warm_drafter:

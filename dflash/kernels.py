@@ -352,3 +352,79 @@ class reference_delta_rule:  # noqa: N801 - used as a context manager, named lik
                  tb: TracebackType | None) -> None:
         for mod, name, fn in self._swapped:
             setattr(mod, name, fn)
+
+
+# ---------------------------------------------------------------------------------------------- float32 exactness
+F32_ENV = "TRITON_F32_DEFAULT"
+_FLA_TRIL = ("fla.ops.gated_delta_rule.chunk_fwd", "SOLVE_TRIL_DOT_PRECISION")
+
+
+def exact_float32_kernels() -> dict[str, str | None]:
+    """Make the Triton kernels of a float32 target compute in true float32 (IEEE dots) instead of TF32.
+
+    Why: on cards with TF32 (Ampere, Hopper) fla's chunked Gated DeltaNet kernels multiply float32 blocks in TF32
+    unless told otherwise: Triton's default dot precision (`TRITON_F32_DEFAULT`), and fla 0.6's own
+    `SOLVE_TRIL_DOT_PRECISION`, which it sets to 'tf32' on such cards. A verify forward over a block (chunked) and a
+    one-token decode step (recurrent, no dots) then differ by ~1e-3 relative, enough to flip a near-tie between two
+    tokens, and a lossless check in float32 reports a failure where there is none (seen on an H200, 2026-12-03).
+    Call before the process compiles its first fla kernel: Triton refuses to launch a kernel whose global changed
+    after it compiled, so the module constant is left alone when fla's kernel already ran here (returned as is). An
+    explicit `TRITON_F32_DEFAULT` set by the user wins. Returns what is in effect.
+    """
+    import os
+
+    os.environ.setdefault(F32_ENV, "ieee")
+    state: dict[str, str | None] = {"triton_f32_default": os.environ.get(F32_ENV), "fla_solve_tril": None}
+    module_name, attr = _FLA_TRIL
+    already = module_name in sys.modules
+    try:
+        mod = importlib.import_module(module_name)
+    except Exception:  # noqa: BLE001 - no fla, or no Triton (CPU set-ups): nothing to switch
+        return state
+    current = getattr(mod, attr, None)
+    value = getattr(current, "value", current)
+    if value is not None and value != "ieee" and (not already or _fla_kernels_compiled(mod) is False):
+        import triton.language as tl
+
+        setattr(mod, attr, tl.constexpr("ieee"))
+        value = "ieee"
+    state["fla_solve_tril"] = None if value is None else str(value)
+    return state
+
+
+def _fla_kernels_compiled(mod: Any) -> bool | None:
+    """Whether a Triton kernel of `mod` has compiled in this process; None when that cannot be told (then the
+    caller leaves the module alone: patching a compiled kernel's global makes its next launch raise)."""
+    found = False
+    for obj in vars(mod).values():
+        fn = obj
+        for _ in range(4):  # autotuner / heuristics wrappers around the JITFunction
+            if hasattr(fn, "device_caches") or not hasattr(fn, "fn"):
+                break
+            fn = fn.fn
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            continue
+        found = True
+        for entry in caches.values():
+            kernels = entry[0] if isinstance(entry, tuple) and entry else None
+            if not isinstance(kernels, dict):
+                return None
+            if kernels:
+                return True
+    return False if found else None
+
+
+def float32_is_exact(device: torch.device | str) -> bool:
+    """Whether a float32 target on `device` computes in true float32 (CPU always; CUDA after exact_float32_kernels
+    and with PyTorch's own TF32 off)."""
+    import os
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return True
+    if torch.get_float32_matmul_precision() != "highest" or os.environ.get(F32_ENV) != "ieee":
+        return False
+    mod = sys.modules.get(_FLA_TRIL[0])
+    value = getattr(getattr(mod, _FLA_TRIL[1], None), "value", getattr(mod, _FLA_TRIL[1], None)) if mod else None
+    return value in (None, "ieee")

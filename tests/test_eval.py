@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -267,6 +269,11 @@ def test_evaluate_reports_a_broken_rollback_with_its_position(monkeypatch: pytes
     res = evaluate(target, _drafter(), [prompt()], 16, train_acc=False)
     assert res["lossless"] is False
     assert "prompt 0 (dflash): output differs from the target's greedy decoding at new token" in res["errors"][0]
+    # The error says how far from a tie it was (a fresh forward's gap), so a numerics problem reads as one.
+    assert re.search(r"the lower [0-9.e+-]+ below the top logit \(relative\), over the tie tolerance 0\.0001",
+                     res["errors"][0]), res["errors"][0]
+    assert res["numerics"] == {"dtype": "float32", "device": "cpu", "autocast": False, "exact_float32": True,
+                               "tie_tol": 1e-4}
 
 
 def test_references_computed_once_serve_every_block_size() -> None:
@@ -329,6 +336,31 @@ def test_tie_margin_separates_rounding_ties_from_real_differences() -> None:
     assert tie_margin(target, p, top, twin, 1e-4) == pytest.approx(0.0, abs=1e-6)
     assert tie_margin(target, p, top, low, 1e-4) is None  # far below the top: a real error, never excused
     assert tie_margin(target, p, top, None, 1e-4) is None  # a length difference is never a tie
+
+
+def test_tie_tolerance_follows_the_precision_the_target_really_computes_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 on a GPU is TF32 inside fla's chunked kernels unless exact_float32_kernels ran: a 1e-4 tolerance
+    there reads rounding as a lossless failure (an H200 run, 2026-12-03); bf16 autocast is bf16 whatever the
+    weights' dtype."""
+    from dflash.eval import default_tie_tol
+    from dflash.kernels import F32_ENV, exact_float32_kernels, float32_is_exact
+
+    assert default_tie_tol(torch.bfloat16, "cpu") == 3e-2
+    assert default_tie_tol(torch.float32, "cpu") == 1e-4 and float32_is_exact("cpu")
+    monkeypatch.delenv(F32_ENV, raising=False)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert not float32_is_exact("cuda") and default_tie_tol(torch.float32, "cuda") == 3e-3
+        state = exact_float32_kernels()
+        assert os.environ[F32_ENV] == "ieee" and state["triton_f32_default"] == "ieee"
+        assert float32_is_exact("cuda") and default_tie_tol(torch.float32, "cuda") == 1e-4
+        torch.set_float32_matmul_precision("high")  # PyTorch's own TF32 matmuls: not exact either
+        assert not float32_is_exact("cuda") and default_tie_tol(torch.float32, "cuda") == 3e-3
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    monkeypatch.setenv(F32_ENV, "tf32x3")  # the user's explicit choice wins
+    assert exact_float32_kernels()["triton_f32_default"] == "tf32x3" and not float32_is_exact("cuda")
 
 
 def test_eval_an_exported_drafter(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

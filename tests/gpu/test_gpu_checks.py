@@ -376,3 +376,46 @@ def test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_bac
             times.append(round(dt * 1e3, 1))
     print(f"{len(shapes)} shapes, second-step ms {times}; fallbacks {watch.fallbacks}")
     assert watch.fallbacks == [] and watch.triggered == [] and recompile_limit_hits() == hits
+
+
+_F32_PROBE = r"""
+import json, sys, torch
+from dflash.kernels import exact_float32_kernels, float32_is_exact
+from dflash.target import Target, TargetConfig
+state = exact_float32_kernels() if sys.argv[1] == "exact" else {}
+torch.set_float32_matmul_precision("highest")
+arch = json.loads(sys.argv[2])
+model = Target(TargetConfig(arch=arch, dtype="float32"), 2, torch.device("cuda")).model.eval()
+ids = torch.randint(0, arch["vocab_size"], (1, 96), generator=torch.Generator().manual_seed(0)).cuda()
+with torch.no_grad():
+    full = model(input_ids=ids, use_cache=False).logits[0, 64:].double()  # chunked kernels over the whole row
+    out = model(input_ids=ids[:, :64], use_cache=True)
+    cache, rows = out.past_key_values, [out.logits[0, -1]]
+    for t in range(64, 95):  # one token at a time: the recurrent kernels
+        out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        rows.append(out.logits[0, -1])
+step = torch.stack(rows).double()
+print(json.dumps({"state": state, "exact": float32_is_exact("cuda"),
+                  "rel": ((full - step).norm() / full.norm()).item()}))
+"""
+
+
+@pytest.mark.skipif(not HAVE_FAST, reason="needs the fla wheel")
+def test_exact_float32_kernels_make_chunked_and_recurrent_logits_agree() -> None:
+    """The lossless check of a float32 evaluation needs chunked (verify) and recurrent (decode) forwards to agree to
+    float32 rounding; fla's chunked kernels multiply in TF32 on Hopper unless exact_float32_kernels ran first (in a
+    fresh process: the switch must precede the first compile)."""
+    import json
+    import subprocess
+    import sys
+
+    res = {}
+    for mode in ("default", "exact"):
+        proc = subprocess.run([sys.executable, "-c", _F32_PROBE, mode, json.dumps(GPU_ARCH)], capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("float32 chunked vs recurrent logits", res)
+    assert res["exact"]["exact"] and res["exact"]["state"]["fla_solve_tril"] == "ieee"
+    assert res["exact"]["rel"] < 1e-5
