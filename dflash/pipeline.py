@@ -119,19 +119,22 @@ def resolve_roles(cfg: DistConfig, env: dict[str, str] | None = None) -> Roles:
     return Roles(rank=rank, world_size=world, role=role, drafters=drafters, targets=targets, local_rank=local)
 
 
-# Per-buffer GPU time of the target forward and of the drafter step (forward + backward + optimizer), measured on one
-# H200 at the Qwen3.6-27B-like shape (issue 11, docs/perf.md "The split layout"): 2.05 s and 0.85 s.
-TARGET_FORWARD_S = 2.05
-DRAFTER_STEP_S = 0.85
+# Per-buffer GPU time of the target forward and of the drafter step (forward + backward + optimizer) at the
+# Qwen3.6-27B-like shape, measured on one H200 at commit 0969e1c (docs/perf.md): the packed target forward with
+# varlen attention alone, 1649.7 ms (bench/target_forward.py), which is all a target rank of a split job runs; the
+# drafter's forward + backward 1125.2 ms + optimizer 43.8 ms at the real 248,320-row vocabulary (bench/step_phases.py).
+# (Issue 11's first figures, 2.05 s : 0.85 s, were a sdpa-era forward and a 32k vocabulary.)
+TARGET_FORWARD_S = 1.65
+DRAFTER_STEP_S = 1.17
 
 
 def balanced_target_ranks(world: int, target_s: float = TARGET_FORWARD_S, drafter_s: float = DRAFTER_STEP_S) -> int:
     """How many of `world` ranks should run the target so the pipeline moves the most buffers per second.
 
     t target ranks make t / target_s buffers per second, the other world - t drafter ranks consume
-    (world - t) / drafter_s; the pipeline runs at the smaller of the two. At 2.05 : 0.85 that is 5 of 8 ranks
-    (2.44 buffers/s; 6 of 8 would starve on the 2 drafters at 2.35). Ties go to fewer target ranks (more drafters
-    share the optimizer work).
+    (world - t) / drafter_s; the pipeline runs at the smaller of the two. At 1.65 : 1.17 that is 5 of 8 ranks
+    (drafter-bound at 2.56 buffers/s; 4 of 8 would be target-bound at 2.42). Ties go to fewer target ranks (more
+    drafters share the optimizer work).
     """
     if world < 2:
         raise ValueError(f"a split layout needs at least 2 ranks, got {world}")
