@@ -2,6 +2,7 @@
 # Device run: the 1-GPU colocated throughput baseline at a Qwen3.5-4B-like shape, launched and followed by opsctl.
 # On the device machine (carry .whl: fla + causal-conv1d wheels, and opsctl's own deps in .whl/ops):
 #   bash bench/h200_colocated.sh [CONFIG]      -> $OUT/{launch.log,stream.jsonl,events.jsonl,summary.txt}
+#   MAX_STEPS=240 bash bench/h200_colocated.sh  (issue 11: GPU utilisation and 0 recompiles over >= 200 steps)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 CONFIG=${1:-configs/h200-4b-like.yaml}
@@ -21,7 +22,7 @@ hosts:
     runs:
       bench:
         workdir: $PWD
-        command: ["{python}", -m, dflash, train, --config, $CONFIG, --out, $RUN, --fresh]
+        command: ["{python}", -m, dflash, train, --config, $CONFIG, --out, $RUN, --fresh${MAX_STEPS:+, --max-steps, '$MAX_STEPS'}]
         log: $RUN/train.log
         events: $RUN/events.jsonl
         tmux_session: dflash-bench
