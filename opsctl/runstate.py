@@ -130,6 +130,7 @@ class RunState:
         self._last_progress_ts: float | None = None  # heartbeat or step, writer's clock
         self._started_ts: float | None = None
         self._saw_run_start = False
+        self._phase_events = False  # a phase or step event came: heartbeats no longer say the phase
         self._fatal_error = False
         self.killed_by_us = killed_by_us
         self._clock_skew = 0.0  # agent ts - local ts, so ages use the agent's clock
@@ -180,6 +181,7 @@ class RunState:
         ts = float(ev.get("ts", time.time()))
         if kind == "run_start":
             self._saw_run_start = True
+            self._phase_events = False  # a new attempt: until its own phase events, its heartbeats say where it is
             self._fatal_error = False
             v.end_reason = None
             v.exit_code = None
@@ -189,15 +191,19 @@ class RunState:
             self._started_ts = ts
             self._last_progress_ts = ts
         elif kind == "phase":
+            self._phase_events = True
             v.phase = ev.get("phase")
             v.phase_i = ev.get("i")
             v.phase_n = ev.get("n")
             self._last_progress_ts = ts
         elif kind == "heartbeat":
-            if v.phase is None:
-                v.phase = ev.get("phase")
+            # Until phase or step events arrive (a group node without global rank 0 never gets any: rank 0 writes
+            # them), the latest heartbeat's phase is where the ranks are; after that the events are the truth.
+            if not self._phase_events and isinstance(ev.get("phase"), str):
+                v.phase = ev["phase"]
             self._last_progress_ts = ts
         elif kind == "step":
+            self._phase_events = True
             v.phase = "training"
             v.phase_i = v.phase_n = None
             for key in ("step", "epoch", "loss", "lr", "tokens_per_s", "step_time_s", "queue_depth",

@@ -187,17 +187,10 @@ class SmoothedRunState(RunState):
         super().__init__(*args, **kwargs)
         self.step_time = Ema(clip=3.0)
         self.tokens_rate = Ema(clip=3.0)
-        self._phase_events = False
 
     def apply_event(self, ev: dict[str, Any]) -> None:
         super().apply_event(ev)
         kind = ev.get("kind")
-        if kind in ("phase", "step"):
-            self._phase_events = True
-        elif kind == "heartbeat" and not self._phase_events and isinstance(ev.get("phase"), str):
-            # A group node without global rank 0 gets no phase or step events (rank 0 writes them): its ranks'
-            # latest heartbeat says where they are, not the first one.
-            self._v.phase = ev["phase"]
         if kind == "run_start":  # a new attempt (another host, a resume): its speed is its own
             self.step_time.reset()
             self.tokens_rate.reset()

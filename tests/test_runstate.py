@@ -45,6 +45,26 @@ def test_absent_then_starting_then_loading_with_progress() -> None:
     assert rs.view(T0 + 5).state == "compiling"
 
 
+def test_heartbeats_say_the_phase_until_phase_events_arrive() -> None:
+    """A group node without global rank 0 gets only its ranks' heartbeats: the latest one's phase is where it is (not
+    the first one's); once phase or step events arrive they are the truth, and a new attempt starts over."""
+    rs = RunState()
+    rs.apply(proc("running", T0))
+    rs.apply(ev("heartbeat", T0 + 1, phase="loading_target"))
+    rs.apply(ev("heartbeat", T0 + 2, phase="compiling"))
+    assert rs.view(T0 + 2).phase == "compiling"
+    rs.apply(run_start(T0 + 3))
+    rs.apply(ev("phase", T0 + 4, phase="loading_data"))
+    rs.apply(ev("heartbeat", T0 + 5, phase="loading_target"))  # a heartbeat thread's older word: events win
+    assert rs.view(T0 + 5).phase == "loading_data"
+    rs.apply(step(1, T0 + 6))
+    rs.apply(ev("heartbeat", T0 + 7, phase="compiling"))
+    assert rs.view(T0 + 7).phase == "training"
+    rs.apply(run_start(T0 + 8))  # a resumed attempt: its heartbeats count again until its own phase events
+    rs.apply(ev("heartbeat", T0 + 9, phase="loading_target"))
+    assert rs.view(T0 + 9).phase == "loading_target"
+
+
 def test_training_view_has_step_loss_and_eta() -> None:
     rs = RunState()
     rs.apply(proc("running", T0))
