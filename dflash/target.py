@@ -510,7 +510,11 @@ class Target:
             max_length_q=idx.max_len,
             max_length_k=idx.max_len,
             seq_idx=to_device(idx.seq_idx, dev).unsqueeze(0),
-            cu_seqlens_cpu=idx.cu_seqlens,  # fla's chunk op sizes its chunk index from this: no device sync
+            # fla's chunk op takes its chunk index as given (transformers passes the kwargs its signature names):
+            # built here, copied without a sync; left to fla it is built on the host from cu_seqlens_cpu and copied
+            # from pageable memory, which makes the host wait for the GPU once per forward.
+            cu_seqlens_cpu=idx.cu_seqlens,
+            chunk_indices=to_device(idx.chunk_indices, dev),
         )
 
 
@@ -522,6 +526,11 @@ class PackedIndices:
     position_ids: Tensor  # [N] long, position inside its document
     seq_idx: Tensor  # [N] int32, document index (causal-conv1d)
     max_len: int
+    chunk_indices: Tensor  # [C, 2] long: (document, chunk within it) per FLA_CHUNK-token chunk, fla's layout
+
+
+# The chunk length of fla's chunked Gated DeltaNet op as transformers calls it (its default).
+FLA_CHUNK = 64
 
 
 def packed_indices(cu_seqlens: Tensor, n: int) -> PackedIndices:
@@ -537,7 +546,12 @@ def packed_indices(cu_seqlens: Tensor, n: int) -> PackedIndices:
     lengths = cu[1:] - cu[:-1]
     doc = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths, output_size=n)
     position_ids = torch.arange(n) - cu[:-1][doc.long()]
-    return PackedIndices(cu_seqlens=cu, position_ids=position_ids, seq_idx=doc, max_len=int(lengths.max()))
+    chunks = (lengths + FLA_CHUNK - 1) // FLA_CHUNK
+    total = int(chunks.sum())
+    chunk_doc = torch.repeat_interleave(torch.arange(chunks.numel()), chunks, output_size=total)
+    chunk_idx = torch.arange(total) - (chunks.cumsum(0) - chunks)[chunk_doc]
+    return PackedIndices(cu_seqlens=cu, position_ids=position_ids, seq_idx=doc, max_len=int(lengths.max()),
+                         chunk_indices=torch.stack([chunk_doc, chunk_idx], 1))
 
 
 def to_device(t: Tensor, device: torch.device) -> Tensor:

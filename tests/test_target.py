@@ -269,6 +269,12 @@ def test_packed_indices_come_from_the_host_boundaries_alone() -> None:
     for bad, n in (([0, 3, 3, 9], 9), ([1, 9], 9), ([0, 4], 9), ([0], 0)):
         with pytest.raises(ValueError, match="cu_seqlens must be strictly increasing"):
             packed_indices(torch.tensor(bad), n)
+    # fla's chunk index, (document, chunk within it) for every 64-token chunk of every document, written plainly:
+    lengths = [100, 64, 1, 129, 63]
+    big = packed_indices(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]), sum(lengths))
+    plain = [[d, c] for d, n in enumerate(lengths) for c in range(-(-n // 64))]
+    assert big.chunk_indices.tolist() == plain and big.chunk_indices.dtype == torch.long
+    assert idx.chunk_indices.tolist() == [[0, 0], [1, 0], [2, 0]]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3"])
