@@ -538,10 +538,13 @@ def main() -> int:
     (work / "result.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     print(f"\ntarget: {out['target']['params'] / 1e6:.0f}M params, held-out loss {summary['loss']['val']:.3f} vs "
           f"unigram {summary['unigram_val_nats']:.3f} ({summary['steps_done']} steps, {summary['tokens_per_s']} tok/s)")
-    print(f"{'B':>4} {'tau dflash':>11} {'tau ngram':>10} {'ratio':>6} {'speedup':>8} {'lossless':>9}")
+    print(f"{'B':>4} {'tau dflash':>11} {'tau ngram':>10} {'ratio':>6} {'ratio 95%':>10} {'speedup':>8} "
+          f"{'lossless':>9}")
     for key, r in results.items():
         ng = r["baseline"]["ngram"]["tau"]
-        print(f"{key[1:]:>4} {r['tau']:>11.2f} {ng:>10.2f} {r['tau'] / max(ng, 1e-9):>6.2f} "
+        ci = (r.get("tau_over_ngram") or {}).get("ci95")
+        span = f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-"
+        print(f"{key[1:]:>4} {r['tau']:>11.2f} {ng:>10.2f} {r['tau'] / max(ng, 1e-9):>6.2f} {span:>10} "
               f"{str(r.get('speedup')):>8} {str(r['lossless']):>9}")
     print(f"total {out['total_s']:.0f}s; stages {stages}; raw: {work / 'result.json'}")
     return 0

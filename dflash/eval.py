@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import sys
 import sysconfig
 from collections.abc import Sequence
@@ -426,6 +427,36 @@ def acceptance_stats(gens: Sequence[Generation], block_size: int) -> dict[str, A
     }
 
 
+def tau_interval(methods: Sequence[Sequence[Generation]], resamples: int = 2000, seed: int = 0
+                 ) -> list[tuple[float, float] | None]:
+    """95 % bootstrap intervals over prompts of each method's pooled tau, plus (last) of the first method's tau over
+    the second's, resampled paired (the same prompts for both): how much of a difference between two methods is
+    the luck of a few prompts. Pooled tau of a resample = its verify steps' (accepted + 1) summed over its steps, the
+    estimator `tau` itself uses. None where a method has no step."""
+    n = len(methods[0])
+    per = [[(sum(a + 1 for a in g.accepted), len(g.accepted)) for g in gens] for gens in methods]
+    rng = random.Random(seed)
+    draws: list[list[float]] = [[] for _ in range(len(methods) + 1)]
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        taus = []
+        for m, rows in enumerate(per):
+            num, den = sum(rows[i][0] for i in idx), sum(rows[i][1] for i in idx)
+            taus.append(num / den if den else None)
+            if den:
+                draws[m].append(num / den)
+        if len(methods) > 1 and taus[0] is not None and taus[1]:
+            draws[-1].append(taus[0] / taus[1])
+
+    def pct(xs: list[float]) -> tuple[float, float] | None:
+        if not xs:
+            return None
+        xs = sorted(xs)
+        return round(xs[int(0.025 * (len(xs) - 1))], 4), round(xs[int(0.975 * (len(xs) - 1))], 4)
+
+    return [pct(d) for d in draws[: len(methods)]] + ([pct(draws[-1])] if len(methods) > 1 else [])
+
+
 def match_by_position(gens: Sequence[Generation], references: Sequence[Sequence[int]], prompt_lens: Sequence[int],
                       block_size: int) -> list[float | None]:
     """P(draft token at block position j == the committed token at that absolute position (the target's greedy
@@ -568,11 +599,16 @@ def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequenc
         result["train_acc_by_position"] = tf["all"]
         result["train_acc_counts"] = tf["counts"]
         result["train_acc_at_serve_anchors"] = tf["at_serve_anchors"]
+    intervals = tau_interval([gens, ngram] if baseline_ngram else [gens])
+    result["tau_ci95"] = intervals[0]
     if baseline_ngram:
         t_ngram = sum(g.seconds for g in ngram)
         n_stats = acceptance_stats(ngram, b)
+        if stats["tau"] is not None and n_stats["tau"]:
+            result["tau_over_ngram"] = {"ratio": round(stats["tau"] / n_stats["tau"], 4), "ci95": intervals[2]}
         result["baseline"] = {"ngram": {
-            "tau": n_stats["tau"], "steps": n_stats["steps"], "accept_hist": n_stats["accept_hist"],
+            "tau": n_stats["tau"], "tau_ci95": intervals[1], "steps": n_stats["steps"],
+            "accept_hist": n_stats["accept_hist"],
             "accept_by_position": n_stats["accept_by_position"],
             "tokens_per_s": round(new_tokens / t_ngram, 2), "speedup": round(t_target / t_ngram, 3),
             "lossless": not any("(ngram)" in e for e in errors)}}
@@ -604,6 +640,15 @@ def render(result: dict[str, Any]) -> None:
         table.add_row("n-gram (prompt lookup)", num(ng["tau"]), f"{ng['tokens_per_s']:.1f}",
                       f"{ng['speedup']:.2f}x", "yes" if ng["lossless"] else "[red]NO[/red]")
     con.print(table)
+    ci = result.get("tau_ci95")
+    if ci is not None and result["prompts"] > 1:
+        line = f"tau, 95 % interval over the {result['prompts']} prompts (bootstrap): dflash {ci[0]:.2f}-{ci[1]:.2f}"
+        ratio = result.get("tau_over_ngram")
+        if ng and ng.get("tau_ci95") and ratio and ratio.get("ci95"):
+            lo, hi = ng["tau_ci95"]
+            line += (f", n-gram {lo:.2f}-{hi:.2f}; dflash / n-gram {ratio['ratio']:.2f} "
+                     f"({ratio['ci95'][0]:.2f}-{ratio['ci95'][1]:.2f})")
+        con.print(line, style="dim")
     none = [None] * (result["block_size"] - 1)
     train = result.get("train_acc_by_position") or none
     train_srv = result.get("train_acc_at_serve_anchors") or none

@@ -20,6 +20,7 @@ from torch import nn
 from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig
 from dflash.speculative import (
     DFlashProposer,
+    Generation,
     NgramProposer,
     TargetLM,
     first_difference,
@@ -242,6 +243,34 @@ def test_eval_json_on_a_trained_checkpoint(checkpoint: Path, capsys: pytest.Capt
     assert set(res["tokens_per_s"]) == {"target", "dflash"} and res["speedup"] > 0
     assert 1.0 <= res["baseline"]["ngram"]["tau"] <= b
     assert "stdlib sources after the embedded corpus cap" in res["prompts_from"]
+    lo, hi = res["tau_ci95"]
+    assert lo <= res["tau"] <= hi and res["baseline"]["ngram"]["tau_ci95"][0] <= res["baseline"]["ngram"]["tau"]
+    ratio = res["tau_over_ngram"]
+    assert ratio["ratio"] == pytest.approx(res["tau"] / res["baseline"]["ngram"]["tau"], abs=1e-3)
+    assert ratio["ci95"][0] <= ratio["ratio"] <= ratio["ci95"][1]
+
+
+def test_tau_interval_is_the_spread_over_prompts_paired_for_the_ratio() -> None:
+    """The interval says how much a tau (and DFlash over n-gram) could move with other prompts of the same kind:
+    none when every prompt decodes alike, wide when prompts differ, and the ratio resampled on the same prompts."""
+    from dflash.eval import tau_interval
+
+    def gen(accepted: list[int]) -> Generation:
+        return Generation(tokens=[], accepted=accepted)
+
+    same = [gen([3, 1]), gen([3, 1]), gen([3, 1])]  # tau 3.0 on every prompt
+    half = [gen([1, 1]), gen([1, 1]), gen([1, 1])]  # tau 2.0
+    (a, b, r) = tau_interval([same, half])
+    assert a == (3.0, 3.0) and b == (2.0, 2.0) and r == (1.5, 1.5)
+    mixed = [gen([0] * 4), gen([7] * 4), gen([3] * 4), gen([1] * 4), gen([5] * 4)]  # per-prompt tau 1, 8, 4, 2, 6
+    lo, hi = tau_interval([mixed])[0]
+    assert 1.0 < lo < 4.2 < hi < 8.0  # pooled tau 4.2 inside, the extremes outside
+    # Paired: a second method doing exactly twice as well on every prompt has a ratio interval of one point, although
+    # each method's own interval is wide.
+    double = [gen([2 * a + 1 for a in g.accepted]) for g in mixed]
+    (m1, m2, ratio) = tau_interval([double, mixed])
+    assert m1[1] - m1[0] > 1.0 and m2[1] - m2[0] > 1.0 and ratio == (2.0, 2.0)
+    assert tau_interval([mixed]) == tau_interval([mixed])  # seeded: the same report twice
 
 
 def test_eval_human_output_and_prompt_file(checkpoint: Path, tmp_path: Path,
