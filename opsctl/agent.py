@@ -27,7 +27,7 @@ from typing import Any
 AGENT_VERSION = "1"
 POLL_S = 0.05  # the agent's own file/process poll; the client never polls, it reads this stream
 TAIL_KEEP = 200  # log lines kept in memory for a crash report
-EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "transport": 3, "timeout": 4, "refused": 5}
+EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "transport": 3, "timeout": 4, "refused": 5, "taken_over": 6}
 
 BOOTSTRAP = (
     'import sys;n=int(sys.stdin.readline());exec(compile(sys.stdin.read(n),"opsctl-agent","exec"))'
@@ -1687,14 +1687,87 @@ def verb_history(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     return EXIT_CODES["ok"]
 
 
+# The group's supervisor lease on its head node: one small JSON file rewritten in place (its heartbeat every few
+# seconds would grow the append-only group.jsonl without end). Live while its heartbeat is younger than
+# LEASE_STALE_INTERVALS of the refresh interval its holder recorded.
+GROUP_LEASE_FILE = "group_lease.json"
+LEASE_STALE_INTERVALS = 3.0
+
+
+def _lease_view(cur: dict[str, Any] | None, now: float) -> dict[str, Any] | None:
+    """The lease as clients see it: its holder, and whether it is live by the head's clock."""
+    if cur is None:
+        return None
+    age = max(0.0, now - float(cur.get("heartbeat") or 0.0))
+    live = not cur.get("released") and age <= LEASE_STALE_INTERVALS * float(cur.get("refresh_s") or 0.0)
+    return {**cur, "heartbeat_age_s": age, "live": live}
+
+
+def _group_lease(run: Run, op: dict[str, Any] | None, if_lease: str | None,
+                 rec: dict[str, Any] | None) -> tuple[dict[str, Any] | None, bool | None, int | None]:
+    """One lease operation and/or one record, under the history lock, so that two opsctls can never both hold the
+    lease or both write a restart: (the lease now, granted, the record's id). `op`: acquire (granted when the lease
+    is free, released, stale, already this token's, or held by `expect`: the token the caller saw and chose to
+    replace), refresh and release (granted only to the token that holds it). `if_lease`: the record is written only
+    while this token holds the lease (a supervisor that was taken over must not record a restart)."""
+    os.makedirs(run.state_dir, exist_ok=True)
+    path = run.state_file(GROUP_LEASE_FILE)
+    lock = os.open(run.state_file("history.lock"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        now = time.time()
+        cur = read_json(path)
+        view = _lease_view(cur, now)
+        granted: bool | None = None
+        new: dict[str, Any] | None = None
+        if op is not None:
+            token = op.get("token")
+            mine = cur is not None and cur.get("token") == token and not cur.get("released")
+            kind = op.get("op")
+            if kind == "acquire":
+                granted = mine or view is None or not view["live"] or (cur or {}).get("token") == op.get("expect")
+                if granted:
+                    new = {"token": token, "host": op.get("host"), "pid": op.get("pid"),
+                           "refresh_s": float(op.get("refresh_s") or 0.0), "since": now, "heartbeat": now}
+            elif kind == "refresh":
+                granted = mine
+                new = {**cur, "heartbeat": now} if mine and cur is not None else None
+            elif kind == "release":
+                granted = mine
+                new = {**cur, "released": now} if mine and cur is not None else None
+            if new is not None:
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as fh:
+                    json.dump(new, fh)
+                os.replace(tmp, path)
+                view = _lease_view(new, now)
+        added = None
+        holds = cur is not None and cur.get("token") == if_lease and not cur.get("released")
+        if isinstance(rec, dict) and (if_lease is None or holds):
+            added = history_add(run.state_dir, _file=GROUP_FILE, _locked=True, **rec)
+        elif isinstance(rec, dict):
+            granted = False
+        return view, granted, added
+    finally:
+        os.close(lock)
+
+
 def verb_group(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     """A group run's own records on its head node (its attempts, restart state, kill), appended like the history:
-    the opsctl that follows the group writes them (no process on one host can stop and restart every node)."""
-    rec, added = opts.get("record"), None
-    if isinstance(rec, dict):
-        os.makedirs(run.state_dir, exist_ok=True)
-        added = history_add(run.state_dir, _file=GROUP_FILE, **rec)  # without an `id`: a new attempt, numbered
-    emit("group", records=history_lines(run.state_file(GROUP_FILE)), added=added, ts=time.time())
+    the opsctl that follows the group writes them (no process on one host can stop and restart every node). With
+    them, its supervisor lease (which opsctl carries out the restart policy now) and an operation on it."""
+    rec, op, if_lease = opts.get("record"), opts.get("lease"), opts.get("if_lease")
+    if isinstance(op, dict) or if_lease is not None:
+        lease, granted, added = _group_lease(run, op if isinstance(op, dict) else None, if_lease,
+                                             rec if isinstance(rec, dict) else None)
+    else:
+        added, granted = None, None
+        if isinstance(rec, dict):
+            os.makedirs(run.state_dir, exist_ok=True)
+            added = history_add(run.state_dir, _file=GROUP_FILE, **rec)  # without an `id`: a new attempt, numbered
+        lease = _lease_view(read_json(run.state_file(GROUP_LEASE_FILE)), time.time())
+    emit("group", records=history_lines(run.state_file(GROUP_FILE)), added=added, ts=time.time(), lease=lease,
+         lease_granted=granted)
     return EXIT_CODES["ok"]
 
 

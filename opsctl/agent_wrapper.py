@@ -177,14 +177,16 @@ def resume_argv(argv: list[str], resume_args: list[str]) -> list[str]:
     return with_args(argv, resume_args)
 
 
-def history_add(state_dir: str, _file: str = HISTORY_FILE, **fields: Any) -> int:
+def history_add(state_dir: str, _file: str = HISTORY_FILE, _locked: bool = False, **fields: Any) -> int:
     """Append one record to the attempt history and return its attempt id; without `id` a new attempt is
     numbered (under a lock: the agent and the wrapper both add attempts). One write per line, O_APPEND.
-    `_file`: another record file kept by the same rules (a group run's own attempts, GROUP_FILE)."""
+    `_file`: another record file kept by the same rules (a group run's own attempts, GROUP_FILE). `_locked`: the
+    caller holds history.lock already (a second flock of it in one process would wait on itself)."""
     path = os.path.join(state_dir, _file)
     lock = os.open(os.path.join(state_dir, "history.lock"), os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _locked:
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if fields.get("id") is None:
             fields["id"] = max((int(r["id"]) for r in _history_lines(path)), default=0) + 1
         data = (json.dumps(fields, separators=(",", ":"), default=str) + "\n").encode()

@@ -29,7 +29,10 @@ exit codes:
      (the run is left running: inspect with `opsctl logs`, stop with `opsctl kill`)
   {commands.EXIT_REFUSED}  launch/clean refused: container stopped, GPUs busy, model dir != manifest, preflight
      command failed, run already running or already finished (nothing touched), a cache dir that fails
-     validation or that another live run uses (named with its pid)
+     validation or that another live run uses (named with its pid); launch GROUP RUN --follow: another
+     opsctl supervises the group (named with its host and pid; --take-over replaces it)
+  {commands.EXIT_TAKEN_OVER}  launch GROUP RUN --follow: another opsctl took over the group's supervision (launch
+     --take-over); this one stopped supervising, the group goes on under the other one
 """
 
 EXAMPLES = """\
@@ -151,7 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after ready, keep streaming the log until the run ends; exit with its status. For a "
                         "group run with a restart policy this opsctl is what restarts the group (every node "
                         "stopped, then started again): nothing on the hosts does; keep it running. On a group "
-                        "that already runs on every node it starts nothing and takes over following it")
+                        "that already runs on every node it starts nothing and takes over following it. One "
+                        "opsctl supervises a group at a time: while another one does (its lease on the head node "
+                        "is live) this launch is refused, naming it")
+    s.add_argument("--take-over", action="store_true",
+                   help="with --follow on a group run: supervise it even though another opsctl does (that one "
+                        "is gone, or supervision moves here); the other one stops supervising at its next heartbeat and "
+                        f"exits with {commands.EXIT_TAKEN_OVER}. A supervisor that died without releasing is "
+                        "replaced without it, once its heartbeat is stale")
     s.add_argument("--fresh-cache", action="store_true",
                    help="empty the run's inductor cache first, whatever inductor_cache_policy says")
     s.add_argument("extra_args", nargs="*", metavar="-- ARGS",
@@ -334,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.extra_args:
                 raise commands.OpsError(f"unexpected arguments {' '.join(args.extra_args)!r}: arguments for the "
                                         "run's command go after --, e.g. opsctl launch HOST RUN -- --max-steps 200",
+                                        commands.EXIT_USAGE)
+            if args.take_over:
+                raise commands.OpsError("--take-over is for group runs (a HOST that names a group in hosts.yaml)",
                                         commands.EXIT_USAGE)
             return commands.cmd_launch(ctx, args.host, args.run, force=args.force, follow=args.follow,
                                        fresh_cache=args.fresh_cache, extra_args=extra)

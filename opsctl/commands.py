@@ -48,6 +48,7 @@ EXIT_USAGE = EXIT_CODES["usage"]  # bad command line or hosts.yaml
 EXIT_TRANSPORT = EXIT_CODES["transport"]  # host unreachable, host key refused, channel lost
 EXIT_TIMEOUT = EXIT_CODES["timeout"]  # the run did not become ready within ready_timeout (it was left running)
 EXIT_REFUSED = EXIT_CODES["refused"]  # preflight refused the launch (container stopped, GPUs busy, model dir, ...)
+EXIT_TAKEN_OVER = EXIT_CODES["taken_over"]  # launch GROUP RUN --follow: another opsctl took over its supervision
 
 
 

@@ -30,13 +30,18 @@ class GroupRecord:
     """The head node's group.jsonl as the agent reads it: attempts merged by id (later keys win), with the head's
     clock, so that times written by one client are compared with another's on the same clock."""
 
-    def __init__(self, records: list[dict[str, Any]], head_ts: float) -> None:
+    def __init__(self, records: list[dict[str, Any]], head_ts: float, lease: dict[str, Any] | None = None,
+                 lease_granted: bool | None = None) -> None:
         merged: dict[int, dict[str, Any]] = {}
         for r in records:
             merged.setdefault(int(r["id"]), {}).update(r)
         self.attempts = [merged[k] for k in sorted(merged)]
         self.head_ts = head_ts
         self.offset = head_ts - time.time()  # head clock - this client's clock
+        # The supervisor lease (opsctl.group_lease): its holder, `live` and `heartbeat_age_s` by the head's clock;
+        # `lease_granted`: the answer to this call's lease operation or conditional record (None: none asked).
+        self.lease = lease
+        self.lease_granted = lease_granted
 
     def now(self) -> float:
         """The head's clock now."""
@@ -70,15 +75,24 @@ class GroupRecord:
         return None
 
 
-def group_record(ctx: Ctx, gr: GroupRun, record: dict[str, Any] | None = None) -> tuple[GroupRecord, int | None]:
+def group_record(ctx: Ctx, gr: GroupRun, record: dict[str, Any] | None = None, lease: dict[str, Any] | None = None,
+                 if_lease: str | None = None) -> tuple[GroupRecord, int | None]:
     """The group run's record on its head node (node 0's state dir), `record` appended first (without an `id`: a
-    new attempt, whose id is returned). Raises OpsError when the head cannot be asked."""
+    new attempt, whose id is returned). `lease`: an operation on the supervisor lease, done first (its answer:
+    GroupRecord.lease_granted); `if_lease`: `record` is written only while that token holds the lease. Raises
+    OpsError when the head cannot be asked."""
     head = gr.nodes[0]
     t = ctx.transport(head.host)
+    opts: dict[str, Any] = {"record": record}
+    if lease is not None:
+        opts["lease"] = lease
+    if if_lease is not None:
+        opts["if_lease"] = if_lease
     try:
-        for m in stream_agent(t, head.host, "group", run_args(head.run, record=record)):
+        for m in stream_agent(t, head.host, "group", run_args(head.run, **opts)):
             if m.get("t") == "group":
-                return GroupRecord(list(m.get("records") or []), float(m.get("ts") or time.time())), m.get("added")
+                return GroupRecord(list(m.get("records") or []), float(m.get("ts") or time.time()),
+                                   m.get("lease"), m.get("lease_granted")), m.get("added")
             if m.get("t") == "error":
                 raise OpsError(f"{head.host.name}: agent: {m.get('message')}", EXIT_TRANSPORT)
     except TransportError as exc:  # ChannelLost included
@@ -88,11 +102,11 @@ def group_record(ctx: Ctx, gr: GroupRun, record: dict[str, Any] | None = None) -
     raise OpsError(f"{head.host.name}: the agent sent no group record", EXIT_TRANSPORT)
 
 
-def try_group_record(ctx: Ctx, gr: GroupRun, record: dict[str, Any] | None = None
+def try_group_record(ctx: Ctx, gr: GroupRun, record: dict[str, Any] | None = None, if_lease: str | None = None
                      ) -> tuple[GroupRecord | None, int | None]:
     """group_record, or (None, None) when the head cannot be reached (the node verbs say why)."""
     try:
-        return group_record(ctx, gr, record)
+        return group_record(ctx, gr, record, if_lease=if_lease)
     except OpsError:
         return None, None
 

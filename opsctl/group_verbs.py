@@ -13,6 +13,7 @@ import io
 import json
 import queue
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from opsctl.commands import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_REFUSED,
+    EXIT_TAKEN_OVER,
     EXIT_TIMEOUT,
     EXIT_TRANSPORT,
     EXIT_USAGE,
@@ -37,7 +39,9 @@ from opsctl.commands import (
     OpsError,
 )
 from opsctl.group import PEER_LOST, RUNNING, Group, GroupRun, Node, rankless, verdict
+from opsctl.group_lease import Lease, TakenOver, who
 from opsctl.group_record import GroupRecord, cmd_group_history, try_group_record
+from opsctl.runstate import fmt_when
 from opsctl.transport import PreflightRefused, Transport, TransportError
 
 PEER_WAIT_S = 5.0  # after a peer-lost failure, how long launch waits for the node that caused it to say so
@@ -248,10 +252,11 @@ BeforeStop = Callable[[int, str, bool], None]
 
 def _attempt(ctx: Ctx, g: Group, gr: GroupRun, force: bool, follow: bool, fresh_cache: bool,
              extra_args: list[str], before_stop: BeforeStop, on_launched: Callable[[dict[int, int]], None],
-             attach: dict[int, int] | None = None) -> _Attempt:
+             attach: dict[int, int] | None = None, lease: Lease | None = None) -> _Attempt:
     """Start every node's torchrun (preflight passed) and follow them: READY when every rank of every node
     stepped; one node failing stops the others. `attach` (node -> its running attempt): follow the nodes that
-    already run instead of starting them."""
+    already run instead of starting them. `lease`: this supervisor's, checked every turn of the loop (at least once
+    a second): TakenOver ends the attempt's following at once, the nodes left to the new supervisor."""
     t0 = time.monotonic()
     if attach is None:
         ctx.err.print(f"[cyan]starting[/] {gr.name} on {len(gr.nodes)} nodes x {gr.nproc_per_node} ranks (world "
@@ -296,6 +301,8 @@ def _attempt(ctx: Ctx, g: Group, gr: GroupRun, force: bool, follow: bool, fresh_
 
     try:
         while True:
+            if lease is not None:
+                lease.check()
             try:
                 i, m = q.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())) if not ready else 1.0)
             except queue.Empty:
@@ -361,29 +368,44 @@ def _attempt(ctx: Ctx, g: Group, gr: GroupRun, force: bool, follow: bool, fresh_
 
 
 def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, follow: bool = False,
-                     fresh_cache: bool = False, extra_args: list[str] | None = None) -> int:
+                     fresh_cache: bool = False, extra_args: list[str] | None = None, take_over: bool = False) -> int:
     """Preflight every node, then start every node's torchrun; READY when every rank of every node stepped.
 
     With a restart policy and --follow this opsctl is the group's supervisor: a node that crashes gets every node
     stopped, and after the back-off every node starts again with the resume arguments, up to `max` restarts. No
     process on one host can stop and restart the other hosts' nodes, so without a following opsctl nothing
-    restarts; every step is recorded on the head node (status, history and kill read it from any client)."""
+    restarts; every step is recorded on the head node (status, history and kill read it from any client). One
+    supervisor at a time: it holds a lease on the head (opsctl.group_lease), and a second one is refused while
+    that lease is live (two would both restart the group), unless `take_over`."""
     gr = group_run(ctx, g, run_name)
     name, policy, extra = f"{g.name}/{gr.name}", gr.restart, list(extra_args or [])
     supervised = bool(policy and follow)
+    if take_over and not supervised:
+        raise OpsError("--take-over moves the supervision of a group run to this opsctl: "
+                       + ("it needs --follow" if policy else f"{name} has no restart policy, so no opsctl "
+                          "supervises it (launch --follow alone follows it)"), EXIT_USAGE)
     if policy and not follow:
         ctx.err.print(Text(f"note: {name} has a restart policy, which only an opsctl that follows the group carries "
                            f"out (opsctl launch {g.name} {gr.name} --follow): this launch returns at READY, and a "
                            "crash after that stays a crash", style="yellow"))
     rec, _ = try_group_record(ctx, gr)
+    other = rec.lease if supervised and rec is not None and rec.lease and not rec.lease.get("released") else None
+    if other is not None and other.get("live") and not take_over:
+        assert rec is not None
+        raise OpsError(_supervised_elsewhere(g, gr, other, rec), EXIT_REFUSED)
     rs = rec.restart_state() if rec else None
     if rs and not rs["stale"]:
         raise OpsError(f"{name} is restarting (restart {rs['n']} of {rs['max']}, by the opsctl that follows it); "
-                       f"stop it first: opsctl kill {g.name} {gr.name}", EXIT_REFUSED)
+                       f"stop it first: opsctl kill {g.name} {gr.name}"
+                       + ("; --take-over works once it runs again" if take_over else ""), EXIT_REFUSED)
+    lease = Lease(ctx, gr) if supervised else None
+    expect = str(other.get("token")) if other is not None else None
     attach = _running_attempt(ctx, gr, rec) if follow and not extra and rec is not None else None
     if attach is not None:
         assert rec is not None and rec.last is not None
         gid = int(rec.last["id"])
+        if lease is not None:
+            lease.acquire(expect)
         ctx.err.print(f"[cyan]following[/] {name}: already running on every node (group attempt #{gid}); "
                       + ("carrying out its restart policy from now on" if policy else "until it ends"))
         if supervised:
@@ -391,9 +413,75 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
     else:
         if _preflight_all(ctx, g, gr):
             return EXIT_REFUSED
+        if lease is not None:
+            lease.acquire(expect)
         _, gid = try_group_record(ctx, gr, {"started": _head_now(rec), "by": "launch", "extra_args": extra,
                                             "supervised": supervised,
                                             "restart_max": policy.max if policy else None})
+    if lease is None:
+        return _follow_group(ctx, g, gr, rec, attach, gid, force, follow, fresh_cache, extra, None)
+    if other is not None:
+        assert rec is not None
+        _say_replaced(ctx, name, other, rec)
+    lease.start()
+    restore = _sigterm_as_interrupt()
+    try:
+        return _follow_group(ctx, g, gr, rec, attach, gid, force, follow, fresh_cache, extra, lease)
+    except TakenOver as exc:
+        by = who(exc.lease) if exc.lease else "another opsctl"
+        ctx.err.print(Text(f"{name}: supervision taken over by {by} (launch --take-over): this opsctl stops "
+                           f"supervising, restarts nothing and exits {EXIT_TAKEN_OVER}; the group goes on under "
+                           "the other one", style="bold yellow"))
+        return EXIT_TAKEN_OVER
+    finally:
+        restore()
+        lease.stop()
+
+
+def _supervised_elsewhere(g: Group, gr: GroupRun, other: dict[str, Any], rec: GroupRecord) -> str:
+    """Why a second supervisor is refused, whom it would compete with, and the ways out."""
+    cmd = f"{g.name} {gr.name}"
+    return (f"{g.name}/{gr.name} is supervised by another opsctl: {who(other, rec.offset)}; two supervisors would "
+            f"both restart the group after a crash. Wait for it to end; look without supervising: opsctl status "
+            f"{cmd} / opsctl watch {g.name}:{gr.name} / opsctl logs {cmd} -f; or replace it: opsctl launch {cmd} "
+            f"--follow --take-over (when it is gone, or to move supervision here: it stops at its next heartbeat "
+            f"and exits {EXIT_TAKEN_OVER})")
+
+
+def _say_replaced(ctx: Ctx, name: str, other: dict[str, Any], rec: GroupRecord) -> None:
+    """This opsctl replaced a supervisor's lease: a live one (--take-over) or one whose opsctl is gone."""
+    age = float(other.get("heartbeat_age_s") or 0.0)
+    every = float(other.get("refresh_s") or 0.0)
+    if other.get("live"):
+        ctx.err.print(Text(f"took over the supervision of {name} from {who(other, rec.offset)}: it stops "
+                           f"supervising at its next heartbeat (within {every:g} s) and exits {EXIT_TAKEN_OVER}",
+                           style="yellow"))
+    else:
+        ctx.err.print(Text(f"note: the previous supervisor of {name}, {other.get('host')} pid {other.get('pid')}, "
+                           f"is gone (its last heartbeat {age:.0f} s ago, stale after {3 * every:g} s without one): "
+                           "taking over its supervision", style="yellow"))
+
+
+def _sigterm_as_interrupt() -> Callable[[], None]:
+    """While supervising, SIGTERM (a plain `kill PID`) ends this opsctl as Ctrl-C does: its lease released and the
+    head told that nobody supervises, rather than a lease left to go stale. Returns what restores the handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
+def _follow_group(ctx: Ctx, g: Group, gr: GroupRun, rec: GroupRecord | None, attach: dict[int, int] | None,
+                  gid: int | None, force: bool, follow: bool, fresh_cache: bool, extra: list[str],
+                  lease: Lease | None) -> int:
+    """The launched (or attached) group, followed to its end; as its supervisor (`lease`), every restart its
+    policy allows. Raises TakenOver when another opsctl took the lease: nothing more is recorded or restarted."""
+    name, policy, supervised = f"{g.name}/{gr.name}", gr.restart, lease is not None
+    token = lease.token if lease is not None else None
     restarts: list[float] = []  # this launch's restarts (client clock), against the policy's max
     if attach is not None and rec is not None:  # taken over: the restarts made since the launch count too
         for a in reversed(rec.attempts):
@@ -407,6 +495,8 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
 
         def before_stop(node: int, reason: str, killed: bool, gid: int | None = gid,
                         decision: dict[str, Any] = decision) -> None:
+            if lease is not None:
+                lease.check()  # taken over: the other supervisor records and restarts, not this one
             used = _restart_count(restarts, policy.within_s if policy else None)
             again = supervised and not killed and policy is not None and used < policy.max
             r: dict[str, Any] = {"id": gid, "ended": _head_now(rec), "outcome": "killed" if killed else "crashed",
@@ -416,7 +506,10 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
                 r.update(restart_n=used + 1, restart_max=policy.max, restart_at=_head_now(rec) + policy.backoff_s)
             elif supervised and not killed and policy is not None:
                 r["no_restart"] = f"restart limit reached ({used} of {policy.max} restarts used)"
-            got, _ = try_group_record(ctx, gr, r) if gid is not None else (None, None)
+            got, _ = try_group_record(ctx, gr, r, if_lease=token) if gid is not None else (None, None)
+            if lease is not None and got is not None and got.lease_granted is False:
+                lease.note_lost(got)  # only the lease's holder records the crash and decides the restart
+                lease.check()
             if again and got is not None and got.killed(gid):  # `opsctl kill GROUP RUN` came first: no restart
                 killed = True
                 try_group_record(ctx, gr, {"id": gid, "outcome": "killed", "restart_at": None})
@@ -429,11 +522,12 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
                 try_group_record(ctx, gr, {"id": gid, "launched": True, "nodes": {str(k): v for k, v in ids.items()}})
 
         try:
-            res = _attempt(ctx, g, gr, force, follow, fresh_cache, now_extra, before_stop, on_launched, attach)
+            res = _attempt(ctx, g, gr, force, follow, fresh_cache, now_extra, before_stop, on_launched, attach,
+                           lease=lease)
             attach = None
         except KeyboardInterrupt:
             if supervised and gid is not None:  # nobody restarts the group now: status will say so
-                try_group_record(ctx, gr, {"id": gid, "supervised": False})
+                try_group_record(ctx, gr, {"id": gid, "supervised": False}, if_lease=token)
             ctx.err.print(f"[yellow]interrupted[/]: {name} goes on on every node, "
                           + ("no longer supervised: a crash will not be restarted; " if supervised else "")
                           + f"opsctl status {g.name} {gr.name} / opsctl kill {g.name} {gr.name}")
@@ -459,6 +553,8 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
         try:
             while True:  # the back-off; `opsctl kill GROUP RUN` from anywhere cancels the restart
                 got, _ = try_group_record(ctx, gr)
+                if lease is not None:
+                    lease.check()
                 if got is not None and got.killed(gid):
                     ctx.err.print(f"[yellow]{name}: restart {n} of {policy.max} cancelled[/]: the group was killed")
                     return EXIT_FAILED
@@ -468,7 +564,7 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
                 time.sleep(min(1.0, left))
         except KeyboardInterrupt:  # the supervisor goes: say so on the head, so status does not wait for it
             try_group_record(ctx, gr, {"id": gid, "restart_at": None, "no_restart": "its opsctl was interrupted "
-                                       f"before restart {n} of {policy.max}"})
+                                       f"before restart {n} of {policy.max}"}, if_lease=token)
             ctx.err.print(f"[yellow]{name}: restart {n} of {policy.max} cancelled[/] (interrupted): the group stays "
                           "crashed")
             return 130
@@ -476,7 +572,10 @@ def cmd_group_launch(ctx: Ctx, g: Group, run_name: str, force: bool = False, fol
         previous = gid
         got, gid = try_group_record(ctx, gr, {"started": _head_now(got), "by": "restart", "restart": n,
                                               "restart_of": previous, "restart_max": policy.max,
-                                              "extra_args": [*extra, *resume], "supervised": True})
+                                              "extra_args": [*extra, *resume], "supervised": True}, if_lease=token)
+        if lease is not None and got is not None and got.lease_granted is False:
+            lease.note_lost(got)  # the restart is the new holder's to make, never this one's too
+            lease.check()
         if got is not None and got.killed(previous):  # killed just before this attempt was recorded
             try_group_record(ctx, gr, {"id": gid, "ended": _head_now(got), "outcome": "killed", "killed": True})
             return EXIT_FAILED
@@ -677,10 +776,37 @@ def group_rows(ctx: Ctx, gr: GroupRun) -> tuple[list[dict[str, Any]], dict[str, 
             why = f"{why}; not restarted: {rec.last['no_restart']}"
     info.update({"name": gr.group, "run": gr.name, "state": state, "reason": why, "node": node,
                  "nodes": len(gr.nodes), "nproc_per_node": gr.nproc_per_node, "world_size": gr.world_size,
-                 "rendezvous": gr.head})
+                 "rendezvous": gr.head, "supervisor": _supervisor_info(rec)})
     for r in out:
         r["group"] = info
     return out, unreachable
+
+
+def _supervisor_info(rec: GroupRecord | None) -> dict[str, Any] | None:
+    """The opsctl that holds the group's supervisor lease (`stale`: its heartbeat stopped, it is gone), None when
+    none does (never supervised, or it released the lease when it ended)."""
+    lease = rec.lease if rec is not None else None
+    if lease is None or lease.get("released"):
+        return None
+    assert rec is not None
+    return {"host": lease.get("host"), "pid": lease.get("pid"),
+            "since": float(lease["since"]) - rec.offset if isinstance(lease.get("since"), (int, float)) else None,
+            "heartbeat_age_s": lease.get("heartbeat_age_s"), "refresh_s": lease.get("refresh_s"),
+            "stale": not lease.get("live")}
+
+
+def _supervisor_line(info: dict[str, Any]) -> Text:
+    """`supervised by HOST pid N ...` / `not supervised ...`, under a group run's status table."""
+    sup = info.get("supervisor")
+    if sup is None:
+        return Text("not supervised (no opsctl carries out its restart policy now)", style="yellow")
+    age = sup.get("heartbeat_age_s")
+    beat = f"heartbeat {age:.0f} s ago" if isinstance(age, (int, float)) else "no heartbeat"
+    if sup.get("stale"):
+        return Text(f"not supervised: its supervisor {sup['host']} pid {sup['pid']} is gone ({beat}); a crash is "
+                    "not restarted", style="yellow")
+    return Text(f"supervised by {sup['host']} pid {sup['pid']} since {fmt_when(sup.get('since'), short=True)} "
+                f"({beat})")
 
 
 def cmd_group_status(ctx: Ctx, g: Group, run_name: str | None, as_json: bool = False) -> int:
@@ -726,6 +852,8 @@ def cmd_group_status(ctx: Ctx, g: Group, run_name: str | None, as_json: bool = F
                           str(r["pid"] or "-"), "-" if r["exit_code"] is None else str(r["exit_code"]),
                           r.get("reason") or "")
         ctx.out.print(table)
+        if gr.restart is not None:  # only a run with a restart policy has a supervisor
+            ctx.out.print(_supervisor_line(info))
     for name, error in unreachable.items():
         ctx.err.print(Text(f"{name}: unreachable: {error}", style="red"))
     return rc
@@ -848,7 +976,7 @@ def dispatch(ctx: Ctx, args: Any, extra: list[str] | None) -> int | None:
             raise OpsError(f"unexpected arguments {' '.join(args.extra_args)!r}: arguments for the run's command go "
                            "after --", EXIT_USAGE)
         return cmd_group_launch(ctx, g, args.run, force=args.force, follow=args.follow,
-                                fresh_cache=args.fresh_cache, extra_args=extra)
+                                fresh_cache=args.fresh_cache, extra_args=extra, take_over=args.take_over)
     if args.verb == "status":
         return cmd_group_status(ctx, g, args.run, as_json=args.json)
     if args.verb == "history":
