@@ -381,23 +381,20 @@ def test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_bac
 _F32_PROBE = r"""
 import json, sys, torch
 from dflash.kernels import exact_float32_kernels, float32_is_exact
+state = exact_float32_kernels() if sys.argv[1] == "exact" else {}  # before anything imports fla's kernels
+from dflash.speculative import TargetLM
 from dflash.target import Target, TargetConfig
-state = exact_float32_kernels() if sys.argv[1] == "exact" else {}
 torch.set_float32_matmul_precision("highest")
 arch = json.loads(sys.argv[2])
-model = Target(TargetConfig(arch=arch, dtype="float32"), 2, torch.device("cuda")).model.eval()
-ids = torch.randint(0, arch["vocab_size"], (1, 96), generator=torch.Generator().manual_seed(0)).cuda()
-with torch.no_grad():
-    full = model(input_ids=ids, use_cache=False).logits[0, 64:].double()  # chunked kernels over the whole row
-    out = model(input_ids=ids[:, :64], use_cache=True)
-    cache, rows = out.past_key_values, [out.logits[0, -1]]
-    for t in range(64, 95):  # one token at a time: the recurrent kernels
-        out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        rows.append(out.logits[0, -1])
-step = torch.stack(rows).double()
-print(json.dumps({"state": state, "exact": float32_is_exact("cuda"),
-                  "rel": ((full - step).norm() / full.norm()).item()}))
+lm = TargetLM(Target(TargetConfig(arch=arch, dtype="float32"), 2, torch.device("cuda")).model, [0])
+ids = torch.randint(0, arch["vocab_size"], (96,), generator=torch.Generator().manual_seed(0)).tolist()
+full, _ = lm.forward(ids, 0, None, keep=33, taps=False)  # positions 63..95, one chunked forward
+cache = lm.new_cache()
+rows = [lm.forward(ids[:64], 0, cache, keep=1, taps=False)[0][-1]]  # position 63
+for t in range(64, 96):  # one token at a time: the recurrent kernels
+    rows.append(lm.forward([ids[t]], t, cache, keep=1, taps=False)[0][-1])
+a, b = full.double(), torch.stack(rows).double()
+print(json.dumps({"state": state, "exact": float32_is_exact("cuda"), "rel": ((a - b).norm() / a.norm()).item()}))
 """
 
 
