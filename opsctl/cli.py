@@ -56,8 +56,8 @@ examples:
   opsctl hosts                               the hosts, groups and runs of the inventory, and its file
   opsctl launch pair qwen27b                 a hosts.yaml group in place of HOST: one torchrun per member
                                              (node rank, head and port filled), READY when every node stepped;
-                                             status, logs [--node I], history, kill, clean and watch take it
-                                             too; with `restart:` only `launch --follow` restarts the group
+                                             status, logs [--node I], history, kill, clean, export and watch
+                                             take it too; with `restart:` only `launch --follow` restarts it
   opsctl init                                write a commented ./hosts.yaml (local host + SSH/pct/group examples)
 
 inventory: --hosts FILE, else $OPSCTL_HOSTS, else ./hosts.yaml, else ~/.config/opsctl/hosts.yaml, else the
@@ -252,10 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "A resumed attempt starts a new TensorBoard session at its step, so TensorBoard drops the "
                        "steps the crash lost. Export again into the same DIR and only new events are added. "
                        "--follow keeps adding steps and NVML samples (GPU util, memory, power, temperature) "
-                       "until the run ends. W&B reads DIR with `wandb sync --sync-tensorboard DIR`.",
+                       "until the run ends. W&B reads DIR with `wandb sync --sync-tensorboard DIR`. Tags: train/*, "
+                       "acc/*, perf/*, queue/*, compile/*, checkpoint/*, rank{R}/rss_mb and rank{R}/gpu_mem_mb, "
+                       "gpu{I}/util_pct, mem_used_mb, power_w, temp_c, sm_clock_mhz. For a group run (HOST names a "
+                       "group): the training scalars from node 0 (it holds global rank 0), and every node's ranks "
+                       "and GPUs under node{N}/ (node{N}/rank{R}/..., R the global rank; node{N}/gpu{I}/..., I the "
+                       "node's own GPU index); --follow follows every node until the group run ends.",
                        epilog="""examples:
   opsctl export pve-box qwen27b --tensorboard tb/qwen27b     then: tensorboard --logdir tb
   opsctl export local tiny --tensorboard tb/tiny --follow   keep adding steps and GPU samples
+  opsctl export pair qwen27b --tensorboard tb/pair-qwen27b  a group run: node 0's steps, node{N}/ per node
 """ + "\n" + EXIT_CODES_HELP)
     _host_run(s)
     s.add_argument("--tensorboard", metavar="DIR", required=True, help="directory for the TensorBoard event files")

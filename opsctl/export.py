@@ -1,13 +1,17 @@
-"""`opsctl export HOST RUN --tensorboard DIR`: a run's events.jsonl (and, with --follow, NVML samples) as TensorBoard
+"""`opsctl export HOST|GROUP RUN --tensorboard DIR`: a run's events.jsonl (with --follow, NVML samples) as TensorBoard
 scalars, written with tensorboard's own event-file writer so TensorBoard and `wandb sync --sync-tensorboard` read them.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
+import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ from rich.text import Text
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.commands import EXIT_OK, EXIT_TRANSPORT, EXIT_USAGE, Ctx, OpsError, _follow_reconnecting, preflight
 from opsctl.config import HostConfig, RunConfig
+from opsctl.group import GroupRun
 
 STATE_FILE = "opsctl-export.json"  # in DIR: where the last export stopped, so the next one adds only new events
 # step event key -> TensorBoard tag (docs/events.md `step`)
@@ -24,9 +29,9 @@ STEP_TAGS = {
     "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "tokens": "perf/tokens",
     "queue_depth": "queue/depth", "queue_wait_s": "queue/wait_s", "recompiles": "compile/recompiles",
 }
-HEARTBEAT_TAGS = {"rss_mb": "rss_mb", "gpu_mem_mb": "gpu_mem_mb"}  # per rank: rank{R}/...
+HEARTBEAT_TAGS = {"rss_mb": "rss_mb", "gpu_mem_mb": "gpu_mem_mb"}  # per rank: rank{R}/... (group: node{N}/rank{R}/...)
 GPU_TAGS = {"util": "util_pct", "mem_used_mb": "mem_used_mb", "power_w": "power_w", "temp_c": "temp_c",
-            "sm_clock_mhz": "sm_clock_mhz"}  # per GPU: gpu{I}/...
+            "sm_clock_mhz": "sm_clock_mhz"}  # per GPU: gpu{I}/... (group: node{N}/gpu{I}/...)
 
 
 def _number(x: Any) -> float | None:
@@ -58,9 +63,13 @@ class TensorBoardExport:
         self._writer.add_event(self._event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
         self.scalars += 1
 
-    def event(self, ev: dict[str, Any]) -> None:
-        """One telemetry event (docs/events.md); kinds without numbers are skipped."""
+    def event(self, ev: dict[str, Any], prefix: str = "", run_level: bool = True) -> None:
+        """One telemetry event (docs/events.md); kinds without numbers are skipped. `prefix` goes before the
+        per-rank tags (a group's node: its GPU indices restart at 0, so node{N}/ keeps its tags apart); without
+        `run_level` only heartbeats count: the run's own events come from the node with global rank 0."""
         kind = ev.get("kind")
+        if not run_level and kind != "heartbeat":
+            return
         ts = _number(ev.get("ts")) or time.time()
         if kind == "run_start":
             resumed = ev.get("resumed_from")
@@ -90,7 +99,7 @@ class TensorBoardExport:
             for key, name in HEARTBEAT_TAGS.items():
                 value = _number(ev.get(key))
                 if value is not None:
-                    self._scalar(f"rank{rank}/{name}", value, step, ts)
+                    self._scalar(f"{prefix}rank{rank}/{name}", value, step, ts)
         elif kind == "checkpoint":
             step = ev.get("step") if isinstance(ev.get("step"), int) else self.step
             for key, tag, scale in (("seconds", "checkpoint/seconds", 1.0), ("bytes", "checkpoint/gib", 2.0**-30)):
@@ -98,8 +107,8 @@ class TensorBoardExport:
                 if value is not None:
                     self._scalar(tag, value * scale, step, ts)
 
-    def gpu_sample(self, msg: dict[str, Any]) -> None:
-        """One agent `gpu` message (NVML, every GPU): scalars at the run's current step."""
+    def gpu_sample(self, msg: dict[str, Any], prefix: str = "") -> None:
+        """One agent `gpu` message (NVML, every GPU): scalars at the run's current step (in a group: node 0's)."""
         ts = _number(msg.get("ts")) or time.time()
         for g in msg.get("gpus") or []:
             idx = g.get("index")
@@ -108,7 +117,7 @@ class TensorBoardExport:
             for key, name in GPU_TAGS.items():
                 value = _number(g.get(key))
                 if value is not None:
-                    self._scalar(f"gpu{idx}/{name}", value, self.step, ts)
+                    self._scalar(f"{prefix}gpu{idx}/{name}", value, self.step, ts)
 
     def flush(self) -> None:
         self._writer.flush()
@@ -117,7 +126,33 @@ class TensorBoardExport:
         self._writer.close()
 
 
-def _load_state(path: Path, host: str, run: str) -> dict[str, Any]:
+@dataclass
+class Source:
+    """One events file of an export: a (host, run) pair, the prefix of its per-rank and per-GPU tags, and where the
+    export stopped reading it. A host's run is one source; a group run is one per node."""
+
+    host: HostConfig
+    run: RunConfig
+    prefix: str = ""  # "node{N}/" for a group's node: its GPU indices and tags never collide with another node's
+    run_level: bool = True  # its run_start / step / checkpoint events are the run's (it holds global rank 0)
+    key: str | None = None  # its offset's key under the state file's "nodes" (None: the top-level events_offset)
+    offset: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.host.name}:{self.run.name}"
+
+
+def _exported(ident: dict[str, Any]) -> str:
+    """What a state file (or the export asked for) is the export of, as the messages say it."""
+    if ident.get("group") is not None:
+        return f"group {ident['group']}/{ident.get('run')}"
+    return f"{ident.get('host')}:{ident.get('run')}"
+
+
+def _load_state(path: Path, ident: dict[str, str], sources: list[Source]) -> dict[str, Any]:
+    """The state of the export DIR holds, the sources' offsets set from it; a DIR that holds another run's export
+    (a host's run or a group's) is refused: its offsets would skip or repeat this run's events."""
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -125,14 +160,29 @@ def _load_state(path: Path, host: str, run: str) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise OpsError(f"{path}: unreadable export state ({exc}); remove it to export everything again",
                        EXIT_USAGE) from None
-    if (state.get("host"), state.get("run")) != (host, run):
-        raise OpsError(f"{path.parent} holds the export of {state.get('host')}:{state.get('run')}, not {host}:{run}; "
-                       "give each run its own directory (tensorboard --logdir PARENT shows them side by side)",
-                       EXIT_USAGE)
+    if {k: state.get(k) for k in ("host", "group", "run")} != {"host": None, "group": None, **ident}:
+        raise OpsError(f"{path.parent} holds the export of {_exported(state)}, not {_exported(ident)}; give each run "
+                       "its own directory (tensorboard --logdir PARENT shows them side by side)", EXIT_USAGE)
+    for s in sources:
+        if s.key is None:
+            s.offset = int(state.get("events_offset", 0))
+            continue
+        node = (state.get("nodes") or {}).get(s.key) or {}
+        if node and node.get("host") != s.host.name:
+            raise OpsError(f"{path.parent}: node {s.key} of {_exported(ident)} was exported from {node.get('host')}, "
+                           f"now it is {s.host.name} (the group's members changed); export into a new directory",
+                           EXIT_USAGE)
+        s.offset = int(node.get("events_offset", 0))
     return state
 
 
-def _save_state(path: Path, state: dict[str, Any]) -> None:
+def _save_state(path: Path, ident: dict[str, str], sources: list[Source], last_step: int) -> None:
+    state: dict[str, Any] = {**ident, "last_step": last_step}
+    for s in sources:
+        if s.key is None:
+            state["events_offset"] = s.offset
+        else:
+            state.setdefault("nodes", {})[s.key] = {"host": s.host.name, "events_offset": s.offset}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
     tmp.replace(path)
@@ -159,64 +209,130 @@ def _snapshots(ctx: Ctx, host: HostConfig, run: RunConfig, offset: int) -> Itera
             return
 
 
-def cmd_export(ctx: Ctx, host_name: str, run_name: str, logdir: str, follow: bool = False) -> int:
-    """`opsctl export HOST RUN --tensorboard DIR [--follow]`: exit 0 once the events so far are written."""
-    host, run = ctx.resolve(host_name, run_name)
-    assert run is not None
+def _timed(i: int, messages: Iterable[dict[str, Any]]) -> Iterator[tuple[float, int, dict[str, Any]]]:
+    """A source's messages keyed by the latest event time so far (never decreasing), for merging the nodes."""
+    ts = -math.inf
+    for m in messages:
+        if m.get("t") == "event":
+            ts = max(ts, _number(m["event"].get("ts")) or ts)
+        yield ts, i, m
+
+
+def _backlog(ctx: Ctx, sources: list[Source]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Every source's events so far, the nodes' merged in time order: a resumed attempt's SessionLog START (from
+    node 0) then drops the other nodes' samples of the crashed attempt too, and keeps those of the new one."""
+    streams = [_timed(i, _snapshots(ctx, s.host, s.run, s.offset)) for i, s in enumerate(sources)]
+    for _, i, m in heapq.merge(*streams, key=lambda x: (x[0], x[1])):
+        yield i, m
+
+
+def _follow_all(ctx: Ctx, sources: list[Source]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Every source's new events and GPU samples as they come, reconnecting like `logs -f`, until each run ended
+    (a group: every node's); the nodes are followed at once, each by a thread, their messages by arrival."""
+    def follow(s: Source) -> Iterator[dict[str, Any]]:
+        return _follow_reconnecting(ctx, s.host, s.run, {"log_offset": -1, "tail": 0, "events_offset": s.offset},
+                                    events=True)
+
+    if len(sources) == 1:
+        yield from ((0, m) for m in follow(sources[0]))
+        return
+    q: queue.Queue[tuple[int, dict[str, Any] | BaseException | None]] = queue.Queue()
+
+    def pump(i: int, s: Source) -> None:
+        try:
+            for m in follow(s):
+                q.put((i, m))
+        except BaseException as exc:  # noqa: BLE001 - said by the main thread, which owns the exit code
+            q.put((i, exc))
+            return
+        q.put((i, None))
+
+    for i, s in enumerate(sources):
+        threading.Thread(target=pump, args=(i, s), daemon=True, name=f"export-{s.name}").start()
+    left = len(sources)
+    while left:
+        i, m = q.get()
+        if m is None:
+            left -= 1
+        elif isinstance(m, BaseException):
+            raise m
+        else:
+            yield i, m
+
+
+def export_sources(ctx: Ctx, sources: list[Source], logdir: str, ident: dict[str, str], follow: bool) -> int:
+    """The export of one run from its sources (one (host, run) pair, or a group's nodes) into one event file
+    stream in DIR, resumable through DIR's state file; exit 0 once the events so far are written."""
+    what = _exported(ident)
     out = Path(logdir).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OpsError(f"cannot create {out}: {exc}", EXIT_USAGE) from None
     state_path = out / STATE_FILE
-    state = _load_state(state_path, host.name, run.name)
-    offset = int(state.get("events_offset", 0))
-    t = ctx.transport(host)
-    try:
-        preflight(ctx, host, t)
-    finally:
-        t.close()
+    state = _load_state(state_path, ident, sources)
+    for s in sources:
+        t = ctx.transport(s.host)
+        try:
+            preflight(ctx, s.host, t)
+        finally:
+            t.close()
     tb = TensorBoardExport(out, last_step=int(state.get("last_step", 0)))
     started = time.monotonic()
 
     def save() -> None:
         tb.flush()
-        _save_state(state_path, {"host": host.name, "run": run.name, "events_offset": offset, "last_step": tb.step})
+        _save_state(state_path, ident, sources, tb.step)
 
-    def take(messages: Iterable[dict[str, Any]]) -> None:
-        nonlocal offset
+    def take(messages: Iterable[tuple[int, dict[str, Any]]]) -> None:
         last_save = time.monotonic()
-        for m in messages:
-            kind = m.get("t")
+        for i, m in messages:
+            s, kind = sources[i], m.get("t")
             if kind == "event":
-                tb.event(m["event"])
-                offset = int(m["end"])
+                tb.event(m["event"], prefix=s.prefix, run_level=s.run_level)
+                s.offset = int(m["end"])
             elif kind == "gpu":
-                tb.gpu_sample(m)
+                tb.gpu_sample(m, prefix=s.prefix)
             elif kind == "log_reset" and m.get("file") == "events":
-                offset = 0
-                ctx.err.print(Text(f"{run.name}: events.jsonl was {m.get('reason')}; exporting it again from the "
+                s.offset = 0
+                ctx.err.print(Text(f"{s.name}: events.jsonl was {m.get('reason')}; exporting it again from the "
                                    "start", style="yellow"), soft_wrap=True)
             elif kind == "error":
-                ctx.err.print(Text(f"agent: {m.get('message')}", style="red"), soft_wrap=True)
+                ctx.err.print(Text(f"agent ({s.host.name}): {m.get('message')}", style="red"), soft_wrap=True)
             if time.monotonic() - last_save > 5:  # --follow for days: the state on disk stays near the data
                 save()
                 last_save = time.monotonic()
 
     try:
-        take(_snapshots(ctx, host, run, offset))
+        take(_backlog(ctx, sources))
         if follow:
-            ctx.err.print(f"{tb.steps} steps so far; following {host.name}:{run.name} (Ctrl-C stops; the export "
-                          "stays readable)", soft_wrap=True)
-            take(_follow_reconnecting(ctx, host, run, {"log_offset": -1, "tail": 0, "events_offset": offset},
-                                      events=True))
+            nodes = f" ({len(sources)} nodes)" if len(sources) > 1 else ""
+            ctx.err.print(f"{tb.steps} steps so far; following {what}{nodes} (Ctrl-C stops; the export stays "
+                          "readable)", soft_wrap=True)
+            take(_follow_all(ctx, sources))
     except KeyboardInterrupt:
         pass
     finally:
         save()
         tb.close()
-    ctx.err.print(f"exported {host.name}:{run.name}: {tb.steps} steps, {tb.scalars} scalars"
+    ctx.err.print(f"exported {what}: {tb.steps} steps, {tb.scalars} scalars"
                   + (f", {tb.restarts} resumed attempt(s)" if tb.restarts else "")
                   + f" into {out.resolve()} in {time.monotonic() - started:.1f} s; view: tensorboard --logdir "
                   f"{out.resolve()}", soft_wrap=True)
     return EXIT_OK
+
+
+def cmd_export(ctx: Ctx, host_name: str, run_name: str, logdir: str, follow: bool = False) -> int:
+    """`opsctl export HOST RUN --tensorboard DIR [--follow]`: exit 0 once the events so far are written."""
+    host, run = ctx.resolve(host_name, run_name)
+    assert run is not None
+    return export_sources(ctx, [Source(host, run)], logdir, {"host": host.name, "run": run.name}, follow)
+
+
+def cmd_group_export(ctx: Ctx, gr: GroupRun, logdir: str, follow: bool = False) -> int:
+    """`opsctl export GROUP RUN --tensorboard DIR [--follow]`: the training scalars from the node that holds global
+    rank 0 (it alone writes run_start, step and checkpoint events), every node's heartbeats and GPU samples under
+    node{N}/, into one event file stream."""
+    sources = [Source(n.host, n.run, prefix=f"node{n.index}/", run_level=0 in gr.ranks(n.index), key=str(n.index))
+               for n in gr.nodes]
+    return export_sources(ctx, sources, logdir, {"group": gr.group, "run": gr.name}, follow)

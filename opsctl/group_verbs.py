@@ -1,4 +1,4 @@
-"""The opsctl verbs on a group run (launch, status, kill, logs, clean): every node is a normal run on its host.
+"""The opsctl verbs on a group run (launch, status, kill, logs, clean, history, export): each node is a host's run.
 
 Each verb drives the per-host verbs on every node at once and says the group's answer: READY when every node's
 ranks have stepped, `crashed` naming the node that died first, nothing left running when one node is gone.
@@ -925,7 +925,7 @@ def _node_histories(ctx: Ctx, gr: GroupRun) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
-GROUP_VERBS = ("launch", "status", "logs", "kill", "clean", "history")
+GROUP_VERBS = ("launch", "status", "logs", "kill", "clean", "history", "export")
 
 
 def cmd_hosts_with_groups(ctx: Ctx, check: bool = False) -> int:
@@ -989,6 +989,10 @@ def dispatch(ctx: Ctx, args: Any, extra: list[str] | None) -> int | None:
                               node=args.node)
     if args.verb == "kill":
         return cmd_group_kill(ctx, g, args.run)
+    if args.verb == "export":
+        from opsctl.export import cmd_group_export
+
+        return cmd_group_export(ctx, group_run(ctx, g, args.run), args.tensorboard, follow=args.follow)
     return cmd_group_clean(ctx, g, args.run, dry_run=args.dry_run, logs=args.logs)
 
 
