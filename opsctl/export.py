@@ -160,6 +160,9 @@ def _load_state(path: Path, ident: dict[str, str], sources: list[Source]) -> dic
     except (OSError, ValueError) as exc:
         raise OpsError(f"{path}: unreadable export state ({exc}); remove it to export everything again",
                        EXIT_USAGE) from None
+    if not isinstance(state, dict):
+        raise OpsError(f"{path}: unreadable export state (a JSON {type(state).__name__}, not an object); remove it "
+                       "to export everything again", EXIT_USAGE)
     if {k: state.get(k) for k in ("host", "group", "run")} != {"host": None, "group": None, **ident}:
         raise OpsError(f"{path.parent} holds the export of {_exported(state)}, not {_exported(ident)}; give each run "
                        "its own directory (tensorboard --logdir PARENT shows them side by side)", EXIT_USAGE)

@@ -77,6 +77,12 @@ def test_export_writes_tensorboard_scalars_that_its_reader_reads_back_resume_and
     hosts2 = sshd.write_hosts_yaml(tmp_path / "hosts2.yaml", runs={"other": script_run(tmp_path, "ok_run.py")})
     r = opsctl(hosts2, "export", "box", "other", "--tensorboard", str(out))
     assert r.returncode == 2 and "holds the export of box:r" in r.stderr, r.stderr
+    # a state file that is not this tool's (valid JSON, not an object) is refused with the way out, not a traceback
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / STATE_FILE).write_text("[1, 2]\n")
+    r = opsctl(hosts, "export", "box", "r", "--tensorboard", str(tmp_path / "odd"))
+    assert r.returncode == 2 and "unreadable export state (a JSON list, not an object)" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_gpu_samples_become_per_gpu_scalars_at_the_current_step(tmp_path: Path) -> None:
