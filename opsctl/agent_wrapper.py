@@ -81,20 +81,36 @@ def traceback_from_lines(lines: list[str]) -> str | None:
     unindented lines between the header and the exception line are left out."""
     for i in range(len(lines) - 1, -1, -1):
         if lines[i].startswith("Traceback (most recent call last)"):
-            out = [lines[i]]
-            for line in lines[i + 1:]:
-                if line and not line[0].isspace():
-                    if _EXC_LINE.match(line):
-                        out.append(line)
-                        break
-                    continue
-                out.append(line)
-            return "\n".join(out)
+            return "\n".join(_traceback_at(lines, i))
     return None
 
 
+def _traceback_at(lines: list[str], i: int) -> list[str]:
+    out = [lines[i]]
+    for line in lines[i + 1:]:
+        if line and not line[0].isspace():
+            if _EXC_LINE.match(line):
+                out.append(line)
+                break
+            continue
+        out.append(line)
+    return out
+
+
+# torchrun's own exception when a rank fails: it says that a rank failed, not why (the rank's own traceback, or the
+# dflash CLI's one-line error, is earlier in the same log).
+_LAUNCHER_ERROR = "torch.distributed.elastic."
+# The one line a dflash command prints on a bad config/data/checkpoint before exiting 2 (no traceback), possibly
+# prefixed by torchrun's per-rank tag.
+_CLI_ERROR = re.compile(r"^(?:\[(?:default)?\d*\]?(?:rank\d+)?\]?:\s*)?(dflash [a-z][a-z-]*: .+)$")
+# torchrun's `Root Cause (first observed failure)` block: the failed rank, its exit code, and for a signal its name.
+_ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
+
+
 def crash_line(log: str, window: int = 256 << 10) -> str | None:
-    """The exception line of the last traceback in the log's last `window` bytes (None when there is none)."""
+    """Why the attempt in `log` failed, in one line (None when the log does not say): the exception line of its
+    last traceback; under torchrun, whose own ChildFailedError comes last, the failed rank's exception or the dflash
+    CLI's error line before it, else torchrun's root cause (rank and exit code)."""
     try:
         with open(log, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
@@ -102,11 +118,39 @@ def crash_line(log: str, window: int = 256 << 10) -> str | None:
             text = fh.read().decode("utf-8", errors="replace")
     except OSError:
         return None
-    tb = traceback_from_lines(text.splitlines())
-    if not tb:
+    lines = text.splitlines()
+    launcher: tuple[int, str] | None = None
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last)"):
+            last = _traceback_at(lines, i)[-1]
+            if last[:1].isspace() or last.startswith("Traceback"):
+                continue
+            if not last.startswith(_LAUNCHER_ERROR):
+                return _cli_error_after(lines, i) or last
+            launcher = launcher or (i, last)
+        elif launcher is not None and (m := _CLI_ERROR.match(lines[i])):
+            return m.group(1)
+    if launcher is None:
         return None
-    last = tb.splitlines()[-1]
-    return last if not last[:1].isspace() and not last.startswith("Traceback") else None
+    at = max((j for j in range(launcher[0], len(lines)) if "Root Cause" in lines[j]), default=None)
+    got: dict[str, str] = {}
+    for line in lines[at + 1:at + 12] if at is not None else []:
+        if (m := _ROOT_FIELD.match(line)) and m.group(1) not in got:
+            got[m.group(1)] = m.group(2).strip()
+    if "rank" not in got:
+        return launcher[1]
+    tb = got.get("traceback", "")
+    code = (got.get("exitcode") or "?").split()[0]  # `3 (pid: 4242)`
+    detail = tb if tb and not tb.startswith("To enable traceback") else f"exited with code {code}"
+    return f"{launcher[1].split(':')[0]}: rank {got['rank'].split()[0]}: {detail} (no traceback in the log)"
+
+
+def _cli_error_after(lines: list[str], i: int) -> str | None:
+    """A dflash CLI error line after line i (it ends the run; a traceback before it is an earlier, handled one)."""
+    for line in reversed(lines[i:]):
+        if m := _CLI_ERROR.match(line):
+            return m.group(1)
+    return None
 
 
 def _rotations(state_dir: str) -> int:

@@ -431,3 +431,44 @@ def test_traceback_from_lines_drops_stdout_lines_interleaved_by_the_pipes() -> N
            "  g", "KeyboardInterrupt"]
     assert agent.traceback_from_lines(two) == "Traceback (most recent call last):\n  g\nKeyboardInterrupt"
     assert agent.traceback_from_lines(["just a log line"]) is None
+
+
+_RANK_SCRIPTS = {
+    # rank 1 raises: its own traceback comes before torchrun's ChildFailedError
+    "raises": 'import os, time\nif os.environ["RANK"] == "1":\n    raise RuntimeError("boom on rank 1")\ntime.sleep(5)\n',
+    # the dflash CLI's way out on a bad config: one line on stderr, exit 2, no traceback
+    "cli_error": 'import sys\nprint("dflash train: bad.yaml:3: train.lr: must be > 0", file=sys.stderr)\nsys.exit(2)\n',
+    # a rank that dies without a word
+    "silent": 'import os, time\nif os.environ["RANK"] == "1":\n    os._exit(3)\ntime.sleep(5)\n',
+}
+
+
+@pytest.mark.parametrize("case, want", [
+    ("raises", "RuntimeError: boom on rank 1"),
+    ("cli_error", "dflash train: bad.yaml:3: train.lr: must be > 0"),
+    ("silent", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: rank 1: exited with code 3 "
+               "(no traceback in the log)"),
+])
+def test_crash_line_under_torchrun_names_the_rank_failure_not_torchruns_own_error(tmp_path: Path, case: str,
+                                                                                  want: str) -> None:
+    """Every multi-GPU run goes through torchrun, whose ChildFailedError traceback ends the log and only says that a
+    rank failed: status must show why (the rank's exception, the CLI's error line, or the root cause's rank and
+    exit code). Real torchrun, two CPU ranks."""
+    script = tmp_path / f"{case}.py"
+    script.write_text(_RANK_SCRIPTS[case])
+    log = tmp_path / f"{case}.log"
+    with open(log, "wb") as fh:
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                            str(_free_port()), str(script)], stdout=fh, stderr=subprocess.STDOUT, timeout=120)
+    assert r.returncode != 0
+    text = log.read_text()
+    assert "ChildFailedError" in text and agent.traceback_from_lines(text.splitlines()).endswith("ChildFailedError: ")
+    assert agent.crash_line(str(log)) == want
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
