@@ -9,6 +9,7 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
+import os
 import platform
 import re
 import sys
@@ -371,8 +372,6 @@ def exact_float32_kernels() -> dict[str, str | None]:
     after it compiled, so the module constant is left alone when fla's kernel already ran here (returned as is). An
     explicit `TRITON_F32_DEFAULT` set by the user wins. Returns what is in effect.
     """
-    import os
-
     os.environ.setdefault(F32_ENV, "ieee")
     state: dict[str, str | None] = {"triton_f32_default": os.environ.get(F32_ENV), "fla_solve_tril": None}
     module_name, attr = _FLA_TRIL
@@ -418,8 +417,6 @@ def _fla_kernels_compiled(mod: Any) -> bool | None:
 def float32_is_exact(device: torch.device | str) -> bool:
     """Whether a float32 target on `device` computes in true float32 (CPU always; CUDA after exact_float32_kernels
     and with PyTorch's own TF32 off)."""
-    import os
-
     dev = torch.device(device)
     if dev.type != "cuda":
         return True
