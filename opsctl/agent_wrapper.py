@@ -132,17 +132,26 @@ def crash_line(log: str, window: int = 256 << 10) -> str | None:
             return m.group(1)
     if launcher is None:
         return None
-    at = max((j for j in range(launcher[0], len(lines)) if "Root Cause" in lines[j]), default=None)
+    cause = torchrun_root_cause(lines[launcher[0]:])
+    return f"{launcher[1].split(':')[0]}: {cause} (no traceback in the log)" if cause else launcher[1]
+
+
+def torchrun_root_cause(lines: list[str]) -> str | None:
+    """`rank 1: Signal 9 (SIGKILL) received by PID 42` / `rank 1: exited with code 3`: the `Root Cause (first
+    observed failure)` block torchrun ends a failed node's log with (None without one)."""
+    at = max((j for j, line in enumerate(lines) if "Root Cause" in line), default=None)
+    if at is None:
+        return None
     got: dict[str, str] = {}
-    for line in lines[at + 1:at + 12] if at is not None else []:
+    for line in lines[at + 1:at + 12]:
         if (m := _ROOT_FIELD.match(line)) and m.group(1) not in got:
             got[m.group(1)] = m.group(2).strip()
     if "rank" not in got:
-        return launcher[1]
+        return None
     tb = got.get("traceback", "")
     code = (got.get("exitcode") or "?").split()[0]  # `3 (pid: 4242)`
     detail = tb if tb and not tb.startswith("To enable traceback") else f"exited with code {code}"
-    return f"{launcher[1].split(':')[0]}: rank {got['rank'].split()[0]}: {detail} (no traceback in the log)"
+    return f"rank {got['rank'].split()[0]}: {detail}"
 
 
 def _cli_error_after(lines: list[str], i: int) -> str | None:

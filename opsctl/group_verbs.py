@@ -12,7 +12,6 @@ import functools
 import io
 import json
 import queue
-import re
 import signal
 import threading
 import time
@@ -24,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl import commands
-from opsctl.agent_wrapper import resume_argv, with_args
+from opsctl.agent_wrapper import resume_argv, torchrun_root_cause, with_args
 from opsctl.channel import run_args, stream_agent
 from opsctl.commands import (
     EXIT_FAILED,
@@ -690,28 +689,6 @@ def group_verdict(gr: GroupRun, rows: list[dict[str, Any]]) -> tuple[str, str | 
     """(group state, why, the node it is about) of a group run from its nodes' status rows (opsctl.group.verdict)."""
     by_node = {r["node"]: r for r in rows}
     return verdict([by_node[n.index] for n in gr.nodes])
-
-
-ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
-
-
-def torchrun_root_cause(lines: list[str]) -> str | None:
-    """torchrun ends a failed node's log with `Root Cause (first observed failure)`: the rank, its exit code and,
-    for a signal, `Signal 9 (SIGKILL) received by PID ...`; its own exception (ChildFailedError) says none of it."""
-    try:
-        at = max(i for i, line in enumerate(lines) if "Root Cause" in line)
-    except ValueError:
-        return None
-    got: dict[str, str] = {}
-    for line in lines[at + 1:at + 12]:
-        m = ROOT_FIELD.match(line)
-        if m and m.group(1) not in got:
-            got[m.group(1)] = m.group(2).strip()
-    if not got:
-        return None
-    tb = got.get("traceback", "")
-    detail = tb if tb and not tb.startswith("To enable traceback") else f"exitcode {got.get('exitcode', '?')}"
-    return f"rank {got.get('rank', '?')}: {detail}"
 
 
 def _root_cause(ctx: Ctx, n: Node) -> str | None:
