@@ -209,11 +209,17 @@ class DistConfig(_Section):
     # instead places that many target ranks at the end of the whole job.
     target_ranks_per_node: int | None = None
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    # How long one collective or send/recv may wait for its peers before the rank fails with the operation named
+    # (torchrun then stops the job, and opsctl reports a crash with that reason) instead of hanging silently. It must
+    # cover the longest wait of a healthy run: a drafter waits for its target's first forward (kernel compile included)
+    # and for rank 0's checkpoint writes.
+    timeout_s: float = 1800.0
 
     _roles = _v(_one_of("colocated", "split"), "roles")
     _backend = _v(_one_of("auto", "gloo", "nccl"), "backend")
     _ranks = _v(_at_least(1), "target_ranks")
     _ranks_node = _v(_at_least(1), "target_ranks_per_node")
+    _timeout = _v(_at_least(1), "timeout_s")
 
 
 @pydantic_dataclass(config=ConfigDict(extra="forbid"))

@@ -7,6 +7,7 @@ same seed gives the same losses whichever way the job is laid out.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import os
@@ -143,13 +144,14 @@ def balanced_target_ranks(world: int, target_s: float = TARGET_FORWARD_S, drafte
     return max(range(1, world), key=lambda t: (min(t / target_s, (world - t) / drafter_s), -t))
 
 
-def init_distributed(roles: Roles, device: torch.device, backend: str = "auto") -> None:
-    """Join the torchrun process group (nothing to do for a single process)."""
+def init_distributed(roles: Roles, device: torch.device, backend: str = "auto", timeout_s: float = 1800.0) -> None:
+    """Join the torchrun process group (nothing to do for a single process); every operation of the group fails after
+    `timeout_s` rather than waiting forever for a peer that is gone or stuck."""
     if roles.world_size == 1 or (dist.is_available() and dist.is_initialized()):
         return
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 # ---------------------------------------------------------------------------------------------- the plan

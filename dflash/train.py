@@ -71,8 +71,9 @@ def classify_error(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower():
         return "oom"
-    if "nccl" in text.lower() or type(exc).__name__ in ("DistBackendError", "DistNetworkError"):
-        return "nccl"
+    lower = text.lower()
+    if "nccl" in lower or "gloo" in lower or type(exc).__name__ in ("DistBackendError", "DistNetworkError"):
+        return "nccl"  # the contract's class for any collective / send-recv failure, gloo's included
     return "exception"
 
 
@@ -210,7 +211,7 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
         if shape.vocab_size is not None:
             check_mask_token_id(cfg, shape.vocab_size, shape.vocab_from)
     check_out(out, roles, resume=resume, fresh=fresh)
-    init_distributed(roles, device, cfg.dist.backend)
+    init_distributed(roles, device, cfg.dist.backend, cfg.dist.timeout_s)
     run = open_run_dir(out, roles, resume=resume)
     live = Live(device=device)
 
@@ -316,6 +317,8 @@ class Trainer:
         except Exception as exc:  # noqa: BLE001 - every failure must reach the event stream, classified
             cls = classify_error(exc)
             msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            if cls == "nccl" and "timed out" in msg.lower():
+                msg = f"{msg} (a peer rank did not answer within dist.timeout_s = {self.cfg.dist.timeout_s:g} s)"
             self.writer.emit("error", **{"class": cls}, message=msg, traceback=traceback.format_exc(), fatal=True)
             self.log.error("fatal %s error: %s\n%s", cls, msg, traceback.format_exc())
             return self.end("error", EXIT_ERROR)

@@ -92,6 +92,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     ({"target": {"arch": {"layer_types": ["full_attention"]}}},
      "target.arch.layer_types: has 1 entries for target.arch.num_hidden_layers=4"),
     ({"target": {"path": "/nonexistent/model"}}, "target.path: /nonexistent/model does not exist"),
+    ({"dist": {"timeout_s": 0}}, "dist.timeout_s: must be at least 1, got 0.0"),
 ])
 def test_bad_config_exits_2_naming_file_and_field_and_writes_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], patch: dict, expected: str) -> None:

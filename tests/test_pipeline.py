@@ -11,6 +11,7 @@ import random
 import signal
 import socket
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -230,6 +231,42 @@ def test_two_drafter_ranks_ddp_split_equals_colocated_ddp(tmp_path: Path) -> Non
     assert start["roles"] == {"drafter": [0, 1], "target": [2]}
     steps = [e for e in events if e["kind"] == "step"]
     assert len(steps) == 5 and all(e["rank"] == 0 for e in steps)
+
+
+def test_a_stopped_peer_fails_the_run_with_the_timeout_named_instead_of_hanging(tmp_path: Path) -> None:
+    """A target rank that stops answering (SIGSTOP: a real stuck process) makes its drafter fail after
+    dist.timeout_s with an `nccl` error naming the timeout, not wait forever (gloo's default is 30 minutes)."""
+    timeout_s = 20
+    sections = {"train": {"max_steps": 5000, "epochs": 1000, "checkpoint_every": 0},
+                "dist": {"roles": "split", "target_ranks": 1, "timeout_s": timeout_s}}
+    out = tmp_path / "split"
+    ctx = mp.start_processes(_split_worker, args=(2, _free_port(), str(out), str(tmp_path / "r"), sections),
+                             nprocs=2, join=False, start_method="spawn")
+    drafter, target = ctx.processes
+    events = out / "events.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not (events.is_file() and '"kind":"step"' in events.read_text()):
+            assert time.monotonic() < deadline and drafter.is_alive(), "no step within 180 s"
+            time.sleep(0.2)
+        os.kill(target.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        drafter.join(timeout_s + 90)
+        waited = time.monotonic() - stopped_at
+        assert drafter.exitcode == 0, "the drafter process must end (its run ends in an error event)"
+    finally:
+        if target.is_alive():
+            os.kill(target.pid, signal.SIGCONT)  # it now finds its drafter gone and ends too
+        target.join(60)
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    result = json.loads((tmp_path / "r.0").read_text())
+    assert result["reason"] == "error" and result["code"] != 0
+    assert timeout_s - 1 <= waited, f"failed after {waited:.1f} s, before the timeout: not the timeout"
+    err = next(e for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == "error" and e["rank"] == 0)
+    assert err["class"] == "nccl" and err["fatal"]
+    assert "timed out" in err["message"].lower() and f"dist.timeout_s = {timeout_s} s" in err["message"]
 
 
 def test_a_buffer_is_prepared_on_the_host_for_either_packing_and_a_fixed_shape() -> None:

@@ -152,6 +152,8 @@ def test_error_classes() -> None:
 
     assert classify_error(RuntimeError("CUDA error: out of memory")) == "oom"
     assert classify_error(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error")) == "nccl"
+    assert classify_error(RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                                      "waiting 20000ms for recv operation to complete")) == "nccl"
     assert classify_error(KeyError("x")) == "exception"
 
 
