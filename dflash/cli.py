@@ -6,6 +6,7 @@ Bad input (config, data, a corrupt checkpoint) prints one line naming the file a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -142,7 +143,24 @@ def _train(args: argparse.Namespace) -> int:
                        allow_slow_kernels=args.allow_slow_kernels, docs=docs)
     except (DataError, UsageError, ConfigError) as exc:
         return _fail(str(exc))
+    if result.world_size > 1:
+        _leave_without_teardown(result.exit_code)
     return result.exit_code
+
+
+def _leave_without_teardown(code: int) -> None:
+    """End a multi-rank process now. Everything the run owes is already on disk (events closed, checkpoints
+    fsynced, the process group destroyed); what is left is torch's process-group destructors, which can deadlock
+    with the GIL at interpreter exit (dflash/train.py, _KEPT_ALIVE), so they are skipped."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _target_and_data(cfg: Any, docs: Any, out: Path | None, regen: bool = True) -> tuple[Any, Any]:

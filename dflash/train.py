@@ -180,6 +180,13 @@ class TrainResult:
     step: int
     losses: list[float] = field(default_factory=list)
     out: Path | None = None
+    world_size: int = 1
+
+
+# A multi-rank run's Trainer (its DDP reducer, its gloo/NCCL subgroups) is never destroyed in-process: the
+# destructors of torch's process-group objects can deadlock with the GIL after the run has ended (seen in CI: rank 0
+# wrote run_end and then hung at train()'s return; pytorch#56297, #75097). The CLI leaves with os._exit instead.
+_KEPT_ALIVE: list[object] = []
 
 
 def prepare_documents(cfg: RunConfig) -> list[Document]:
@@ -235,9 +242,12 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
         gate.restore()
         hb.stop()
         run.close()
-        if roles.world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        if roles.world_size > 1:
+            _KEPT_ALIVE.append(trainer)
+            if dist.is_initialized():
+                dist.destroy_process_group()
     result.out = out
+    result.world_size = roles.world_size
     return result
 
 
