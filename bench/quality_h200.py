@@ -200,6 +200,15 @@ def warm_eval_kernels(dev: torch.device, dtype: torch.dtype, vocab: int) -> int:
                                                   mask_token_id=vocab - 1, attention="dense"),
                                     TARGET_ARCH["hidden_size"], 2).to(dev, dtype)
             loop_costs(lm, drafter, prompt[:64], block, reps=2)
+        # diagnose()'s packed varlen forward: fla's chunk kernels in their varlen variant compile separately (the
+        # 2026-12-04 float32 call spent 134 s in the reference stage against 81 s the day before; unmeasured share).
+        from dflash.target import Target, TargetConfig
+        tgt = Target(TargetConfig(arch=TARGET_ARCH, tap_layers=[1, 9], dtype=str(dtype).removeprefix("torch.")), 1,
+                     dev, vocab=vocab)
+        if tgt.packing == "varlen":
+            lens = [320, 256, 193]
+            cu = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()], device=dev, dtype=torch.int32)
+            tgt.hidden_states_packed(torch.randint(0, vocab - 1, (1, sum(lens)), device=dev), cu)
     torch.cuda.synchronize()
     print(f"warm-eval-kernels: {dtype} kernels compiled in {time.perf_counter() - t0:.0f}s", flush=True)
     return 0
