@@ -41,7 +41,8 @@ def _demo_dir(tmp: Path) -> Path:
 
 
 def _run(d: Path, *argv: str, timeout: float = 420) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, DFLASH_VENV=str(VENV), NO_COLOR="1", COLUMNS="200", TERM="dumb")
+    # DEMO_EVAL_PROMPTS: the demo's closing `dflash eval` on 4 prompts instead of 32 (its control flow is under test)
+    env = dict(os.environ, DFLASH_VENV=str(VENV), NO_COLOR="1", COLUMNS="200", TERM="dumb", DEMO_EVAL_PROMPTS="4")
     env.pop("OPSCTL_HOSTS", None)
     return subprocess.run(list(argv), cwd=str(d), env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -64,6 +65,9 @@ def test_dev_demo_succeeds_first_after_finish_after_kill_after_crash(tmp_path: P
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         st = _status(d)
         assert (st["state"], st["step"], st["total_steps"]) == ("finished", 24, 24), st
+        # the demo ends with the drafter's worth: eval of the final checkpoint on held-out prompts, with the baseline
+        assert "dflash eval --checkpoint runs/tiny/checkpoints/step-24 --baseline ngram --num-prompts 4" in r.stdout
+        assert "n-gram (prompt lookup)" in r.stdout and "4 prompts" in r.stdout, r.stdout[-3000:]
 
         r = _run(d, "./dev", "demo")  # after a finish: the finished run is kept aside, a new one trains
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
