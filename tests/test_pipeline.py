@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from dflash_fixtures import run_config
+import yaml
+from dflash_fixtures import run_config, tiny_run_yaml
 
 from dflash.config import DistConfig
 from dflash.pipeline import (
@@ -165,6 +167,7 @@ def _split_worker(rank: int, world: int, port: int, out: str, result: str, secti
     res = train(run_config(**sections), out, resume=resume, on_step=on_step if sigterm_at else None)
     Path(f"{result}.{rank}").write_text(json.dumps({"losses": res.losses, "code": res.exit_code,
                                                     "reason": res.reason}))
+    os._exit(0)  # as `dflash train` leaves a multi-rank run: torch's process-group destructors can deadlock at exit
 
 
 def test_split_target_and_drafter_ranks_give_colocated_losses(tmp_path: Path) -> None:
@@ -267,6 +270,41 @@ def test_a_stopped_peer_fails_the_run_with_the_timeout_named_instead_of_hanging(
     err = next(e for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == "error" and e["rank"] == 0)
     assert err["class"] == "nccl" and err["fatal"]
     assert "timed out" in err["message"].lower() and f"dist.timeout_s = {timeout_s} s" in err["message"]
+
+
+_TEARDOWN_PROBE = """
+import atexit, os
+if "LOCAL_RANK" in os.environ:  # torchrun's workers only, not the launcher
+    _path = os.path.join(os.environ["TEARDOWN_PROBE_DIR"], "teardown." + os.environ["RANK"])
+    atexit.register(lambda: open(_path, "w").close())
+"""
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_a_multi_rank_dflash_train_ends_without_interpreter_teardown(tmp_path: Path, nproc: int) -> None:
+    """`dflash train` under torchrun with 2 ranks leaves by os._exit once the run is on disk: CI saw rank 0 hang in
+    torch's process-group destructors after run_end. Probe: an atexit hook (sitecustomize) that marks teardown. With
+    2 ranks no rank tears down, yet each exits 0 with its last lines flushed; one rank exits normally (the probe
+    works)."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(_TEARDOWN_PROBE)
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_run_yaml(train={"max_steps": 2, "checkpoint_every": 0})))
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{probe}:{repo}", "TEARDOWN_PROBE_DIR": str(probe), "OMP_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": "lo"}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        "-m", "dflash", "train", "--config", str(cfg_file), "--out", str(tmp_path / "run")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "run_end: completed (exit 0) at step 2" in r.stdout + r.stderr  # flushed before leaving
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["kind"] == "run_end" and events[-1]["reason"] == "completed"
+    torn_down = sorted(p.name for p in probe.glob("teardown.*"))
+    assert torn_down == ([] if nproc > 1 else ["teardown.0"])
 
 
 def test_a_buffer_is_prepared_on_the_host_for_either_packing_and_a_fixed_shape() -> None:
