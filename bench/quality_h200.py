@@ -527,12 +527,18 @@ def main() -> int:
     ck = load_checkpoint(final_dirs[first])
     ck.drafter.to(device=dev, dtype=eval_dtype)
     lm = TargetLM(target.model, ck.tap_layers)
+    # The parts of this stage timed apart (it took 134 s with exact float32 kernels against 81 s with TF32, unexplained).
+    t1 = time.perf_counter()
     costs = loop_costs(lm, ck.drafter, prompts[0], b_train) if dev.type == "cuda" else {}
     if costs:
         print("loop costs (ms per call, synchronised): " + ", ".join(f"{k} {v}" for k, v in costs.items()))
+    t2 = time.perf_counter()
     diag = diagnose(lm, ck.drafter, data_dir, drafter_dir, target, dev)
     print("diagnosis: " + json.dumps(diag), flush=True)
+    t3 = time.perf_counter()
     refs = reference_generations(lm, prompts, n_new, [tok.eos_id])
+    print(f"eval_references parts: load {t1 - t0:.1f}s, loop costs {t2 - t1:.1f}s, diagnosis {t3 - t2:.1f}s, "
+          f"greedy references {time.perf_counter() - t3:.1f}s", flush=True)
     stage("eval_references", t0)
     results: dict[str, Any] = {}
     for b in [int(x) for x in args.blocks.split(",")]:
