@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 NODE_PLACEHOLDER = "{node}"  # in a group run's paths and command: the node rank (members sharing a file system)
-TORCHRUN = ["{python}", "-m", "torch.distributed.run"]
+# torchrun itself, except that the head keeps the c10d store up until every node has left (dflash/torchrun.py).
+TORCHRUN = ["{python}", "-m", "dflash.torchrun"]
 # The launcher options opsctl computes for every node: given by hand they would disagree between nodes.
 FILLED_OPTIONS = ("--nnodes", "--node-rank", "--node_rank", "--nproc-per-node", "--nproc_per_node", "--rdzv-backend",
                   "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--rdzv-conf",
@@ -41,7 +42,7 @@ class Launcher(_Strict):
     @classmethod
     def _launcher(cls, v: list[str]) -> list[str]:
         if not v or not v[0] or any("\x00" in a for a in v):
-            raise ValueError("torchrun is an argv list, e.g. ['{python}', -m, torch.distributed.run]")
+            raise ValueError("torchrun is an argv list, e.g. ['{python}', -m, dflash.torchrun]")
         return v
 
 

@@ -117,7 +117,8 @@ hosts:
 
 # A group: one run across several hosts above, through torchrun's c10d rendezvous (docs/scaling.md). opsctl starts
 # `torchrun --nnodes N --node-rank i --rdzv-endpoint HEAD:PORT ... COMMAND` on every member (node i = members[i],
-# node 0 = the head, which hosts the rendezvous); every verb takes the group in place of HOST
+# node 0 = the head, which hosts the rendezvous; the launcher is `{python} -m dflash.torchrun`, torchrun whose head
+# keeps the rendezvous up until every node left); every verb takes the group in place of HOST
 # (`opsctl launch pair qwen27b`, status, logs [--node I], history, kill, clean, watch pair:qwen27b).
 # groups:
 #   pair:

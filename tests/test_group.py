@@ -215,7 +215,7 @@ def test_colocated_group_kill_leaves_nothing_and_a_dead_node_crashes_the_group(t
             if line.startswith("READY r:"):
                 break
         assert seen and seen[-1].startswith("READY r:"), "".join(seen)
-        ranks = [p for p, c in nodes[1].training() if "torch.distributed.run" not in c]
+        ranks = [p for p, c in nodes[1].training() if "dflash.torchrun" not in c]
         assert ranks, nodes[1].procs()
         nodes[1].pct.pct("exec", str(VMID), "--", "kill", "-KILL", *map(str, ranks))
         rest = follow.stderr.read()

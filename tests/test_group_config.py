@@ -62,7 +62,7 @@ def test_a_group_run_becomes_one_torchrun_per_member_with_node_rank_head_and_por
     assert [n.host.name for n in run.nodes] == ["a", "b"]
     assert list(run.ranks(1)) == [4, 5, 6, 7]
     cmds = [n.run.command for n in run.nodes]
-    assert cmds[0][:3] == ["python3", "-m", "torch.distributed.run"]
+    assert cmds[0][:3] == ["python3", "-m", "dflash.torchrun"]
     for i, cmd in enumerate(cmds):
         opts = dict(zip(cmd[3:-7:2], cmd[4:-7:2], strict=True))
         assert opts == {"--nnodes": "2", "--node-rank": str(i), "--nproc-per-node": "4", "--rdzv-backend": "c10d",

@@ -67,7 +67,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, nodes: list[Node]) -> Iterator
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         # Every rank paused (SIGSTOP) until the export is following: the backlog cannot hold every step, so the
         # rest only comes through --follow, from both nodes at once.
-        ranks = [[str(p) for p, c in n.training() if "torch.distributed.run" not in c and "opsctl-agent" not in c]
+        ranks = [[str(p) for p, c in n.training() if "dflash.torchrun" not in c and "opsctl-agent" not in c]
                  for n in nodes]
         assert all(ranks), ranks
         signal_ranks(nodes, ranks, "-STOP")

@@ -1,6 +1,7 @@
 """Two "nodes" on this machine through torchrun's own c10d rendezvous: the training core spans hosts unchanged.
 
-Each node is a separate `torchrun --nnodes 2 --node-rank i` on its own loopback address (127.0.0.2 hosts the
+Each node is a separate `torchrun --nnodes 2 --node-rank i` (through dflash.torchrun, as opsctl starts a group's
+nodes) on its own loopback address (127.0.0.2 hosts the
 rendezvous store, 127.0.0.3 joins it); gloo traffic stays on the loopback interface. The split run (target rank on
 node 1, drafter rank on node 0) must give exactly the losses of the same config run colocated in one process, as the
 single-node split tests already prove for one process group.
@@ -53,7 +54,7 @@ def _run_nodes(tmp_path: Path, cfg_file: Path, nproc: int, tag: str) -> list[dic
     procs = []
     for node, addr in ((0, head), (1, "127.0.0.3")):
         conf = "is_host=true" if node == 0 else "is_host=false"
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+        argv = [sys.executable, "-m", "dflash.torchrun", "--nnodes", "2", "--node-rank", str(node),
                 "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:{port}",
                 "--rdzv-id", f"multinode-{tag}", "--rdzv-conf", conf, "--local-addr", addr, "--max-restarts", "0",
                 "-m", "dflash", "train", "--config", str(cfg_file), "--out", str(tmp_path / f"{tag}-node{node}")]
