@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config, parse_rendezvous_endpoint
 
 LINGER_S = 30.0  # the head's longest wait for the others after its agent returned (a node that died never says so)
-SAY_LEFT_TIMEOUT_S = 5.0  # a node's longest try to reach the head's store to say it left
+SAY_LEFT_TIMEOUT_S = 3.0  # per connect try (TCPStore retries once): how long a node tries to tell the head it left
 _TRUE = ("1", "true", "t", "yes", "y")  # RendezvousParameters.get_as_bool's spellings
 _FALSE = ("0", "false", "f", "no", "n")
 
