@@ -8,6 +8,7 @@ newer checkpoints. Delete the broken directory (the message says which) to resum
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -31,6 +32,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint that must not be trusted; the message names the directory and the offending file."""
 
 
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """No space (or quota) left: the one write failure a run can outlive, since its state is still in memory."""
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
 @dataclass
 class SavedCheckpoint:
     path: Path
@@ -38,6 +47,7 @@ class SavedCheckpoint:
     manifest_sha256: str
     bytes: int
     seconds: float
+    free_bytes: int  # left on the checkpoints' file system after the save (and the pruning)
 
 
 def _sha256_file(path: Path) -> str:
@@ -112,23 +122,30 @@ def save_checkpoint(out: str | Path, step: int, files: dict[str, bytes | Callabl
     for stale in root.iterdir():  # leftovers of a crashed save: ours by name pattern, inside our own dir
         if stale.is_dir() and _TMP_RE.match(stale.name):
             shutil.rmtree(stale)
+    for name in files:
+        if "/" in name or name in (MANIFEST, "", ".", ".."):
+            raise ValueError(f"bad checkpoint file name {name!r}")
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
     tmp.mkdir()
     entries: dict[str, dict[str, Any]] = {}
-    for name, content in files.items():
-        if "/" in name or name in (MANIFEST, "", ".", ".."):
-            raise ValueError(f"bad checkpoint file name {name!r}")
-        dest = tmp / name
-        if isinstance(content, bytes):
-            _write_bytes(dest, content)
-        else:
-            content(dest)
-            with open(dest, "rb+") as fh:
-                os.fsync(fh.fileno())
-        entries[name] = {"bytes": dest.stat().st_size, "sha256": _sha256_file(dest)}
-    manifest = json_bytes({"step": step, "files": entries, "created": time.time()})
-    _write_bytes(tmp / MANIFEST, manifest)
-    _fsync_dir(tmp)
+    try:
+        for name, content in files.items():
+            dest = tmp / name
+            if isinstance(content, bytes):
+                _write_bytes(dest, content)
+            else:
+                content(dest)
+                with open(dest, "rb+") as fh:
+                    os.fsync(fh.fileno())
+            entries[name] = {"bytes": dest.stat().st_size, "sha256": _sha256_file(dest)}
+        manifest = json_bytes({"step": step, "files": entries, "created": time.time()})
+        _write_bytes(tmp / MANIFEST, manifest)
+        _fsync_dir(tmp)
+    except BaseException:
+        # A failed save gives its space back at once (a full disk must not stay full of a half checkpoint); the
+        # directory is ours: made above, by name, inside our own checkpoints dir.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     final = root / f"step-{step}"
     if final.exists():  # re-saving the same step (e.g. a signal right after a periodic save): replace it
         shutil.rmtree(final)
@@ -138,7 +155,7 @@ def save_checkpoint(out: str | Path, step: int, files: dict[str, bytes | Callabl
         prune(out, keep_last)
     total = sum(e["bytes"] for e in entries.values()) + len(manifest)
     return SavedCheckpoint(path=final, step=step, manifest_sha256=hashlib.sha256(manifest).hexdigest(), bytes=total,
-                           seconds=time.perf_counter() - t0)
+                           seconds=time.perf_counter() - t0, free_bytes=shutil.disk_usage(root).free)
 
 
 def list_checkpoints(out: str | Path) -> list[tuple[int, Path]]:

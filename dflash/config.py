@@ -166,6 +166,8 @@ class TrainConfig(_Section):
     seed: int = 0
     checkpoint_every: int = 100  # steps; 0 = only at the end / on a signal
     keep_last: int = 3
+    # The final checkpoint on a full disk: retry for this long (a periodic one is skipped; training goes on).
+    final_save_wait_s: float = 600.0
     heartbeat_s: float = 5.0
     log_every: int = 1
     compile: str = "auto"  # auto (GPU only) | true | false
@@ -173,7 +175,7 @@ class TrainConfig(_Section):
 
     _positive = _v(_positive, "lr", "heartbeat_s")
     _counts = _v(_at_least(1), "epochs", "max_steps", "keep_last", "log_every")
-    _every = _v(_at_least(0, ">="), "checkpoint_every")
+    _every = _v(_at_least(0, ">="), "checkpoint_every", "final_save_wait_s")
 
     @field_validator("compile", mode="before")
     @classmethod

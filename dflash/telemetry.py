@@ -76,7 +76,8 @@ KINDS: dict[str, dict[str, tuple[type, ...]]] = {
 }
 
 PHASES = ("loading_target", "building_drafter", "preparing_data", "compiling", "training", "saving", "finishing")
-ERROR_CLASSES = ("oom", "nccl", "nan", "exception", "slow_kernel", "uncompiled_flex", "recompile", "config")
+ERROR_CLASSES = ("oom", "nccl", "nan", "exception", "slow_kernel", "uncompiled_flex", "recompile", "config",
+                 "disk_full")
 END_REASONS = ("completed", "signal", "error", "refused")
 # Where run_start's `config` holds the drafter reservoir's capacity (the bound on `step.queue_depth`).
 RESERVOIR_CAPACITY = ("data", "reservoir")

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -49,6 +50,11 @@ from dflash.target import Target, probe_kernels, target_shape
 from dflash.telemetry import Heartbeat, hostname
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+FINAL_SAVE_RETRY_S = 15.0  # how often the final checkpoint is tried again on a full disk
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -69,6 +75,8 @@ def lr_lambda(total_steps: int, warmup_frac: float, min_ratio: float) -> Callabl
 def classify_error(exc: BaseException) -> str:
     """The contract's error classes: what a person must do differs (smaller batch, network, data/lr, code)."""
     text = f"{type(exc).__name__}: {exc}"
+    if ckpt.is_disk_full(exc):
+        return "disk_full"
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower():
         return "oom"
     lower = text.lower()
@@ -537,6 +545,47 @@ class Trainer:
             self.log.info("%s", compile_cache.save(self.run_dir.out, self.artifact_key, prev))
 
     # -- the loop
+    def _disk_full(self, message: str) -> None:
+        self.emit("error", **{"class": "disk_full"}, message=message, traceback=None, fatal=False)
+        self.log.warning("%s", message)
+
+    def _write_checkpoint(self, files: dict[str, bytes], final: bool) -> ckpt.SavedCheckpoint | None:
+        """A full disk must not end a week-long run whose state is still in memory. A periodic checkpoint is then
+        skipped (training goes on; the next one tries again); the final one is retried every FINAL_SAVE_RETRY_S
+        for up to train.final_save_wait_s, unless a signal asks the run to stop, then fails the run (the previous
+        checkpoint stays). Either way the failed attempt's partial directory is already gone (save_checkpoint)."""
+        where = ckpt.checkpoints_dir(self.run_dir.out)
+        deadline = time.monotonic() + self.cfg.train.final_save_wait_s
+        announced = False
+        while True:
+            try:
+                return ckpt.save_checkpoint(self.run_dir.out, self.global_step, files,
+                                            keep_last=self.cfg.train.keep_last)
+            except OSError as exc:
+                if not ckpt.is_disk_full(exc):
+                    raise
+                need = sum(len(v) for v in files.values())
+                free = shutil.disk_usage(where).free
+                what = (f"checkpoint step-{self.global_step} not saved: {exc.strerror} in {where} ({_mib(free)} "
+                        f"free, it needs {_mib(need)})")
+                if not final:
+                    every = self.cfg.train.checkpoint_every
+                    self._disk_full(f"{what}; training goes on and the next save (step "
+                                    f"{self.global_step + every}) tries again: free space there or lower "
+                                    f"train.keep_last ({self.cfg.train.keep_last})")
+                    return None
+                if self.gate.received is not None or time.monotonic() >= deadline:
+                    raise OSError(exc.errno, f"final {what}; the newest checkpoint on disk is the one to resume "
+                                             f"from") from exc
+                if not announced:
+                    self._disk_full(f"final {what}; retrying every {FINAL_SAVE_RETRY_S:g} s for up to "
+                                    f"{self.cfg.train.final_save_wait_s:g} s (train.final_save_wait_s): free space "
+                                    f"there; `opsctl kill` gives up")
+                    announced = True
+                until = min(deadline, time.monotonic() + FINAL_SAVE_RETRY_S)
+                while time.monotonic() < until and self.gate.received is None:
+                    time.sleep(0.2)
+
     def train(self) -> TrainResult:
         """Step until the planned length, a signal (finish the step, checkpoint) or a non-finite loss."""
         reason = "completed"
@@ -556,7 +605,7 @@ class Trainer:
                 self.save()
         if reason == "signal" and self.roles.split:
             self.source.stop(self.feeder.pending_targets(self.roles))
-        self.save()
+        self.save(final=True)
         self.phase("finishing")
         if reason == "signal":
             return self.end("signal", EXIT_OK, signal=self.gate.name or "SIGTERM")
@@ -668,8 +717,9 @@ class Trainer:
                       self.total, st.loss, st.acc[0] if st.acc else float("nan"), lr, grad_norm, tps, step_time)
 
     # -- checkpoints
-    def save(self) -> None:
-        """Gather every drafter rank's feed position and RNG, then rank 0 writes one atomic checkpoint."""
+    def save(self, final: bool = False) -> None:
+        """Gather every drafter rank's feed position and RNG, then rank 0 writes one atomic checkpoint (`final`: the
+        one at the end of the run or on a signal)."""
         n_d = len(self.roles.drafters)
         mine = {"feed": self.feeder.state().to_json(), "rng": _rng_state(self.gen)}
         if n_d > 1:
@@ -695,9 +745,14 @@ class Trainer:
             "pipeline.json": ckpt.json_bytes(pipeline),
             "meta.json": ckpt.json_bytes(meta),
         }
-        saved = ckpt.save_checkpoint(self.run_dir.out, self.global_step, files, keep_last=self.cfg.train.keep_last)
-        self.emit("checkpoint", path=str(saved.path), step=saved.step, manifest_sha256=saved.manifest_sha256,
-                  bytes=saved.bytes, seconds=saved.seconds)
-        self.log.info("checkpoint %s (%.1f MB, %.2fs)", saved.path, saved.bytes / 2**20, saved.seconds)
+        saved = self._write_checkpoint(files, final)
+        if saved is not None:
+            self.emit("checkpoint", path=str(saved.path), step=saved.step, manifest_sha256=saved.manifest_sha256,
+                      bytes=saved.bytes, seconds=saved.seconds, free_bytes=saved.free_bytes)
+            self.log.info("checkpoint %s (%.1f MB, %.2fs)", saved.path, saved.bytes / 2**20, saved.seconds)
+            if not final and saved.free_bytes < saved.bytes:
+                self._disk_full(f"{_mib(saved.free_bytes)} left in {saved.path.parent} after checkpoint "
+                                f"step-{saved.step} ({_mib(saved.bytes)}): the next one will not fit; free space there "
+                                f"or lower train.keep_last ({self.cfg.train.keep_last})")
         # `training` is entered once (docs/events.md); heartbeats go back to it without a new phase event.
         self.live.phase = prev_phase

@@ -35,7 +35,8 @@ def _error_class(name: str) -> str:
     return name
 
 
-NAN, SLOW_KERNEL, RECOMPILE, UNCOMPILED_FLEX = map(_error_class, ("nan", "slow_kernel", "recompile", "uncompiled_flex"))
+NAN, SLOW_KERNEL, RECOMPILE, UNCOMPILED_FLEX, DISK_FULL = map(
+    _error_class, ("nan", "slow_kernel", "recompile", "uncompiled_flex", "disk_full"))
 
 # Config keys that name the hidden-state reservoir's capacity (the training core's config names it).
 _EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)\b")
@@ -104,6 +105,7 @@ class AlertTracker:
         self.slow_kernels: dict[str, str] = {}
         self.kernel_errors: list[str] = []
         self.nan: str | None = None
+        self.disk_full: str | None = None  # the last disk_full error since the last checkpoint that fit
         self.recompile_base: tuple[int, int] | None = None  # (step, recompiles) at the end of warm-up
         self.recompile_growth: str | None = None
         self.recompile_errors: list[str] = []
@@ -166,10 +168,14 @@ class AlertTracker:
                 self.training_since = float(ts)
         elif kind == "step":
             self._observe_step(ev)
+        elif kind == "checkpoint":
+            self.disk_full = None  # a checkpoint that fit; a warning that the next one will not follows it
         elif kind == "error":
             cls = ev.get("class")
             message = str(ev.get("message") or "")
-            if cls == NAN and self.nan is None:
+            if cls == DISK_FULL:
+                self.disk_full = message
+            elif cls == NAN and self.nan is None:
                 self.nan = f"error nan: {message}"
             elif cls == SLOW_KERNEL:
                 self.kernel_errors.append(message)
@@ -246,6 +252,8 @@ class AlertTracker:
             yield Alert("link", CRITICAL, title, self.link_detail or self.link_state)
         if self.nan is not None:
             yield Alert("nan", CRITICAL, "loss is NaN/inf", self.nan)
+        if self.disk_full is not None and v.state not in ("crashed", "finished", "killed"):
+            yield Alert("disk_full", CRITICAL, "checkpoints: disk full", self.disk_full)
         if self.slow_kernels or self.kernel_errors:
             parts = [f"{k}: {impl}" for k, impl in sorted(self.slow_kernels.items())] + self.kernel_errors
             yield Alert("slow_kernel", WARNING, "slow kernel fallback", "; ".join(parts))

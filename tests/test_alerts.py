@@ -248,3 +248,23 @@ def test_a_kill_we_asked_for_is_no_alert_and_says_how_it_ended() -> None:
     assert alerts == {}  # killed on request: the badge says so, nothing to alert anyone about
     assert r.state.view(T0 + 11).state == "killed"
     assert ending_text(r.state.view(T0 + 11)) == "run_end signal, exit code 0, at step 3"
+
+
+def test_a_checkpoint_skipped_for_a_full_disk_is_an_alert_until_one_fits_again() -> None:
+    r = Run()
+    r.feed(run_start(T0), ev("phase", T0 + 1, phase="training"), step(1, T0 + 2))
+    assert "disk_full" not in r.alerts(T0 + 3)
+    msg = "checkpoint step-100 not saved: No space left on device in /r/checkpoints (1.0 MiB free, it needs 9.0 MiB)"
+    r.feed(ev("error", T0 + 3, **{"class": "disk_full", "message": msg, "traceback": None, "fatal": False}),
+           step(2, T0 + 4))
+    a = r.alerts(T0 + 5)["disk_full"]
+    assert a.severity == "critical" and a.evidence == msg
+    r.feed(ev("checkpoint", T0 + 6, path="/r/checkpoints/step-200", step=200, manifest_sha256="x", bytes=9,
+              seconds=0.1, free_bytes=100))
+    assert "disk_full" not in r.alerts(T0 + 7)
+    # The warning that the next checkpoint will not fit follows the checkpoint that just fit: it stays.
+    r.feed(ev("checkpoint", T0 + 8, path="/r/checkpoints/step-300", step=300, manifest_sha256="y", bytes=9,
+              seconds=0.1, free_bytes=5),
+           ev("error", T0 + 8, **{"class": "disk_full", "message": "the next one will not fit", "traceback": None,
+                                  "fatal": False}))
+    assert r.alerts(T0 + 9)["disk_full"].evidence == "the next one will not fit"

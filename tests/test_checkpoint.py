@@ -93,3 +93,20 @@ def test_keep_last_prunes_oldest(tmp_path: Path) -> None:
 
 def test_no_checkpoint_returns_none(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path) is None
+
+
+def test_a_failed_save_removes_its_partial_directory_at_once_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    import errno
+
+    save_checkpoint(tmp_path, 1, {"a.bin": b"x" * 10})
+
+    def full(dest: Path) -> None:
+        dest.write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as err:
+        save_checkpoint(tmp_path, 2, {"a.bin": b"y" * 10, "b.bin": full})
+    assert err.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
+    saved = save_checkpoint(tmp_path, 3, {"a.bin": b"z"}, keep_last=1)
+    assert saved.free_bytes > 0 and [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-3"]
