@@ -102,7 +102,8 @@ class TensorBoardExport:
                     self._scalar(f"{prefix}rank{rank}/{name}", value, step, ts)
         elif kind == "checkpoint":
             step = ev.get("step") if isinstance(ev.get("step"), int) else self.step
-            for key, tag, scale in (("seconds", "checkpoint/seconds", 1.0), ("bytes", "checkpoint/gib", 2.0**-30)):
+            for key, tag, scale in (("seconds", "checkpoint/seconds", 1.0), ("bytes", "checkpoint/gib", 2.0**-30),
+                                    ("free_bytes", "checkpoint/free_gib", 2.0**-30)):
                 value = _number(ev.get(key))
                 if value is not None:
                     self._scalar(tag, value * scale, step, ts)

@@ -31,7 +31,8 @@ def _attempt(w: EventWriter, first: int, last: int, resumed_from: int | None, lo
                grad_norm=2.0, tokens=100, tokens_per_s=400.0 + step, step_time_s=0.25, queue_depth=3,
                queue_wait_s=0.01, recompiles=0, total_steps=20)
         w.emit("heartbeat", phase="training", step=step, rss_mb=1000.0 + step, gpu_mem_mb=None)
-    w.emit("checkpoint", path="/ckpt", step=last, manifest_sha256="0" * 64, bytes=2**30, seconds=1.5)
+    w.emit("checkpoint", path="/ckpt", step=last, manifest_sha256="0" * 64, bytes=2**30, seconds=1.5,
+           free_bytes=(40 - last) * 2**30)
 
 
 def _scalars(logdir: Path, tag: str) -> list[tuple[int, float]]:
@@ -61,6 +62,7 @@ def test_export_writes_tensorboard_scalars_that_its_reader_reads_back_resume_and
     assert _scalars(out, "queue/depth")[0][1] == 3.0
     assert _scalars(out, "rank0/rss_mb")[-1] == (12, pytest.approx(1012.0))
     assert _scalars(out, "checkpoint/gib")[-1] == (12, pytest.approx(1.0))
+    assert _scalars(out, "checkpoint/free_gib")[-1] == (12, pytest.approx(28.0))  # the space left, over the run
     state = json.loads((out / STATE_FILE).read_text())
     assert state["events_offset"] == events.stat().st_size and state["last_step"] == 12
 
