@@ -132,10 +132,12 @@ class Live:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def heartbeat(self) -> dict[str, Any]:
-        gpu = None
+        gpu = reserved = None
         if self.device.type == "cuda":
             gpu = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
-        return {"phase": self.phase, "step": self.step, "gpu_mem_mb": gpu}
+            # reserved - allocated is the caching allocator's slack: fragmentation shows as it grows over hours
+            reserved = round(torch.cuda.memory_reserved(self.device) / 2**20, 1)
+        return {"phase": self.phase, "step": self.step, "gpu_mem_mb": gpu, "gpu_reserved_mb": reserved}
 
 
 class SignalGate:

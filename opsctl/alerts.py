@@ -22,6 +22,13 @@ GPU_IDLE_AFTER_S = 30.0
 STARVED_FRACTION = 0.5  # drafter waits more than half of its step for hidden states
 QUEUE_WINDOW = 5  # steps looked at for starvation / backlog
 QUEUE_MIN_STEPS = 3
+# Memory that keeps growing while training (a leak, host or GPU; allocator fragmentation): the baseline is the median
+# of MEM_WINDOW heartbeats once MEM_SETTLE_S of training has passed (caches and compiled graphs are built by then),
+# compared with the median of the last MEM_WINDOW. Medians: one spike is not growth.
+MEM_SETTLE_S = 600.0
+MEM_WINDOW = 12  # heartbeats (a minute at the default heartbeat_s of 5)
+MEM_GROWTH_FRAC = 0.2  # of the baseline, and at least
+MEM_GROWTH_MIN_MB = 2048.0
 CRITICAL = "critical"
 WARNING = "warning"
 
@@ -119,6 +126,8 @@ class AlertTracker:
         self.gpus_with_procs: set[int] = set()
         self.log_exception: str | None = None
         self._in_traceback = False
+        # per (rank, heartbeat key): (baseline samples, recent samples); samples are (ts, step, MB)
+        self.mem: dict[tuple[int, str], tuple[list[tuple[float, int, float]], deque[tuple[float, int, float]]]] = {}
 
     # -- input ---------------------------------------------------------------------------
     def observe(self, msg: dict[str, Any]) -> None:
@@ -168,6 +177,8 @@ class AlertTracker:
                 self.training_since = float(ts)
         elif kind == "step":
             self._observe_step(ev)
+        elif kind == "heartbeat":
+            self._observe_memory(ev)
         elif kind == "checkpoint":
             self.disk_full = None  # a checkpoint that fit; a warning that the next one will not follows it
         elif kind == "error":
@@ -183,6 +194,35 @@ class AlertTracker:
             elif cls in (RECOMPILE, UNCOMPILED_FLEX):
                 self.recompile_errors.append(f"{cls}: {message}")
                 del self.recompile_errors[:-5]
+
+    def _observe_memory(self, ev: dict[str, Any]) -> None:
+        ts, step, rank = ev.get("ts"), ev.get("step"), ev.get("rank")
+        if (self.training_since is None or not _finite(ts) or float(ts) < self.training_since + MEM_SETTLE_S
+                or not isinstance(step, int) or not isinstance(rank, int)):
+            return
+        for key in ("rss_mb", "gpu_mem_mb", "gpu_reserved_mb"):
+            mb = ev.get(key)
+            if not _finite(mb):
+                continue
+            base, recent = self.mem.setdefault((rank, key), ([], deque(maxlen=MEM_WINDOW)))
+            if len(base) < MEM_WINDOW:
+                base.append((float(ts), step, float(mb)))
+            recent.append((float(ts), step, float(mb)))
+
+    def _memory_evidence(self) -> str | None:
+        names = {"rss_mb": "host RSS", "gpu_mem_mb": "GPU allocated", "gpu_reserved_mb": "GPU reserved"}
+        grew = []
+        for (rank, key), (base, recent) in sorted(self.mem.items()):
+            if len(base) < MEM_WINDOW or len(recent) < MEM_WINDOW or recent[0][0] <= base[-1][0]:
+                continue  # the two windows must not overlap
+            b = statistics.median(x[2] for x in base)
+            now = statistics.median(x[2] for x in recent)
+            if now - b < max(MEM_GROWTH_FRAC * b, MEM_GROWTH_MIN_MB):
+                continue
+            hours = max(recent[-1][0] - base[0][0], 1.0) / 3600
+            grew.append(f"rank {rank} {names[key]} {b / 1024:.1f} GiB at step {base[0][1]} -> {now / 1024:.1f} GiB "
+                        f"at step {recent[-1][1]} (+{(now - b) / 1024:.1f} GiB in {hours:.1f} h)")
+        return "; ".join(grew) or None
 
     def _observe_step(self, ev: dict[str, Any]) -> None:
         ts = ev.get("ts")
@@ -260,6 +300,10 @@ class AlertTracker:
         if self.recompile_growth or self.recompile_errors:
             parts = ([self.recompile_growth] if self.recompile_growth else []) + self.recompile_errors
             yield Alert("recompile", WARNING, "recompiles after warm-up", "; ".join(parts))
+        if v.state in ("training", "stalled"):
+            grew = self._memory_evidence()
+            if grew:
+                yield Alert("memory_growth", WARNING, "memory keeps growing", grew)
         if v.state == "training":
             idle = self._idle_evidence()
             if idle:

@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "steps the crash lost. Export again into the same DIR and only new events are added. "
                        "--follow keeps adding steps and NVML samples (GPU util, memory, power, temperature) "
                        "until the run ends. W&B reads DIR with `wandb sync --sync-tensorboard DIR`. Tags: train/*, "
-                       "acc/*, perf/*, queue/*, compile/*, checkpoint/*, rank{R}/rss_mb and rank{R}/gpu_mem_mb, "
+                       "acc/*, perf/*, queue/*, compile/*, checkpoint/*, rank{R}/rss_mb, gpu_mem_mb and gpu_reserved_mb, "
                        "gpu{I}/util_pct, mem_used_mb, power_w, temp_c, sm_clock_mhz. For a group run (HOST names a "
                        "group): the training scalars from node 0 (it holds global rank 0), and every node's ranks "
                        "and GPUs under node{N}/ (node{N}/rank{R}/..., R the global rank; node{N}/gpu{I}/..., I the "

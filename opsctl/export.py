@@ -29,7 +29,7 @@ STEP_TAGS = {
     "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "tokens": "perf/tokens",
     "queue_depth": "queue/depth", "queue_wait_s": "queue/wait_s", "recompiles": "compile/recompiles",
 }
-HEARTBEAT_TAGS = {"rss_mb": "rss_mb", "gpu_mem_mb": "gpu_mem_mb"}  # per rank: rank{R}/... (group: node{N}/rank{R}/...)
+HEARTBEAT_TAGS = {"rss_mb": "rss_mb", "gpu_mem_mb": "gpu_mem_mb", "gpu_reserved_mb": "gpu_reserved_mb"}  # per rank: rank{R}/... (group: node{N}/rank{R}/...)
 GPU_TAGS = {"util": "util_pct", "mem_used_mb": "mem_used_mb", "power_w": "power_w", "temp_c": "temp_c",
             "sm_clock_mhz": "sm_clock_mhz"}  # per GPU: gpu{I}/... (group: node{N}/gpu{I}/...)
 

@@ -268,3 +268,48 @@ def test_a_checkpoint_skipped_for_a_full_disk_is_an_alert_until_one_fits_again()
            ev("error", T0 + 8, **{"class": "disk_full", "message": "the next one will not fit", "traceback": None,
                                   "fatal": False}))
     assert r.alerts(T0 + 9)["disk_full"].evidence == "the next one will not fit"
+
+
+def _beats(r: Run, t0: float, t1: float, mb: Any, rank: int = 0, every: float = 5.0, key: str = "rss_mb") -> None:
+    """Heartbeats every `every` s from t0 to t1, memory mb(t) for `key` (MB)."""
+    t = t0
+    while t <= t1:
+        fields = {"rss_mb": 3000.0, "gpu_mem_mb": 60000.0, "gpu_reserved_mb": 70000.0, key: float(mb(t))}
+        r.feed(ev("heartbeat", t, phase="training", step=int(t - T0), rank=rank, **fields))
+        t += every
+
+
+def _training(r: Run) -> None:
+    r.feed(run_start(T0), ev("phase", T0, phase="training"), step(1, T0 + 1))
+
+
+def test_host_memory_that_keeps_growing_after_warm_up_is_an_alert_with_the_figures() -> None:
+    r = Run(stall_after_s=1e9)
+    _training(r)
+    # Loading and compiling grow memory in the first minutes: not growth (the baseline starts after MEM_SETTLE_S).
+    _beats(r, T0 + 5, T0 + 600, lambda t: 3000 + 10 * (t - T0))
+    _beats(r, T0 + 605, T0 + 3600, lambda t: 9000.0)
+    assert "memory_growth" not in r.alerts(T0 + 3601)
+    # Then a leak: +1 GiB every 10 minutes for 2 hours.
+    _beats(r, T0 + 3605, T0 + 3600 + 7200, lambda t: 9000 + (t - T0 - 3600) / 600 * 1024)
+    a = r.alerts(T0 + 10801)["memory_growth"]
+    assert a.severity == "warning"
+    assert a.evidence == "rank 0 host RSS 8.8 GiB at step 600 -> 20.7 GiB at step 10800 (+12.0 GiB in 2.8 h)"
+
+
+def test_one_memory_spike_or_growth_within_the_margin_is_not_an_alert() -> None:
+    r = Run(stall_after_s=1e9)
+    _training(r)
+    _beats(r, T0 + 5, T0 + 4000, lambda t: 30000.0 if int(t) % 600 == 0 else 9000.0)  # one heartbeat in 120
+    # +1.5 GiB (under max(20 %, 2 GiB)), and a spike in the latest heartbeat (a mean of the window would alert)
+    _beats(r, T0 + 4005, T0 + 8000, lambda t: 30000.0 if t == T0 + 8000 else 9000 + 1500.0)
+    assert "memory_growth" not in r.alerts(T0 + 8001)
+
+
+def test_gpu_reserved_growth_on_another_rank_is_named() -> None:
+    r = Run(stall_after_s=1e9)
+    _training(r)
+    _beats(r, T0 + 5, T0 + 4000, lambda t: 70000.0, rank=3, key="gpu_reserved_mb")
+    _beats(r, T0 + 4005, T0 + 6000, lambda t: 70000.0 + 20000.0, rank=3, key="gpu_reserved_mb")
+    a = r.alerts(T0 + 6001)["memory_growth"]
+    assert a.evidence == "rank 3 GPU reserved 68.4 GiB at step 600 -> 87.9 GiB at step 6000 (+19.5 GiB in 1.5 h)"
