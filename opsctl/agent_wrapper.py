@@ -11,7 +11,8 @@ while it lives, the leftovers stay findable; the tmux pane turns dead only after
 
 Every start of the command is an *attempt* recorded in STATE_DIR/history.jsonl. The wrapper is also where the
 run's restart policy lives (a crashed attempt is started again, with the resume arguments, after the back-off:
-it needs no client connected) and where `notify` commands are fired on crashed / finished / stalled / restarting.
+it needs no client connected) and where `notify` commands are fired on crashed / finished / stalled / restarting /
+disk_full.
 The agent runs this same text (exec'd into a namespace) for the rules both halves share: the attempt history, log
 rotation, the crash line of a log, and how extra arguments join a command.
 """
@@ -454,6 +455,9 @@ class EventsWatch:
             self.last_progress: float | None = None
             self.step_times: collections.deque[float] = collections.deque(maxlen=20)
             self.stalled = False
+            # a `disk_full` error to notify: once per episode (until a checkpoint that fits ends it)
+            self.disk_full: tuple[int | None, str] | None = None
+            self.disk_full_told = False
 
     def poll(self) -> None:
         if not self.path:
@@ -498,6 +502,9 @@ class EventsWatch:
             self.last_step = ev["resumed_from"]
         elif kind == "checkpoint" and ev.get("path"):
             self.checkpoint = str(ev["path"])
+            self.disk_full, self.disk_full_told = None, False
+        elif kind == "error" and ev.get("class") == "disk_full" and not self.disk_full_told:
+            self.disk_full, self.disk_full_told = (self.last_step, str(ev.get("message") or "disk full")), True
         elif kind == "run_end":
             self.run_end = ev
             if isinstance(ev.get("step"), int):
@@ -509,6 +516,12 @@ class EventsWatch:
         if self.step_times:
             return max(STALL_FLOOR_S, STALL_FACTOR * statistics.median(self.step_times))
         return STALL_FLOOR_S
+
+    def take_disk_full(self) -> tuple[int | None, str] | None:
+        """(step, message) of a disk_full error not notified yet, once per episode."""
+        with self.lock:
+            got, self.disk_full = self.disk_full, None
+            return got
 
     def check_stall(self) -> float | None:
         """The silence in seconds when the run just became stalled (once per stall), else None."""
@@ -703,12 +716,18 @@ def main() -> None:
     restart_times: list[float] = []
     current = {"attempt": aid, "running": False}
 
+    def tell_disk_full() -> None:
+        full = watch.take_disk_full()
+        if full is not None:
+            notifier.fire("disk_full", {"attempt": current["attempt"], "step": full[0], "reason": full[1]})
+
     def stall_monitor() -> None:
         while True:
             time.sleep(0.5)
             watch.poll()
             if not current["running"]:
                 continue
+            tell_disk_full()
             age = watch.check_stall()
             if age is not None:
                 notifier.fire("stalled", {"attempt": current["attempt"], "step": watch.last_step,
@@ -746,6 +765,7 @@ def main() -> None:
         ended = time.time()
         attempt.close()
         watch.poll()
+        tell_disk_full()  # one the run wrote just before it ended comes before how it ended
         killed = os.path.exists(killed_file)
         run_end = watch.run_end or {}
         if killed:

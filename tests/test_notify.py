@@ -120,3 +120,17 @@ def test_notify_on_stall_once_never_blocks_and_kill_is_silent(tmp_path: Path, ss
     assert st["state"] == "killed" and st["leftover_pids"] == [] and st["reason"] is None, st
     time.sleep(1.0)
     assert len(lines(out, 1)) == 1 and not (tmp_path / "host-notes").exists()
+
+
+def test_notify_on_disk_full_once_per_episode_then_finished(tmp_path: Path, sshd, ct: int) -> None:
+    """A checkpoint that did not fit notifies once; more of the same do not until a checkpoint fits again."""
+    out = tmp_path / "notes"
+    run = script_run(tmp_path, "ok_run.py", "--steps", "6", "--step-time", "0.6", "--disk-full-steps", "2,3,5",
+                     "--checkpoint-steps", "4")
+    hosts = hosts_with_notify(sshd, tmp_path / "hosts.yaml", ct, {"r": run}, recorder(out))
+    assert opsctl(hosts, "launch", "box", "r", "--follow").returncode == commands.EXIT_OK
+    got = lines(out, 3)
+    time.sleep(1.0)  # nothing more may come
+    assert lines(out, 3) == got and [g[3:5] for g in got] == [["disk_full", "2"], ["disk_full", "5"],
+                                                              ["finished", "6"]], got
+    assert got[0][5] == "checkpoint step-2 not saved: No space left on device"

@@ -11,7 +11,12 @@ import time
 
 from _common import parse, writer
 
-args = parse(steps=5, step_time=0.2, load_time=0.3, ckpt_dir="", signal_log="")
+args = parse(steps=5, step_time=0.2, load_time=0.3, ckpt_dir="", signal_log="", disk_full_steps="",
+             checkpoint_steps="")
+# Steps after which the run reports a checkpoint that did not fit (a `disk_full` error, as dflash.train writes it) or
+# one that did (a `checkpoint` event), comma-separated.
+disk_full_at = {int(x) for x in args.disk_full_steps.split(",") if x}
+checkpoint_at = {int(x) for x in args.checkpoint_steps.split(",") if x}
 stop = {"sig": None}
 
 
@@ -39,6 +44,12 @@ while step < args.steps and stop["sig"] is None:
            tokens_per_s=500.0, step_time_s=args.step_time, queue_depth=0, queue_wait_s=0.0, recompiles=0,
            total_steps=args.steps)
     print(f"step {step} loss {5.0 / step:.3f}", flush=True)
+    if step in checkpoint_at:
+        w.emit("checkpoint", path=f"/ckpt/step-{step}", step=step, manifest_sha256="0" * 64, bytes=10, seconds=0.0,
+               free_bytes=5)
+    if step in disk_full_at:
+        w.emit("error", **{"class": "disk_full"}, message=f"checkpoint step-{step} not saved: No space left on device",
+               traceback=None, fatal=False)
 if stop["sig"] is not None and args.ckpt_dir:
     os.makedirs(args.ckpt_dir, exist_ok=True)
     path = os.path.join(args.ckpt_dir, f"step{step}.pt")
