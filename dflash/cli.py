@@ -115,7 +115,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _fail(msg: str) -> int:
-    print(f"dflash: {msg}", file=sys.stderr)
+    from dflash.telemetry import stderr_line
+
+    stderr_line(f"dflash: {msg}")
     return 2
 
 

@@ -36,6 +36,7 @@ from dflash.speculative import (
     speculative_generate,
     target_greedy,
 )
+from dflash.telemetry import stderr_line
 
 
 class EvalError(ValueError):
@@ -96,7 +97,7 @@ def load_checkpoint(path: str | Path) -> Loaded:
         try:
             cfg = config_from_dict(meta["config"], f"{src / 'meta.json'}:config")
         except ConfigError as exc:  # saved by an older dflash whose config no longer validates: --config must say
-            print(f"dflash eval: the checkpoint's saved config is not usable ({exc}); pass --config", file=sys.stderr)
+            stderr_line(f"dflash eval: the checkpoint's saved config is not usable ({exc}); pass --config")
     drafter = _build_drafter(_drafter_config(meta["drafter"]), load_file(src, "drafter.pt"), int(t["hidden_size"]),
                              len(t["tap_layers"]), str(src / "drafter.pt"))
     run_dir = src.parent.parent if src.parent.name == "checkpoints" else None
@@ -676,7 +677,7 @@ def run(args: Any) -> int:
     from dflash.data import read_documents
 
     def fail(msg: str) -> int:
-        print(f"dflash eval: {msg}", file=sys.stderr)
+        stderr_line(f"dflash eval: {msg}")
         return 2
 
     if (args.checkpoint is None) == (args.drafter is None):
@@ -730,6 +731,6 @@ def run(args: Any) -> int:
         if "warning" in result:
             print(f"warning: {result['warning']}")
     if not result["lossless"]:
-        print(f"dflash eval: {LosslessError.__name__}: {result['errors'][0]}", file=sys.stderr)
+        stderr_line(f"dflash eval: {LosslessError.__name__}: {result['errors'][0]}")
         return 1
     return 0

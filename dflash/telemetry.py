@@ -10,6 +10,7 @@ import math
 import os
 import resource
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -266,6 +267,13 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self._interval + 1)
+
+
+def stderr_line(line: str) -> None:
+    """One line on stderr in one write(): print() writes the text and its newline in two, so ranks of a torchrun
+    sharing one log could glue two lines together (CI saw it), and opsctl reads a crash's reason from such lines."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def hostname() -> str:

@@ -12,7 +12,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -47,7 +46,7 @@ from dflash.pipeline import (
 )
 from dflash.rundir import ResumeRefused, RunDir, UsageError, check_out, open_run_dir, select_start
 from dflash.target import Target, probe_kernels, target_shape
-from dflash.telemetry import Heartbeat, hostname
+from dflash.telemetry import Heartbeat, hostname, stderr_line
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 FINAL_SAVE_RETRY_S = 15.0  # how often the final checkpoint is tried again on a full disk
@@ -327,12 +326,12 @@ class Trainer:
             self.global_step = exc.step
             self.emit("error", **{"class": "config"}, message=str(exc), traceback=None, fatal=True)
             self.log.error("%s", exc)
-            print(f"dflash: {exc}", file=sys.stderr)
+            stderr_line(f"dflash: {exc}")
             return self.end("refused", EXIT_USAGE)
         except (UsageError, DataError, ConfigError, ckpt.CheckpointError) as exc:
             self.emit("error", **{"class": "config"}, message=str(exc), traceback=None, fatal=True)
             self.log.error("%s", exc)
-            print(f"dflash: {exc}", file=sys.stderr)
+            stderr_line(f"dflash: {exc}")
             return self.end("error", EXIT_USAGE)
         except Exception as exc:  # noqa: BLE001 - every failure must reach the event stream, classified
             cls = classify_error(exc)
@@ -371,7 +370,7 @@ class Trainer:
                 self.emit("error", **{"class": "slow_kernel"}, message=p, traceback=None, fatal=not allowed)
                 self.log.error("loaded target: %s", p)
             if not allowed:
-                print(f"dflash: loaded target: {problems[0]}", file=sys.stderr)
+                stderr_line(f"dflash: loaded target: {problems[0]}")
                 return self.end("error", EXIT_ERROR)
         else:
             self.log.info("loaded target binds the kernels the probe saw")

@@ -101,9 +101,9 @@ def _traceback_at(lines: list[str], i: int) -> list[str]:
 # torchrun's own exception when a rank fails: it says that a rank failed, not why (the rank's own traceback, or the
 # dflash CLI's one-line error, is earlier in the same log).
 _LAUNCHER_ERROR = "torch.distributed.elastic."
-# The one line a dflash command prints on a bad config/data/checkpoint before exiting 2 (no traceback), possibly
-# prefixed by torchrun's per-rank tag.
-_CLI_ERROR = re.compile(r"^(?:\[(?:default)?\d*\]?(?:rank\d+)?\]?:\s*)?(dflash [a-z][a-z-]*: .+)$")
+# The one line a dflash command prints on a bad config/data/checkpoint before exiting 2 (no traceback): `dflash: ...`
+# (train) or `dflash eval: ...`, possibly prefixed by torchrun's per-rank tag.
+_CLI_ERROR = re.compile(r"^(?:\[(?:default)?\d*\]?(?:rank\d+)?\]?:\s*)?(dflash(?: [a-z][a-z-]*)?: .+)$")
 # torchrun's `Root Cause (first observed failure)` block: the failed rank, its exit code, and for a signal its name.
 _ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
 

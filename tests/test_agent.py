@@ -436,8 +436,7 @@ def test_traceback_from_lines_drops_stdout_lines_interleaved_by_the_pipes() -> N
 _RANK_SCRIPTS = {
     # rank 1 raises: its own traceback comes before torchrun's ChildFailedError
     "raises": 'import os, time\nif os.environ["RANK"] == "1":\n    raise RuntimeError("boom on rank 1")\ntime.sleep(5)\n',
-    # the dflash CLI's way out on a bad config: one line on stderr, exit 2, no traceback
-    "cli_error": 'import sys\nprint("dflash train: bad.yaml:3: train.lr: must be > 0", file=sys.stderr)\nsys.exit(2)\n',
+    # "cli_error" is the real dflash CLI on a bad config: one line on stderr from every rank, exit 2, no traceback
     # a rank that dies without a word
     "silent": 'import os, time\nif os.environ["RANK"] == "1":\n    os._exit(3)\ntime.sleep(5)\n',
 }
@@ -445,7 +444,7 @@ _RANK_SCRIPTS = {
 
 @pytest.mark.parametrize("case, want", [
     ("raises", "RuntimeError: boom on rank 1"),
-    ("cli_error", "dflash train: bad.yaml:3: train.lr: must be > 0"),
+    ("cli_error", "dflash: bad.yaml:2: train.lr: must be positive, got -1.0"),
     ("silent", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: rank 1: exited with code 3 "
                "(no traceback in the log)"),
 ])
@@ -454,12 +453,19 @@ def test_crash_line_under_torchrun_names_the_rank_failure_not_torchruns_own_erro
     """Every multi-GPU run goes through torchrun, whose ChildFailedError traceback ends the log and only says that a
     rank failed: status must show why (the rank's exception, the CLI's error line, or the root cause's rank and
     exit code). Real torchrun, two CPU ranks."""
-    script = tmp_path / f"{case}.py"
-    script.write_text(_RANK_SCRIPTS[case])
+    if case == "cli_error":
+        (tmp_path / "bad.yaml").write_text("train:\n  lr: -1\n")
+        command = ["-m", "dflash", "train", "--config", "bad.yaml", "--out", "out"]
+    else:
+        script = tmp_path / f"{case}.py"
+        script.write_text(_RANK_SCRIPTS[case])
+        command = [str(script)]
     log = tmp_path / f"{case}.log"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     with open(log, "wb") as fh:
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                            str(_free_port()), str(script)], stdout=fh, stderr=subprocess.STDOUT, timeout=120)
+                            str(_free_port()), *command], cwd=tmp_path, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                           timeout=120)
     assert r.returncode != 0
     text = log.read_text()
     assert "ChildFailedError" in text and agent.traceback_from_lines(text.splitlines()).endswith("ChildFailedError: ")
