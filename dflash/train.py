@@ -572,7 +572,7 @@ class Trainer:
                 if not final:
                     every = self.cfg.train.checkpoint_every
                     self._disk_full(f"{what}; training goes on and the next save (step "
-                                    f"{self.global_step + every}) tries again: free space there or lower "
+                                    f"{min(self.global_step + every, self.total)}) tries again: free space there or lower "
                                     f"train.keep_last ({self.cfg.train.keep_last})")
                     return None
                 if self.gate.received is not None or time.monotonic() >= deadline:
