@@ -277,7 +277,8 @@ def main() -> int:
     ap.add_argument("--regen-batch", type=int, default=4096,
                     help="prompts decoded together: the decode loop is host-bound (~25 ms a step at 1024 prompts, "
                          "40k tok/s on an H200, against ~1 ms of GPU work), so a 4x batch should give ~3-4x the "
-                         "tokens/s (default 4096 since 2026-12-04, not yet measured; was 1024)")
+                         "tokens/s (default 4096 since 2026-12-04, was 1024; dflash regen lowers it to 65535 // heads = 4095 "
+                         "here: 4096 x 16 heads overflowed a CUDA launch grid)")
     ap.add_argument("--regen-seconds", type=float, default=90.0,
                     help="wall-clock budget of regeneration (110 s: 13.3k-16.7k prompts on an H200)")
     ap.add_argument("--drafter-steps", type=int, default=2000)

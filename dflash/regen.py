@@ -129,6 +129,20 @@ def _cut(gen: list[int], stop: set[int]) -> tuple[list[int], str]:
     return gen, "length"
 
 
+CUDA_GRID_Y_MAX = 65535  # CUDA's limit on a launch grid's y (and z) dimension
+
+
+def cuda_rows_cap(config: Any) -> int:
+    """The most prompts one forward may carry on CUDA. fla's Gated DeltaNet kernels launch grids of
+    (chunks, batch x value heads); past 65,535 rows a launch fails with "Triton Error [CUDA]: invalid argument"
+    (seen on an H200: 4096 prompts x 16 heads). Full attention's heads are counted too, to stay clear of the same
+    limit in any kernel that lays out (batch x heads) on y."""
+    cfg = getattr(config, "text_config", None) or config
+    heads = max(int(getattr(cfg, "linear_num_value_heads", 0) or 0), int(getattr(cfg, "num_attention_heads", 0) or 0),
+                1)
+    return max(1, CUDA_GRID_Y_MAX // heads)
+
+
 def generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float, stop: list[int],
                    device: torch.device, generator: torch.Generator | None = None) -> list[tuple[list[int], str]]:
     """Continue equally long prompts together (no padding: every row is exactly the target's own continuation).
@@ -236,6 +250,10 @@ def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: R
         raise DataError(f"target vocab {target.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
     model = target.model
     use_sdpa_for_decoding(model)  # batched cached decoding: transformers' masks, not the packed-row varlen function
+    if dev.type == "cuda" and s.batch_size > (cap := cuda_rows_cap(model.config)):
+        log(f"regen: --batch-size {s.batch_size} lowered to {cap}: the target's kernels launch one CUDA block row per "
+            f"prompt and head, and a grid's y dimension holds at most {CUDA_GRID_Y_MAX}")
+        s = dataclasses.replace(s, batch_size=cap)
     stop = tok.stop_ids()
     # Equal lengths batch together (text prompts all have prompt_tokens), longest first; order within is corpus order.
     order = sorted(range(len(todo)), key=lambda j: (-len(todo[j].ids), j))
@@ -346,5 +364,6 @@ def _progress(total: int) -> Any:
 
 
 __all__ = [
-    "Prompt", "RegenSettings", "corpus_prompts", "generate_batch", "regen", "regenerated_documents", "spread",
+    "CUDA_GRID_Y_MAX", "Prompt", "RegenSettings", "corpus_prompts", "cuda_rows_cap", "generate_batch", "regen",
+    "regenerated_documents", "spread",
 ]

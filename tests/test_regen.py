@@ -23,7 +23,7 @@ from dflash.cli import main
 from dflash.config import config_from_dict
 from dflash.data import DataError, load_tokenizer, read_documents, tokenize
 from dflash.pretrain import replace_fields, resolve_target
-from dflash.regen import RECORDS, Prompt, RegenSettings, corpus_prompts, regen, spread
+from dflash.regen import CUDA_GRID_Y_MAX, RECORDS, Prompt, RegenSettings, corpus_prompts, cuda_rows_cap, regen, spread
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = RegenSettings(num_prompts=256, prompt_tokens=12, max_new_tokens=36, batch_size=128)
@@ -239,3 +239,15 @@ def test_target_regen_builds_the_training_records_once_and_reuses_them(resolved:
     assert regenerated_documents(resolve_target(other, raw, log=lambda _m: None), raw, log=said.append)
     assert said[0].startswith("data: regenerating") and str(where) not in said[0]
     assert regenerated_documents(cfg, docs, log=again.append) == docs
+
+
+def test_cuda_rows_cap_keeps_prompts_times_heads_inside_cudas_grid_limit() -> None:
+    """4096 prompts x 16 Gated DeltaNet value heads crashed fla's kernel launch on an H200 (grid y > 65,535)."""
+    from transformers import Qwen3_5TextConfig
+
+    bench = Qwen3_5TextConfig(vocab_size=8192, num_hidden_layers=4, hidden_size=1024, num_attention_heads=8,
+                              num_key_value_heads=2, linear_num_key_heads=8, linear_num_value_heads=16)
+    cap = cuda_rows_cap(bench)
+    assert cap * 16 <= CUDA_GRID_Y_MAX < (cap + 1) * 16 and cap < 4096
+    wide = Qwen3_5TextConfig(num_attention_heads=40, num_key_value_heads=8, linear_num_value_heads=32)
+    assert cuda_rows_cap(wide) == CUDA_GRID_Y_MAX // 40  # full attention's heads count when they are the most
