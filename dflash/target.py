@@ -420,7 +420,8 @@ class Target:
             )
         else:
             self.packing = cfg.packing
-        self.attention = resolve_target_attention(cfg.attention, self.packing, varlen_attn_available())
+        self.attention = resolve_target_attention(cfg.attention, self.packing, varlen_attn_available(),
+                                                  self.model.dtype)
         if self.attention == "varlen":
             self.model.set_attn_implementation(register_varlen_attention())
 
@@ -586,6 +587,9 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
                                       is_causal=query.shape[2] > 1)
     if query.shape[0] != 1:
         raise ValueError(f"varlen attention takes one packed row, got a batch of {query.shape[0]}")
+    if query.dtype not in VARLEN_DTYPES:  # a half-precision target moved to float32 after it was set up
+        raise RuntimeError(f"varlen attention runs PyTorch's flash kernel, float16/bfloat16 only; got {query.dtype}. "
+                           "A float32 target packs with attention sdpa (model.set_attn_implementation('sdpa')).")
     from torch.nn.attention.varlen import varlen_attn
 
     t, hq, hkv = query.shape[2], query.shape[1], key.shape[1]
@@ -620,16 +624,25 @@ def varlen_attn_available() -> bool:
     return True
 
 
-def resolve_target_attention(choice: str, packing: str, varlen_available: bool) -> str:
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # PyTorch's varlen flash kernel refuses anything else
+
+
+def resolve_target_attention(choice: str, packing: str, varlen_available: bool,
+                             dtype: torch.dtype = torch.bfloat16) -> str:
     """target.attention -> the implementation used: auto picks varlen for packed rows when torch has it (the fused
-    kernel; sdpa would get a dense block-diagonal mask), sdpa otherwise (padded rows gain nothing from varlen)."""
+    kernel; sdpa would get a dense block-diagonal mask) and the target runs in half precision (the flash kernel has
+    no float32: "FlashAttention only support fp16 and bf16 data type"), sdpa otherwise (padded rows gain nothing)."""
     if choice not in ATTENTIONS:
         raise ValueError(f"target.attention must be one of {', '.join(ATTENTIONS)}; got {choice!r}")
     if choice == "auto":
-        return "varlen" if packing == "varlen" and varlen_available else "sdpa"
+        return "varlen" if packing == "varlen" and varlen_available and dtype in VARLEN_DTYPES else "sdpa"
     if choice == "varlen" and not varlen_available:
         raise ValueError(f"target.attention=varlen needs torch.nn.attention.varlen (torch >= 2.10); this is torch "
                          f"{torch.__version__}. Use attention: sdpa or auto.")
+    if choice == "varlen" and packing == "varlen" and dtype not in VARLEN_DTYPES:  # padded rows run sdpa: fine
+        raise ValueError(f"target.attention=varlen runs PyTorch's flash kernel on packed rows, which takes float16 or "
+                         f"bfloat16 only; this target is {str(dtype).removeprefix('torch.')}. Use attention: sdpa or "
+                         "auto.")
     return choice
 
 

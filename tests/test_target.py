@@ -309,6 +309,12 @@ def test_target_attention_auto_picks_varlen_only_for_packed_rows_with_torchs_var
     assert resolve_target_attention("auto", "pad", True) == "sdpa"  # padded rows gain nothing from varlen
     assert resolve_target_attention("auto", "varlen", False) == "sdpa"
     assert resolve_target_attention("sdpa", "varlen", True) == "sdpa"
+    # the flash kernel has no float32 (a float32 target crashed in it on an H200): auto falls back, explicit refuses
+    assert resolve_target_attention("auto", "varlen", True, torch.float32) == "sdpa"
+    assert resolve_target_attention("auto", "varlen", True, torch.float16) == "varlen"
+    with pytest.raises(ValueError, match="float16 or bfloat16 only; this target is float32"):
+        resolve_target_attention("varlen", "varlen", True, torch.float32)
+    assert resolve_target_attention("varlen", "pad", True, torch.float32) == "varlen"  # padded rows: sdpa inside
     with pytest.raises(ValueError, match="needs torch.nn.attention.varlen"):
         resolve_target_attention("varlen", "varlen", False)
     # On CPU packing resolves to pad, so the default target keeps sdpa.
