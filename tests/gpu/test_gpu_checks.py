@@ -75,6 +75,9 @@ def test_kernels_bound_match_the_installed_packages() -> None:
 def test_fla_varlen_target_equals_padded(dtype: str, tol: float) -> None:
     target = Target(TargetConfig(arch=GPU_ARCH, dtype=dtype), num_draft_layers=2, device=DEV)
     assert target.packing == "varlen"
+    # PyTorch's varlen flash kernel has no float32 ("FlashAttention only support fp16 and bf16 data type"): auto
+    # keeps a float32 target's full attention on sdpa with the block-diagonal mask
+    assert target.attention == ("sdpa" if dtype == "float32" else "varlen")
     lengths = [300, 1000, 77, 2000, 1, 619]
     g = torch.Generator(device="cpu").manual_seed(0)
     docs = [torch.randint(0, GPU_ARCH["vocab_size"], (n,), generator=g) for n in lengths]
@@ -416,3 +419,23 @@ def test_exact_float32_kernels_make_chunked_and_recurrent_logits_agree() -> None
     print("float32 chunked vs recurrent logits", res)
     assert res["exact"]["exact"] and res["exact"]["state"]["fla_solve_tril"] == "ieee"
     assert res["exact"]["rel"] < 1e-5
+
+
+@pytest.mark.skipif(not HAVE_FAST, reason="needs flash-linear-attention and causal-conv1d")
+def test_regen_batch_at_the_cuda_rows_cap_decodes() -> None:
+    """4096 prompts x 16 Gated DeltaNet value heads overflowed fla's launch grid (y <= 65,535) on an H200; regen
+    lowers its batch to cuda_rows_cap. A batch of exactly that many prompts must run."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from dflash.regen import CUDA_GRID_Y_MAX, cuda_rows_cap, generate_batch
+
+    arch = {**GPU_ARCH, "linear_num_key_heads": 8, "linear_num_value_heads": 16, "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32, "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]}
+    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**arch)).to(DEV, torch.bfloat16).eval()
+    cap = cuda_rows_cap(model.config)
+    assert cap == CUDA_GRID_Y_MAX // 16
+    g = torch.Generator().manual_seed(7)
+    prompts = torch.randint(0, arch["vocab_size"], (cap, 12), generator=g).tolist()
+    outs = generate_batch(model, prompts, 3, 0.0, [], DEV)
+    assert len(outs) == cap and all(len(gen) == 3 and why == "length" for gen, why in outs)
