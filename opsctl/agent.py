@@ -1161,6 +1161,18 @@ def _count_tree(real: str) -> tuple[int, int]:
     return len(names), sum(_tree_size(os.path.join(real, n)) for n in names)
 
 
+def host_load_check(load1: float, cpus: int) -> tuple[bool, str]:
+    """(warn, detail) for the host's 1-minute load average against its CPUs. A launch onto a host whose CPUs are
+    already taken is not refused (GPU work needs little CPU) but is said: data loading and the launch stream compete
+    for the cores, and on a CPU run every step slows in proportion (the tiny demo ran many times slower next to a
+    test suite on 2 cores)."""
+    busy = load1 > cpus
+    detail = f"load {load1:.1f} over the last minute on {cpus} CPU{'s' if cpus != 1 else ''}"
+    if busy:
+        detail += ": more runnable work than CPUs; this run will share them and be slower (top / ps -eo pcpu,pid,args)"
+    return busy, detail
+
+
 # -- verbs --------------------------------------------------------------------------------------------------
 def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     force = bool(opts.get("force"))
@@ -1229,6 +1241,11 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
               else "no compute processes on " + (", ".join(f"gpu{i}" for i in gpus) if gpus else "any GPU"))
     else:
         emit("check", name="gpus_free", ok=True, detail="not checked: nvml " + nvml.status)
+    try:
+        warn, detail = host_load_check(os.getloadavg()[0], os.cpu_count() or 1)
+        emit("check", name="host_load", ok=True, warn=warn, detail=detail)
+    except OSError:  # no load average on this system: nothing to say
+        pass
 
     if run.args.get("model_dir"):
         good, detail = check_manifest(run.path(run.args["model_dir"]),

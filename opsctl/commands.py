@@ -144,7 +144,9 @@ def preflight(ctx: Ctx, host: HostConfig, t: Transport) -> None:
 
 def _print_check(ctx: Ctx, m: dict[str, Any]) -> None:
     # `skipped`: the check could not be made (e.g. no NVML); neither a pass nor a failure.
-    mark = "[yellow]skip[/]" if m.get("skipped") else ("[green]ok[/]  " if m.get("ok") else "[red]FAIL[/]")
+    # `warn`: passed, but worth knowing (e.g. a host whose CPUs are all busy).
+    mark = "[yellow]skip[/]" if m.get("skipped") else ("[red]FAIL[/]" if not m.get("ok") else
+                                                        "[yellow]warn[/]" if m.get("warn") else "[green]ok[/]  ")
     ctx.err.print(f"{mark} {m.get('name')}: ", Text(str(m.get("detail", ""))), sep="")
 
 

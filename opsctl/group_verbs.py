@@ -622,6 +622,8 @@ def _launch_message(ctx: Ctx, st: _NodeLaunch, m: dict[str, Any], lock: threadin
     if kind == "check":
         if not m.get("ok") and not m.get("skipped"):
             ctx.err.print(Text(f"{prefix}FAIL {m.get('name')}: {m.get('detail')}", style="red"))
+        elif m.get("warn"):  # a passed check worth saying on a group launch too (e.g. a node with busy CPUs)
+            ctx.err.print(Text(f"{prefix}warn {m.get('name')}: {m.get('detail')}", style="yellow"))
     elif kind == "launched":
         st.launched = True
         st.attempt = m.get("attempt") if isinstance(m.get("attempt"), int) else None

@@ -286,6 +286,8 @@ def test_gpus_busy_refuses_launch_unless_forced_and_follow_samples(tmp_path: Pat
         rc, msgs = drive("launch", {**args, "options": {"gpus": [1]}}, env=env)
         assert rc == agent.EXIT_CODES["timeout"] and of(msgs, "launched")
         assert [c for c in of(msgs, "check") if c["name"] == "gpus_free"][0]["detail"] == "no compute processes on gpu1"
+        load = [c for c in of(msgs, "check") if c["name"] == "host_load"][0]  # said, never a refusal
+        assert load["ok"] and f" on {os.cpu_count()} CPU" in load["detail"] and isinstance(load["warn"], bool)
         cleanup(args)
         rc, msgs = drive("launch", {**args, "options": {"force": True, "gpu_interval": 0.2}}, env=env)
         assert rc == agent.EXIT_CODES["timeout"] and "ignored: --force" in of(msgs, "check")[1]["detail"]
@@ -478,3 +480,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_host_load_check_warns_only_when_runnable_work_exceeds_the_cpus() -> None:
+    assert agent.host_load_check(1.5, 2) == (False, "load 1.5 over the last minute on 2 CPUs")
+    warn, detail = agent.host_load_check(5.2, 2)
+    assert warn and detail.startswith("load 5.2 over the last minute on 2 CPUs: more runnable work than CPUs")
+    assert agent.host_load_check(1.0, 1) == (False, "load 1.0 over the last minute on 1 CPU")
