@@ -74,9 +74,20 @@ KINDS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "error": {"class": (str,), "message": (str,), "traceback": _OPT_STR, "fatal": (bool,)},
     "run_end": {"reason": (str,), "exit_code": (int,), "step": (int,)},
+    "eval": {
+        "step": (int,),
+        "tau": _OPT_NUM,
+        "accept_by_position": (list,),
+        "ngram_tau": _OPT_NUM,
+        "block_size": (int,),
+        "sequences": (int,),
+        "tokens": (int,),
+        "seconds": _NUM,
+    },
 }
 
-PHASES = ("loading_target", "building_drafter", "preparing_data", "compiling", "training", "saving", "finishing")
+PHASES = ("loading_target", "building_drafter", "preparing_data", "compiling", "training", "saving", "evaluating",
+          "finishing")
 ERROR_CLASSES = ("oom", "nccl", "nan", "exception", "slow_kernel", "uncompiled_flex", "recompile", "config",
                  "disk_full")
 END_REASONS = ("completed", "signal", "error", "refused")
@@ -121,6 +132,9 @@ def validate_event(obj: Any) -> dict[str, Any]:
         raise EventError(f"run_end: unknown reason {obj['reason']!r}")
     if kind == "step" and not all(isinstance(a, (int, float)) for a in obj["acc"]):
         raise EventError("step: acc must be a list of numbers")
+    if kind == "eval" and not all(a is None or (isinstance(a, (int, float)) and not isinstance(a, bool))
+                                  for a in obj["accept_by_position"]):
+        raise EventError("eval: accept_by_position must be a list of numbers (or null)")
     return obj
 
 
