@@ -84,9 +84,11 @@ def _parser() -> argparse.ArgumentParser:
 def _eval_parser(sub: argparse._SubParsersAction) -> None:
     """`dflash eval`: greedy speculative decoding with the target verifying each block (dflash/eval.py)."""
     v = sub.add_parser("eval", help="acceptance length tau of a drafter on its target (lossless-checked), vs n-gram",
-                       description="Greedy speculative decoding on held-out prompts: tau, acceptance per block "
-                                   "position next to the training-time accuracy, speed, lossless check. Exit 1 "
-                                   "if any output differs from the target's own greedy decoding.")
+                       description="The acceptance length tau of greedy speculative decoding on held-out "
+                                   "prompts (mean tokens committed per target verify forward), acceptance per block "
+                                   "position next to the training-time accuracy. --method decode also measures "
+                                   "speed and checks lossless: exit 1 if any output differs from the target's own "
+                                   "greedy decoding.")
     src = v.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a RUN/checkpoints/step-N directory")
     src.add_argument("--drafter", help="a `dflash export` directory")
@@ -98,6 +100,12 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--prompt-tokens", type=int, default=32, help="prompt length for held-out documents")
     v.add_argument("--max-new-tokens", type=int, default=64)
     v.add_argument("--block-size", type=int, default=None, help="draft block size B (default: the drafter's)")
+    v.add_argument("--method", choices=["teacher-forced", "decode"], default="teacher-forced",
+                   help="teacher-forced (default): the decode loop's exact tau and acceptance per position from the "
+                        "target's greedy continuations, one target forward per prompt and one drafter pass over "
+                        "every position: many times faster (no token-by-token loop), the same figures. decode: "
+                        "greedy speculative decoding itself: adds wall-clock speed against the target alone and "
+                        "the lossless check (exit 1 when an output differs from the target's own greedy decoding)")
     v.add_argument("--baseline", choices=["ngram"], default=None, help="also run prompt-lookup drafting")
     v.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     v.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")

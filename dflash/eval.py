@@ -577,6 +577,7 @@ def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequenc
     stats = acceptance_stats(gens, b)
     result: dict[str, Any] = {
         **stats,
+        "method": "decode",
         "block_size": b,
         "lossless": not errors,
         "errors": errors,
@@ -593,6 +594,7 @@ def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequenc
         "target_forwards": {"target": sum(r.target_forwards for r in refs),
                             "dflash": sum(g.target_forwards for g in gens)},
         "match_by_position": match_by_position(gens, [g.tokens for g in gens], plens, b),
+        "accepted": [g.accepted for g in gens],
     }
     if train_acc:
         seqs = [[*p, *g.tokens] for p, g in zip(prompts, gens, strict=True)]
@@ -612,7 +614,88 @@ def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequenc
             "accept_hist": n_stats["accept_hist"],
             "accept_by_position": n_stats["accept_by_position"],
             "tokens_per_s": round(new_tokens / t_ngram, 2), "speedup": round(t_target / t_ngram, 3),
-            "lossless": not any("(ngram)" in e for e in errors)}}
+            "lossless": not any("(ngram)" in e for e in errors), "accepted": [g.accepted for g in ngram]}}
+    return result
+
+
+def greedy_sequences(target: TargetLM, prompts: Sequence[Sequence[int]], new_tokens: int,
+                     batch_size: int = 64) -> list[list[int]]:
+    """prompt + the target's greedy continuation of `new_tokens` tokens (no stop: the walk decides where the output
+    ends), for every prompt. Equally long prompts decode together (no padding, so every row is exactly the target's
+    own continuation); a batch is what regen decodes with."""
+    from dflash.regen import cuda_rows_cap, generate_batch
+
+    if target.device.type == "cuda":
+        batch_size = min(batch_size, cuda_rows_cap(target.model.config))
+    order = sorted(range(len(prompts)), key=lambda j: (-len(prompts[j]), j))
+    out: list[list[int] | None] = [None] * len(prompts)
+    i = 0
+    while i < len(order):
+        group = [order[i]]
+        while (i + len(group) < len(order) and len(group) < batch_size
+               and len(prompts[order[i + len(group)]]) == len(prompts[group[0]])):
+            group.append(order[i + len(group)])
+        rows = generate_batch(target.model, [list(prompts[j]) for j in group], new_tokens, 0.0, [], target.device)
+        for j, (gen, _why) in zip(group, rows, strict=True):
+            out[j] = [*prompts[j], *gen]
+        i += len(group)
+    return [s for s in out if s is not None]
+
+
+def evaluate_teacher_forced(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]],
+                            max_new_tokens: int, stop_ids: Sequence[int] = (), baseline_ngram: bool = False,
+                            sequences: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+    """tau and acceptance exactly as `evaluate` (the decode loop) would measure them, from the target's greedy
+    continuations (batched), one target forward per sequence and one drafter pass at every anchor (dflash/tau.py).
+    No lossless check and no wall-clock speed: those need the decode loop (`--method decode`)."""
+    import time
+
+    from dflash.tau import continuation_length, teacher_forced
+
+    b = drafter.cfg.block_size
+    t0 = time.perf_counter()
+    seqs = list(sequences) if sequences is not None else \
+        greedy_sequences(target, prompts, continuation_length(max_new_tokens, b))
+    t_gen = time.perf_counter() - t0
+    plens = [len(p) for p in prompts]
+
+    def taps_of(i: int) -> torch.Tensor:
+        _, taps = target.forward(seqs[i], 0, None, keep=1)
+        assert taps is not None
+        return taps
+
+    gens, ngram, acc = teacher_forced(drafter, target.embed_tokens, target.lm_head, seqs, plens, taps_of,
+                                      max_new_tokens, stop_ids, ngram=baseline_ngram)
+    param = next(target.model.parameters())
+    stats = acceptance_stats(gens, b)
+    result: dict[str, Any] = {
+        **stats,
+        "method": "teacher-forced",
+        "block_size": b,
+        "numerics": {"dtype": str(param.dtype).removeprefix("torch."), "device": param.device.type,
+                     "autocast": param.device.type != "cpu" and torch.is_autocast_enabled(param.device.type),
+                     "exact_float32": float32_is_exact(param.device)},
+        "prompts": len(prompts),
+        "prompt_tokens_mean": round(sum(plens) / len(plens), 1),
+        "max_new_tokens": max_new_tokens,
+        "new_tokens": sum(len(g.tokens) for g in gens),
+        "seconds": {"continuations": round(t_gen, 3), "total": round(time.perf_counter() - t0, 3)},
+        "match_by_position": match_by_position(gens, [g.tokens for g in gens], plens, b),
+        "train_acc_by_position": acc["all"],
+        "train_acc_counts": acc["counts"],
+        "train_acc_at_serve_anchors": acc["at_serve_anchors"],
+        "accepted": [g.accepted for g in gens],
+    }
+    intervals = tau_interval([gens, ngram] if ngram is not None else [gens])
+    result["tau_ci95"] = intervals[0]
+    if ngram is not None:
+        n_stats = acceptance_stats(ngram, b)
+        if stats["tau"] is not None and n_stats["tau"]:
+            result["tau_over_ngram"] = {"ratio": round(stats["tau"] / n_stats["tau"], 4), "ci95": intervals[2]}
+        result["baseline"] = {"ngram": {
+            "tau": n_stats["tau"], "tau_ci95": intervals[1], "steps": n_stats["steps"],
+            "accept_hist": n_stats["accept_hist"], "accept_by_position": n_stats["accept_by_position"],
+            "accepted": [g.accepted for g in ngram]}}
     return result
 
 
@@ -620,26 +703,35 @@ def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequenc
 
 
 def render(result: dict[str, Any]) -> None:
-    """A short rich table (tau, speed, lossless per method) and one acceptance bar per block position."""
+    """A short rich table (acceptance, and with the decode loop its wall-clock speed and the lossless check, per
+    method) and one acceptance bar per block position."""
     from rich.console import Console
     from rich.table import Table
 
     con = Console()
-    table = Table(title=f"dflash eval  B={result['block_size']}  {result['prompts']} prompts  "
-                        f"{result['new_tokens']} new tokens", title_justify="left")
-    for col in ("method", "tau", "tokens/s", "speedup", "lossless"):
+    decode = result.get("method", "decode") == "decode"
+    table = Table(title=f"dflash eval ({result.get('method', 'decode')})  B={result['block_size']}  "
+                        f"{result['prompts']} prompts  {result['new_tokens']} new tokens", title_justify="left")
+    cols = ["method", "acceptance tau"] + (["tokens/s", "speed vs target", "lossless"] if decode else [])
+    for col in cols:
         table.add_column(col, justify="left" if col == "method" else "right")
-    tps = result["tokens_per_s"]
-    table.add_row("target greedy", "1.00", f"{tps['target']:.1f}", "1.00x", "-")
+
     def num(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}"
 
-    table.add_row("dflash", num(result["tau"]), f"{tps['dflash']:.1f}", f"{result['speedup']:.2f}x",
-                  "yes" if not any("(dflash)" in e for e in result["errors"]) else "[red]NO[/red]")
     ng = result.get("baseline", {}).get("ngram")
-    if ng:
-        table.add_row("n-gram (prompt lookup)", num(ng["tau"]), f"{ng['tokens_per_s']:.1f}",
-                      f"{ng['speedup']:.2f}x", "yes" if ng["lossless"] else "[red]NO[/red]")
+    if decode:
+        tps = result["tokens_per_s"]
+        table.add_row("target greedy", "1.00", f"{tps['target']:.1f}", "1.00x", "-")
+        table.add_row("dflash", num(result["tau"]), f"{tps['dflash']:.1f}", f"{result['speedup']:.2f}x",
+                      "yes" if not any("(dflash)" in e for e in result["errors"]) else "[red]NO[/red]")
+        if ng:
+            table.add_row("n-gram (prompt lookup)", num(ng["tau"]), f"{ng['tokens_per_s']:.1f}",
+                          f"{ng['speedup']:.2f}x", "yes" if ng["lossless"] else "[red]NO[/red]")
+    else:
+        table.add_row("dflash", num(result["tau"]))
+        if ng:
+            table.add_row("n-gram (prompt lookup)", num(ng["tau"]))
     con.print(table)
     ci = result.get("tau_ci95")
     if ci is not None and result["prompts"] > 1:
@@ -647,7 +739,7 @@ def render(result: dict[str, Any]) -> None:
         ratio = result.get("tau_over_ngram")
         if ng and ng.get("tau_ci95") and ratio and ratio.get("ci95"):
             lo, hi = ng["tau_ci95"]
-            line += (f", n-gram {lo:.2f}-{hi:.2f}; dflash / n-gram {ratio['ratio']:.2f} "
+            line += (f", n-gram {lo:.2f}-{hi:.2f}; acceptance dflash / n-gram {ratio['ratio']:.2f}x "
                      f"({ratio['ci95'][0]:.2f}-{ratio['ci95'][1]:.2f})")
         con.print(line, style="dim")
     none = [None] * (result["block_size"] - 1)
@@ -661,9 +753,13 @@ def render(result: dict[str, Any]) -> None:
     con.print("accepted: share of steps accepting the draft at this position; match: the draft equals the target's "
               "token there; train: the training path's accuracy on the same text (all anchors; @serve: the anchors "
               "decoding used, equal to match unless serving and training differ)", style="dim")
-    for e in result["errors"]:
+    if not decode:
+        con.print(f"teacher-forced: exact greedy speculative decoding acceptance from one pass "
+                  f"({result['seconds']['total']:.1f} s); wall-clock speed and the lossless check: --method decode",
+                  style="dim")
+    for e in result.get("errors", []):
         con.print(f"[red]lossless check failed: {e}[/red]")
-    for t in result["ties"]:
+    for t in result.get("ties", []):
         con.print(f"numerical tie: prompt {t['prompt']} ({t['method']}) diverged at new token {t['position']} "
                   f"(logit gap {t['logit_gap']:.2e}; both tokens are the target's argmax up to rounding)")
 
@@ -715,9 +811,14 @@ def run(args: Any) -> int:
     except (EvalError, ConfigError, DataError) as exc:
         return fail(str(exc))
     stop_ids = [] if args.no_stop else [tok.eos_id]
+    method = getattr(args, "method", "teacher-forced")
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        result = evaluate(target, loaded.drafter, prompts, args.max_new_tokens, stop_ids,
-                          baseline_ngram=args.baseline == "ngram", tie_tol=args.tie_tol)
+        if method == "decode":
+            result = evaluate(target, loaded.drafter, prompts, args.max_new_tokens, stop_ids,
+                              baseline_ngram=args.baseline == "ngram", tie_tol=args.tie_tol)
+        else:
+            result = evaluate_teacher_forced(target, loaded.drafter, prompts, args.max_new_tokens, stop_ids,
+                                             baseline_ngram=args.baseline == "ngram")
     result = {"source": loaded.source, "prompts_from": where, "device": str(device), **result}
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     if loaded.cfg is not None and longest > loaded.cfg.data.max_len:
@@ -730,7 +831,7 @@ def run(args: Any) -> int:
         print(f"prompts: {where}")
         if "warning" in result:
             print(f"warning: {result['warning']}")
-    if not result["lossless"]:
+    if not result.get("lossless", True):
         stderr_line(f"dflash eval: {LosslessError.__name__}: {result['errors'][0]}")
         return 1
     return 0

@@ -229,7 +229,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_eval_json_on_a_trained_checkpoint(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from dflash.cli import main
 
-    code = main(["eval", "--checkpoint", str(checkpoint), "--json", "--baseline", "ngram", "--num-prompts", "2",
+    code = main(["eval", "--checkpoint", str(checkpoint), "--json", "--method", "decode", "--baseline", "ngram",
+                 "--num-prompts", "2",
                  "--prompt-tokens", "12", "--max-new-tokens", "10"])
     res = json.loads(capsys.readouterr().out)
     assert code == 0 and res["lossless"] is True
@@ -279,7 +280,8 @@ def test_eval_human_output_and_prompt_file(checkpoint: Path, tmp_path: Path,
 
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"text": "def main(argv):\n    return"}) + "\n")
-    assert main(["eval", "--checkpoint", str(checkpoint), "--prompts", str(f), "--max-new-tokens", "6"]) == 0
+    assert main(["eval", "--checkpoint", str(checkpoint), "--prompts", str(f), "--max-new-tokens", "6",
+                 "--method", "decode"]) == 0
     out = capsys.readouterr().out
     assert "dflash" in out and "tau" in out and "train@serve" in out and f"prompts: {f}" in out
 
@@ -399,7 +401,8 @@ def test_eval_an_exported_drafter(checkpoint: Path, tmp_path: Path, capsys: pyte
     hf = export_checkpoint(checkpoint, tmp_path / "hf")
     f = tmp_path / "p.txt"
     f.write_text("import os\n")
-    assert main(["eval", "--drafter", str(hf), "--prompts", str(f), "--max-new-tokens", "6", "--json"]) == 0
+    assert main(["eval", "--drafter", str(hf), "--prompts", str(f), "--max-new-tokens", "6", "--json",
+                 "--method", "decode"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["source"] == str(hf) and res["lossless"] is True and res["block_size"] == 4
     assert res["new_tokens"] == 6 and res["prompts"] == 1
