@@ -172,10 +172,17 @@ class TrainConfig(_Section):
     log_every: int = 1
     compile: str = "auto"  # auto (GPU only) | true | false
     compile_backend: str = "inductor"  # torch.compile backend ("eager"/"aot_eager" check tracing without codegen)
+    # The drafter's exact serving tau on a held-out set (the `eval` event, docs/events.md): every this many steps and
+    # at the end; None = at every checkpoint (checkpoint_every), 0 = off.
+    eval_every: int | None = None
+    eval_prompts: int = 32  # held-out prompts (the same ones `dflash eval --num-prompts N` picks)
+    eval_prompt_tokens: int | None = None  # None: target.regen's prompt_tokens, else data.max_len // 4 (<= 256)
+    eval_new_tokens: int | None = None  # None: target.regen's max_new_tokens, else up to 128
 
     _positive = _v(_positive, "lr", "heartbeat_s")
-    _counts = _v(_at_least(1), "epochs", "max_steps", "keep_last", "log_every")
-    _every = _v(_at_least(0, ">="), "checkpoint_every", "final_save_wait_s")
+    _counts = _v(_at_least(1), "epochs", "max_steps", "keep_last", "log_every", "eval_prompts",
+                 "eval_prompt_tokens", "eval_new_tokens")
+    _every = _v(_at_least(0, ">="), "checkpoint_every", "final_save_wait_s", "eval_every")
 
     @field_validator("compile", mode="before")
     @classmethod

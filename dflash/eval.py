@@ -262,13 +262,19 @@ def scheduled_doc_indices(cfg: RunConfig, tok: TokenizerAdapter, docs: Sequence[
 
 def heldout_documents(loaded: Loaded, docs: Sequence[Document], tok: TokenizerAdapter) -> tuple[list[Document], str]:
     """(documents the run never trained on, a one-line description of where they come from)."""
-    cfg = loaded.cfg
-    assert cfg is not None
+    assert loaded.cfg is not None
+    return heldout_documents_of(loaded.cfg, docs, tok, loaded.pipeline, loaded.run_dir)
+
+
+def heldout_documents_of(cfg: RunConfig, docs: Sequence[Document], tok: TokenizerAdapter,
+                         pipeline: dict[str, Any] | None, run_dir: Path | None) -> tuple[list[Document], str]:
+    """heldout_documents for a run described by its config, planned length (`pipeline`: total_steps, feeds) and
+    directory: what `dflash train` uses for its own eval set, so `dflash eval` on a checkpoint sees the same text."""
     if not cfg.data.paths:
         held = embedded_heldout(cfg.data.max_chars, docs)
         desc = f"stdlib sources after the embedded corpus cap (data.max_chars={cfg.data.max_chars}): {len(held)} files"
     else:
-        used = scheduled_doc_indices(cfg, tok, docs, loaded.pipeline, loaded.run_dir)
+        used = scheduled_doc_indices(cfg, tok, docs, pipeline, run_dir)
         held = [d for i, d in enumerate(docs) if i not in used]
         desc = f"{len(held)} of {len(docs)} documents of data.paths that no buffer of the run's schedule holds"
     if not held:

@@ -362,6 +362,9 @@ class Trainer:
             return self.end("error", EXIT_ERROR)
         if self.stop_requested():
             return self.end_on_signal()
+        self._build_heldout(tok)
+        if self.stop_requested():
+            return self.end_on_signal()
         self._build_target(tok.vocab_size)
         # The probe above saw a weightless instance; what counts is what the loaded model really bound.
         problems = loaded_kernel_problems(kernels, self.info.kernels, self.device, allowed)
@@ -410,6 +413,53 @@ class Trainer:
                       self.writer.run_id, "resume" if resume else "start", self.device, self.total,
                       st.buffers_per_epoch, cfg.data.token_budget, st.n_epochs, roles.as_event(),
                       f" from step {st.start_step}" if resume else "")
+
+    def _eval_every(self) -> int:
+        t = self.cfg.train
+        return t.checkpoint_every if t.eval_every is None else t.eval_every
+
+    def _build_heldout(self, tok: Any) -> None:
+        """Rank 0's held-out set for the `eval` events (dflash/heldout.py), made before the training target is loaded
+        (it loads the target once itself on first use, then reads the cache). A corpus with nothing held out turns
+        evaluation off with a line saying why: it never stops a run."""
+        from dflash import heldout
+        from dflash.eval import EvalError
+
+        self.heldout: heldout.HeldOutSet | None = None
+        if not self.rank0 or not self._eval_every():
+            return
+        self.phase("preparing_data", detail="held-out eval set")
+        try:
+            self.heldout = heldout.build(self.cfg, tok, block_size=self.cfg.drafter.block_size, total_steps=self.total,
+                                         n_drafters=len(self.roles.drafters), run_dir=self.run_dir.out,
+                                         device=self.device, log=lambda m: self.log.info("%s", m))
+        except (EvalError, DataError) as exc:
+            self.log.warning("eval: off for this run: %s (train.eval_every: 0 silences this)", exc)
+            return
+        hs = self.heldout
+        self.log.info("eval: tau on %d held-out sequences (%s) every %d steps; prompt lookup's tau there %s",
+                      len(hs.sequences), hs.source, self._eval_every(),
+                      "-" if hs.ngram_tau is None else f"{hs.ngram_tau:.3f}")
+
+    def evaluate(self) -> None:
+        """The drafter's exact serving tau on the held-out set: rank 0 alone (no collective; the other ranks wait at
+        the next step's), dense attention, no target forward (the set carries the target's taps)."""
+        from dflash import heldout
+
+        if getattr(self, "heldout", None) is None:
+            return
+        assert self.heldout is not None
+        prev_phase = self.live.phase
+        self.phase("evaluating")
+        autocast = self.device.type == "cuda"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            res = heldout.evaluate(self.drafter, self.info.embed_tokens, self.info.lm_head, self.heldout, self.device)
+        self.emit("eval", step=self.global_step, **res)
+        tau, ng = res["tau"], res["ngram_tau"]
+        self.log.info("eval step %d: tau %s (prompt lookup %s) on %d held-out sequences, %d tokens, %.2fs",
+                      self.global_step, "-" if tau is None else f"{tau:.3f}", "-" if ng is None else f"{ng:.3f}",
+                      res["sequences"], res["tokens"], res["seconds"])
+        self.live.phase = prev_phase
 
     def _build_target(self, vocab: int) -> None:
         """The target (target and colocated ranks) or its frozen embedding/LM head (drafter ranks in split mode)."""
@@ -604,9 +654,14 @@ class Trainer:
             every = self.cfg.train.checkpoint_every
             if every and self.global_step % every == 0 and self.global_step < self.total:
                 self.save()
+            every = self._eval_every()
+            if every and self.global_step % every == 0 and self.global_step < self.total:
+                self.evaluate()
         if reason == "signal" and self.roles.split:
             self.source.stop(self.feeder.pending_targets(self.roles))
         self.save(final=True)
+        if reason == "completed" and self._eval_every():
+            self.evaluate()  # the final drafter's tau (after its checkpoint: an eval never delays the save)
         self.phase("finishing")
         if reason == "signal":
             return self.end("signal", EXIT_OK, signal=self.gate.name or "SIGTERM")

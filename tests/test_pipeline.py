@@ -171,7 +171,7 @@ def _split_worker(rank: int, world: int, port: int, out: str, result: str, secti
 
 
 def test_split_target_and_drafter_ranks_give_colocated_losses(tmp_path: Path) -> None:
-    sections = {"train": {"max_steps": 8, "checkpoint_every": 0}}
+    sections = {"train": {"max_steps": 8, "checkpoint_every": 0, "eval_every": 4}}
     split = {**sections, "dist": {"roles": "split", "target_ranks": 1}}
     mp.start_processes(_split_worker, args=(2, _free_port(), str(tmp_path / "split"), str(tmp_path / "r"), split),
                        nprocs=2, join=True, start_method="spawn")
@@ -190,6 +190,14 @@ def test_split_target_and_drafter_ranks_give_colocated_losses(tmp_path: Path) ->
     assert start["roles"] == {"drafter": [0], "target": [1]} and start["world_size"] == 2
     assert {e["rank"] for e in events} <= {0, 1}
     assert all(e["rank"] == 0 for e in events if e["kind"] not in ("heartbeat", "error"))
+    # The drafter rank measures tau without a target (the held-out set carries the target's taps): the same figures.
+    def evals(path: Path) -> list[dict]:
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        return [{k: v for k, v in e.items() if k not in ("ts", "seq", "run_id", "seconds")} for e in rows
+                if e["kind"] == "eval"]
+
+    assert [e["step"] for e in evals(tmp_path / "split" / "events.jsonl")] == [4, 8]
+    assert evals(tmp_path / "split" / "events.jsonl") == evals(tmp_path / "colocated" / "events.jsonl")
 
 
 def test_split_sigterm_stops_both_roles_and_resumes_exactly(tmp_path: Path) -> None:

@@ -1,0 +1,237 @@
+"""The held-out set a training run measures its drafter's serving tau on (`train.eval_every`, the `eval` event).
+
+The target's greedy continuations of prompts the run never trains on (the prompts `dflash eval` picks for the same
+checkpoint), together with the target's taps of every position: the target is frozen, so its taps never change, and
+an evaluation during training is then only a drafter pass and a host walk (dflash/tau.py) — no target forward, in
+any layout (a split run's drafter ranks hold no target). Made once, before the target is loaded for training, and
+cached next to the regenerated training data, keyed by everything that decides its content.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dflash.config import RunConfig
+from dflash.data import TokenizerAdapter
+from dflash.model import DFlashDrafter
+from dflash.speculative import Generation, NgramProposer
+
+FORMAT = 1
+Log = Callable[[str], None]
+
+
+@dataclass
+class EvalSettings:
+    """What the held-out set holds: `prompts` prompts of `prompt_tokens` tokens, `new_tokens` decoded after each."""
+
+    prompts: int
+    prompt_tokens: int
+    new_tokens: int
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> EvalSettings:
+        """train.eval_* where set; else the regenerated training data's prompt and continuation lengths (the text
+        the drafter learned to continue), else a quarter of data.max_len as prompt and up to 128 new tokens."""
+        t, rc = cfg.train, getattr(cfg.target, "regen", None)
+        p = t.eval_prompt_tokens or (rc.prompt_tokens if rc is not None and rc.prompt_tokens else None) \
+            or max(1, min(cfg.data.max_len // 4, 256))
+        n = t.eval_new_tokens or (rc.max_new_tokens if rc is not None and rc.max_new_tokens else None) \
+            or max(1, min(cfg.data.max_len - p, 128))
+        return cls(prompts=t.eval_prompts, prompt_tokens=p, new_tokens=n)
+
+
+@dataclass
+class HeldOutSet:
+    sequences: list[list[int]]  # prompt + greedy continuation (new_tokens + B - 1 tokens, no stop)
+    prompt_lens: list[int]
+    new_tokens: int  # max_new_tokens of the decoding it stands for
+    block_size: int
+    stop_ids: list[int]
+    taps: list[Tensor]  # per sequence [n, K*H], on the host, in the target's dtype
+    path: Path
+    source: str  # where the prompts come from (one line)
+    ngram: list[Generation] = field(default_factory=list)  # prompt lookup's walk: fixed for the set
+
+    @property
+    def ngram_tau(self) -> float | None:
+        from dflash.eval import acceptance_stats
+
+        return acceptance_stats(self.ngram, self.block_size)["tau"] if self.ngram else None
+
+
+def cache_dir_of(cfg: RunConfig) -> Path:
+    """Next to the regenerated training data (target.regen.cache_dir), else the pretrained targets' cache root."""
+    from dflash.pretrain import cache_root
+    from dflash.target import TargetPretrainConfig
+
+    rc = getattr(cfg.target, "regen", None)
+    if rc is not None and rc.cache_dir:
+        return Path(rc.cache_dir).expanduser()
+    return cache_root(cfg.target.pretrain or TargetPretrainConfig())
+
+
+def heldout_prompts(cfg: RunConfig, tok: TokenizerAdapter, settings: EvalSettings, total_steps: int,
+                    n_drafters: int, run_dir: Path) -> tuple[list[list[int]], str]:
+    """The prompts `dflash eval --num-prompts N --prompt-tokens P` picks for this run's checkpoints (same held-out
+    documents, same order)."""
+    from dflash.data import read_documents
+    from dflash.eval import heldout_documents_of, prompts_from_documents
+
+    docs = read_documents(cfg.data)  # the corpus as configured (not the regenerated records trained on)
+    pipeline = {"total_steps": total_steps, "feeds": [None] * n_drafters}
+    held, desc = heldout_documents_of(cfg, docs, tok, pipeline, run_dir)
+    prompts = prompts_from_documents(held, tok, settings.prompt_tokens, cfg.data.max_len, settings.prompts)
+    return prompts, desc
+
+
+def _key(cfg: RunConfig, tok: TokenizerAdapter, prompts: Sequence[Sequence[int]], settings: EvalSettings,
+         block: int, device: torch.device) -> str:
+    from dflash.pretrain import as_dict
+    from dflash.regen import _target_identity
+
+    blob = json.dumps({"format": FORMAT, "target": _target_identity(cfg), "tokenizer": tok.content_hash,
+                       "prompts": hashlib.sha256(json.dumps(list(map(list, prompts))).encode()).hexdigest(),
+                       "new_tokens": settings.new_tokens, "block_size": block,
+                       "taps": {"tap_layers": cfg.target.tap_layers, "draft_layers": cfg.drafter.num_layers},
+                       "numerics": {"dtype": cfg.target.dtype, "attention": cfg.target.attention,
+                                    "device": device.type},
+                       "target_cfg": {k: v for k, v in as_dict(cfg.target).items() if k in ("arch", "seed", "family")}},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _load(d: Path, log: Log) -> dict[str, Any] | None:
+    """The cached set, verified (its taps file's sha256 as recorded); None (with a line saying why) otherwise."""
+    meta_path, taps_path = d / "heldout.json", d / "taps.pt"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        if not taps_path.is_file() or taps_path.stat().st_size != meta["taps_bytes"] or \
+                _sha256(taps_path) != meta["taps_sha256"]:
+            log(f"eval: the cached held-out set {d} does not verify (taps.pt changed or cut): rebuilding it")
+            return None
+        meta["taps"] = torch.load(taps_path, map_location="cpu", weights_only=True)
+        return meta
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        log(f"eval: the cached held-out set {d} is unreadable ({type(exc).__name__}: {exc}): rebuilding it")
+        return None
+
+
+def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps: int, n_drafters: int,
+          run_dir: Path, device: torch.device, log: Log = print) -> HeldOutSet:
+    """Load the run's held-out set from the cache, or make it with the target (first use) and cache it.
+
+    Raises dflash.eval.EvalError when the corpus has no held-out document."""
+    from dflash.regen import cuda_rows_cap, generate_batch
+    from dflash.target import Target, use_sdpa_for_decoding
+    from dflash.tau import continuation_length
+
+    settings = EvalSettings.of(cfg)
+    prompts, desc = heldout_prompts(cfg, tok, settings, total_steps, n_drafters, run_dir)
+    from dflash.eval import EvalError
+
+    if not prompts:
+        raise EvalError(f"no held-out prompt of more than {settings.prompt_tokens} tokens ({desc})")
+    d = cache_dir_of(cfg) / f"heldout-{_key(cfg, tok, prompts, settings, block_size, device)}"
+    meta = _load(d, log)
+    if meta is None:
+        t0 = time.perf_counter()
+        log(f"eval: making the held-out set ({len(prompts)} prompts, {settings.new_tokens} new tokens each, "
+            f"{desc}) with the target; cached as {d}")
+        target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=tok.vocab_size)
+        use_sdpa_for_decoding(target.model)  # cached decoding needs transformers' own masks
+        n_new = continuation_length(settings.new_tokens, block_size)
+        cap = cuda_rows_cap(target.model.config) if device.type == "cuda" else 64
+        seqs: list[list[int]] = [[] for _ in prompts]
+        order = sorted(range(len(prompts)), key=lambda j: (-len(prompts[j]), j))
+        groups: list[list[int]] = []
+        for j in order:
+            if groups and len(groups[-1]) < cap and len(prompts[groups[-1][0]]) == len(prompts[j]):
+                groups[-1].append(j)
+            else:
+                groups.append([j])
+        taps: list[Tensor] = [torch.empty(0) for _ in prompts]
+        for g in groups:
+            rows = generate_batch(target.model, [prompts[j] for j in g], n_new, 0.0, [], device)
+            for j, (gen, _why) in zip(g, rows, strict=True):
+                seqs[j] = [*prompts[j], *gen]
+            ids = torch.tensor([seqs[j] for j in g], dtype=torch.long)
+            with torch.no_grad():
+                hs = target.hidden_states(ids, torch.ones_like(ids))
+            for r, j in enumerate(g):
+                taps[j] = hs[r].to("cpu").clone()
+        del target
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        tmp = d.parent / f".{d.name}.tmp{os.getpid()}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        torch.save(taps, tmp / "taps.pt")
+        meta = {"format": FORMAT, "sequences": seqs, "prompt_lens": [len(p) for p in prompts],
+                "settings": dataclasses.asdict(settings), "block_size": block_size, "source": desc,
+                "taps_bytes": (tmp / "taps.pt").stat().st_size, "taps_sha256": _sha256(tmp / "taps.pt"),
+                "seconds": round(time.perf_counter() - t0, 2)}
+        (tmp / "heldout.json").write_text(json.dumps(meta) + "\n")
+        if d.exists():  # a corrupt entry (verified above): ours replaces it
+            shutil.rmtree(d)
+        try:
+            os.replace(tmp, d)
+        except OSError:  # another run cached the same set meanwhile: theirs is as good
+            shutil.rmtree(tmp, ignore_errors=True)
+        log(f"eval: held-out set made in {meta['seconds']:.1f} s")
+        meta["taps"] = taps
+    hs = HeldOutSet(sequences=meta["sequences"], prompt_lens=meta["prompt_lens"], new_tokens=settings.new_tokens,
+                    block_size=block_size, stop_ids=[int(tok.eos_id)], taps=meta["taps"], path=d,
+                    source=meta["source"])
+    from dflash.tau import walk
+
+    b = block_size
+    hs.ngram = [walk(s, p, lambda a, s=s: NgramProposer().propose(s[:a + 1], b - 1), hs.new_tokens, b, hs.stop_ids)
+                for s, p in zip(hs.sequences, hs.prompt_lens, strict=True)]
+    return hs
+
+
+def evaluate(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Module, hs: HeldOutSet,
+             device: torch.device) -> dict[str, Any]:
+    """The `eval` event's measurements (docs/events.md) of `drafter` on the held-out set: a drafter pass at every
+    anchor of every sequence, then the decode loop's walk."""
+    from dflash.eval import acceptance_stats, tau_interval
+    from dflash.tau import teacher_forced
+
+    t0 = time.perf_counter()
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        gens, _, _ = teacher_forced(drafter, embed_tokens, lm_head, hs.sequences, hs.prompt_lens,
+                                    lambda i: hs.taps[i].to(device, non_blocking=True), hs.new_tokens, hs.stop_ids)
+    finally:
+        drafter.train(was_training)
+    stats = acceptance_stats(gens, hs.block_size)
+    ci = tau_interval([gens])[0]
+    return {"tau": stats["tau"], "accept_by_position": stats["accept_by_position"],
+            "accept_hist": stats["accept_hist"], "ngram_tau": hs.ngram_tau, "block_size": hs.block_size,
+            "sequences": len(gens), "tokens": sum(len(g.tokens) for g in gens),
+            "seconds": round(time.perf_counter() - t0, 3), "tau_ci95": list(ci) if ci is not None else None}
+
+
+__all__ = ["EvalSettings", "HeldOutSet", "build", "cache_dir_of", "evaluate", "heldout_prompts"]

@@ -1,0 +1,83 @@
+"""tau live in every run: `eval` events at the checkpoints, from a cached held-out set, equal to `dflash eval`.
+
+Real trainings of the tiny test config (CPU, float32); the held-out set is cached under $DFLASH_CACHE.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from dflash_fixtures import run_config
+
+from dflash.telemetry import read_events
+from dflash.train import train
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "cache"
+    monkeypatch.setenv("DFLASH_CACHE", str(d))
+    return d
+
+
+def _events(out: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(out / "events.jsonl") if e["kind"] == kind]
+
+
+def test_eval_events_at_every_checkpoint_equal_dflash_eval_of_that_checkpoint(
+        tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash.cli import main
+
+    out = tmp_path / "run"
+    cfg = run_config(drafter={"block_size": 8, "sliding_window": 16}, train={"max_steps": 8, "checkpoint_every": 4})
+    assert train(cfg, out).exit_code == 0
+    evals = _events(out, "eval")
+    assert [e["step"] for e in evals] == [4, 8]  # the periodic one and the final one
+    phases = [e["phase"] for e in _events(out, "phase")]
+    assert phases.count("evaluating") == 2 and phases.index("evaluating") > phases.index("training")
+    last = evals[-1]
+    assert last["sequences"] == 32 and last["block_size"] == 8 and len(last["accept_by_position"]) == 7
+    assert last["tokens"] == 32 * 36  # 48-token pieces: 12-token prompts, 36 new tokens each (no stop reached)
+    assert last["tau"] == pytest.approx(1 + sum(last["accept_by_position"]), abs=1e-3)
+    assert sum(last["accept_hist"]) > 0 and last["ngram_tau"] >= 1.0
+    # `dflash eval` on the same checkpoint with the same prompt settings measures exactly the same.
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(out / "checkpoints" / "step-8"), "--json", "--baseline", "ngram",
+                 "--num-prompts", "32", "--prompt-tokens", "12", "--max-new-tokens", "36"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["tau"] == last["tau"] and res["accept_by_position"] == last["accept_by_position"]
+    assert res["baseline"]["ngram"]["tau"] == last["ngram_tau"] and res["accept_hist"] == last["accept_hist"]
+    assert list(res["tau_ci95"]) == last["tau_ci95"]
+    assert len(list(cache.glob("heldout-*/taps.pt"))) == 1
+
+
+def test_eval_every_zero_turns_evaluation_off(tmp_path: Path, cache: Path) -> None:
+    out = tmp_path / "run"
+    assert train(run_config(train={"max_steps": 4, "checkpoint_every": 2, "eval_every": 0}), out).exit_code == 0
+    assert _events(out, "eval") == [] and not cache.exists()
+
+
+def test_a_corrupt_heldout_cache_is_rebuilt_and_says_so(tmp_path: Path, cache: Path) -> None:
+    cfg = run_config(train={"max_steps": 2, "checkpoint_every": 0, "eval_every": 2})
+    assert train(cfg, tmp_path / "a").exit_code == 0
+    (taps,) = cache.glob("heldout-*/taps.pt")
+    first = _events(tmp_path / "a", "eval")
+    taps.write_bytes(taps.read_bytes()[:100])  # cut, as a full disk or a killed copy leaves it
+    assert train(cfg, tmp_path / "b").exit_code == 0
+    log = (tmp_path / "b" / "train.log").read_text()
+    assert f"the cached held-out set {taps.parent} does not verify" in log and "rebuilding it" in log
+    second = _events(tmp_path / "b", "eval")
+    assert [e["tau"] for e in second] == [e["tau"] for e in first] and taps.stat().st_size > 100
+
+
+def test_a_corpus_with_nothing_held_out_trains_without_eval_and_says_why(tmp_path: Path, cache: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text("".join(json.dumps({"text": f"def f(x):\n    return x + {i}\n" * 8}) + "\n"
+                                          for i in range(40)))
+    cfg = run_config(data={"paths": [str(data)], "min_len": 4}, train={"max_steps": 16, "checkpoint_every": 8})
+    assert train(cfg, tmp_path / "run").exit_code == 0
+    assert _events(tmp_path / "run", "eval") == []
+    assert "eval: off for this run: no held-out documents" in (tmp_path / "run" / "train.log").read_text()
