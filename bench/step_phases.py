@@ -195,6 +195,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         as_row("step", mean_fl["target"] + mean_fl["drafter"], s("step"), peak,
                {"tokens_per_s": round(mean_fl["tokens"] / s("step"))}),
     ]
+    eval_report = eval_cost(args, cfg, drafter, target, s("step")) if args.eval_every is not None else None
     syncs, where = benchlib.count_host_syncs(lambda: run_target(target, prepare_buffer(
         corpus, buffers[-1], n, target.packing, fixed_shape=args.fixed_shape), n), dev)
     return {
@@ -207,8 +208,46 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         "recompile_limit_hits": limit_hits, "fallbacks": fallbacks[:5],
         "host_syncs_per_target_forward": syncs, "host_sync_sites": where,
         "losses_first_last": [per_step[0]["loss"], per_step[-1]["loss"]],
-        "profile": profile,
+        "profile": profile, "eval": eval_report,
     }
+
+
+def eval_cost(args: argparse.Namespace, cfg: Any, drafter: Any, target: Any, step_s: float) -> dict[str, Any]:
+    """What `train.eval_every` costs at this shape: `dflash.heldout.evaluate` (the training loop's own call) on a
+    held-out set of the size the config gets by default (train.eval_prompts sequences of prompt + new tokens + B-1,
+    dflash.heldout.EvalSettings), random ids and taps (the cost does not depend on their values; a random drafter
+    accepts ~nothing, the longest walk), timed after one warm-up, as a share of the training time between two
+    evaluations measured in this run."""
+    from dflash.heldout import EvalSettings, HeldOutSet, evaluate
+    from dflash.tau import continuation_length
+
+    st = EvalSettings.of(cfg)
+    b = cfg.drafter.block_size
+    n = st.prompt_tokens + continuation_length(st.new_tokens, b)
+    g = torch.Generator().manual_seed(args.seed)
+    kh = target.hidden_size * len(target.tap_layers)
+    seqs = [torch.randint(0, cfg.data.vocab_size, (n,), generator=g).tolist() for _ in range(st.prompts)]
+    taps = [torch.randn(n, kh, generator=g).to(target.dtype) for _ in range(st.prompts)]
+    if target.device.type == "cuda":
+        taps = [t.pin_memory() for t in taps]
+    hs = HeldOutSet(sequences=seqs, prompt_lens=[st.prompt_tokens] * st.prompts, new_tokens=st.new_tokens,
+                    block_size=b, stop_ids=[], taps=taps, path=Path("."), source="random")
+    every = args.eval_every or cfg.train.checkpoint_every or 100
+    runs = []
+    for _ in range(3):
+        with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=target.device.type == "cuda"):
+            t0 = time.perf_counter()
+            res = evaluate(drafter, target.embed_tokens, target.lm_head, hs, target.device)
+            runs.append(time.perf_counter() - t0)
+    sec = benchlib.median(runs[1:])
+    out = {"sequences": st.prompts, "sequence_tokens": n, "new_tokens": st.new_tokens, "block_size": b,
+           "seconds_runs": [round(x, 3) for x in runs], "seconds": round(sec, 3), "every_steps": every,
+           "step_s": round(step_s, 4), "share_of_training": round(sec / (sec + every * step_s), 5),
+           "tau_random_drafter": res["tau"]}
+    print(f"eval: {st.prompts} held-out sequences of {n} tokens at B={b}: {sec:.3f} s (runs {out['seconds_runs']}) "
+          f"= {100 * out['share_of_training']:.2f} % of training at one eval every {every} steps of {step_s:.3f} s",
+          flush=True)
+    return out
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -248,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffers", type=int, default=4, help="--dry-run: synthetic buffers averaged (default 4)")
     p.add_argument("--peak-tflops", type=float, default=788.0,
                    help="--dry-run: the rate for 'ms at 100%% MFU' (default 788, measured on an H200)")
+    p.add_argument("--eval-every", type=int, nargs="?", const=0, default=None,
+                   help="also time one train.eval_every evaluation (the eval event) at this shape and report it as a "
+                        "share of the training between two of them (every N steps; bare: the config's "
+                        "checkpoint_every, or 100)")
     p.add_argument("--json", help="also write the report here")
     args = p.parse_args(argv)
     if args.steps < 2 or args.warmup < 1:

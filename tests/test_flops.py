@@ -234,8 +234,12 @@ def test_both_benches_run_end_to_end_in_a_cpu_smoke_run(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=300, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    steps = run("step_phases.py", "--steps", "3", "--warmup", "1", "--profile-steps", "1")
+    steps = run("step_phases.py", "--steps", "3", "--warmup", "1", "--profile-steps", "1", "--eval-every", "50")
     assert steps["device"].startswith("cpu (smoke run") and steps["steps_timed"] == 3
+    ev = steps["eval"]  # the train.eval_every evaluation at this shape: the training loop's own call, timed
+    assert (ev["sequences"], ev["block_size"], ev["every_steps"]) == (32, 4, 50)  # type: ignore[index]
+    assert ev["sequence_tokens"] == 12 + 36 + 3 and 0 < ev["share_of_training"] < 1  # type: ignore[index]
+    assert ev["seconds"] > 0 and 1.0 <= ev["tau_random_drafter"] <= 4  # type: ignore[index]
     phases = {r["phase"]: r for r in steps["phases"]}  # type: ignore[union-attr]
     assert list(phases) == ["data (host)", "target forward", "drafter fwd+bwd", "optimizer", "host gap (GPU idle)",
                             "step"]
