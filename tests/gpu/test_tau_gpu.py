@@ -1,0 +1,101 @@
+"""GPU check of the teacher-forced tau (dflash/tau.py): on CUDA, the drafts of one drafter pass at every anchor are the
+decode loop's drafts, and the walk reproduces its records, for a hybrid qwen3_5 target with fla's kernels.
+
+float32 with exact (IEEE) fla kernels: identical except where the decode loop's lossless check reports a numerical
+tie. bf16 autocast (what `dflash eval` and training run on a GPU): the full-sequence forward and the loop's
+incremental verify forwards round differently, so a draft may flip where two drafter logits nearly tie; the share
+of such anchors is printed and bounded. Skipped without CUDA; run by bench/gpu_checks.sh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from dflash.kernels import exact_float32_kernels
+from dflash.model import DFlashDrafter, DrafterConfig
+from dflash.speculative import DFlashProposer, NgramProposer, TargetLM, speculative_generate, target_greedy
+from dflash.tau import continuation_length, drafts_at_anchors, walk
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEV = torch.device("cuda")
+VOCAB = 4096
+B = 16
+
+
+def _target(dtype: torch.dtype) -> TargetLM:
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                            linear_conv_kernel_dim=4, initializer_range=0.05, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(DEV, dtype).eval().requires_grad_(False)
+    return TargetLM(model, [0, 2])
+
+
+def _drafter(dtype: torch.dtype) -> DFlashDrafter:
+    torch.manual_seed(1)
+    cfg = DrafterConfig(num_layers=2, num_heads=4, num_kv_heads=2, block_size=B, mask_token_id=VOCAB - 1,
+                        layer_sliding_windows=[8, None], attention="dense")
+    return DFlashDrafter(cfg, 256, 2).to(DEV, dtype).eval().requires_grad_(False)
+
+
+def _overlay(raw: Sequence[int], truth: Sequence[int], a: int) -> list[int]:
+    j = (a * 2654435761 >> 7) % B  # the first j drafts are the true tokens: every acceptance length happens
+    return [*truth[a + 1:a + 1 + j], *raw[j:]]
+
+
+class _Overlay(DFlashProposer):
+    def __init__(self, drafter: DFlashDrafter, target: TargetLM, truth: list[int]) -> None:
+        super().__init__(drafter, target.embed_tokens, target.lm_head)
+        self.truth, self.raw = truth, {}
+
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+        raw = super().propose(seq, k)
+        self.raw[len(seq) - 1] = raw
+        return _overlay(raw, self.truth, len(seq) - 1)
+
+
+@pytest.mark.parametrize("precision", ["float32-exact", "bf16-autocast"])
+def test_teacher_forced_drafts_and_walk_equal_the_decode_loop_on_the_gpu(precision: str) -> None:
+    exact = exact_float32_kernels() if precision == "float32-exact" else None
+    print("float32 kernels", exact)
+    target, drafter = _target(torch.float32), _drafter(torch.float32)
+    g = torch.Generator().manual_seed(2)
+    anchors = flipped = records_equal = 0
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-autocast"):
+        for i in range(6):
+            max_new = 48 + 7 * i
+            p = torch.randint(0, VOCAB - 1, (24,), generator=g).tolist()
+            truth = [*p, *target_greedy(target, p, continuation_length(max_new, B)).tokens]
+            prop = _Overlay(drafter, target, truth)
+            dec = speculative_generate(target, prop, p, max_new, B)
+            _, taps = target.forward(truth, 0, None, keep=1)
+            assert taps is not None
+            raw = drafts_at_anchors(drafter, target.embed_tokens, target.lm_head, taps, truth, len(p),
+                                    len(p) + max_new - 2).tolist()
+            tf = walk(truth, len(p), lambda a, raw=raw, p=p, truth=truth: _overlay(raw[a - len(p)], truth, a),
+                      max_new, B)
+            anchors += len(dec.anchor_pos)
+            flipped += sum(raw[a - len(p)] != prop.raw[a] for a in dec.anchor_pos)
+            same = (tf.tokens, tf.anchor_pos, tf.accepted) == (dec.tokens, dec.anchor_pos, dec.accepted)
+            records_equal += same
+            ng_dec = speculative_generate(target, NgramProposer(), p, max_new, B)
+            ng_tf = walk(truth, len(p), lambda a, truth=truth: NgramProposer().propose(truth[:a + 1], B - 1),
+                         max_new, B)
+            if precision == "float32-exact":
+                # The decode loop's output is the target's greedy text here (a tie would show as a difference).
+                assert dec.tokens == truth[len(p):len(p) + max_new]
+                assert same and ng_tf.accepted == ng_dec.accepted
+    print(f"{precision}: {flipped} of {anchors} visited anchors drafted differently, {records_equal}/6 prompts "
+          "with identical records")
+    if precision == "float32-exact":
+        assert flipped == 0
+    else:
+        assert flipped <= 0.05 * anchors
