@@ -103,7 +103,7 @@ def state_label(view: RunView | dict[str, Any]) -> str:
 
 def ending_text(view: RunView) -> str | None:
     """How an ended attempt ended, one line: `run_end signal, exit code 0, at step 1,234` (None while it runs)."""
-    if view.state not in ("finished", "crashed", "killed"):
+    if view.state not in ("finished", "crashed", "killed", "refused"):
         return None
     parts = [f"run_end {view.end_reason}" if view.end_reason else "process gone without run_end"]
     if view.exit_code is not None:
@@ -114,7 +114,7 @@ def ending_text(view: RunView) -> str | None:
 
 # Which run `opsctl watch` opens on: the one that needs someone first (lower is more urgent). A kill you asked for
 # needs nobody.
-ATTENTION = {"crashed": 0, "stalled": 1, "unreachable": 2, "restarting": 3}
+ATTENTION = {"crashed": 0, "refused": 0, "stalled": 1, "unreachable": 2, "restarting": 3}
 
 
 def attention_rank(view: RunView, alerts: Sequence[Alert]) -> int:
