@@ -6,6 +6,7 @@ Bad input (config, data, a corrupt checkpoint) prints one line naming the file a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -293,8 +294,27 @@ def _export(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"train": _train, "preflight": _preflight, "export": _export, "eval": _eval,
-            "pretrain-target": _pretrain_target, "regen": _regen}[args.cmd](args)
+    rc = {"train": _train, "preflight": _preflight, "export": _export, "eval": _eval,
+          "pretrain-target": _pretrain_target, "regen": _regen}[args.cmd](args)
+    if rc:
+        _tell_torchrun(rc)
+    return rc
+
+
+def _tell_torchrun(rc: int) -> None:
+    """Under torchrun, leave the error line this rank ended with (`dflash: ...`) in its error file: a rank that
+    exits with a code has no traceback for torchrun to report, so without it torchrun's root cause says only
+    `exitcode 2` and the reason is lost in the log among the other ranks' output."""
+    from dflash import telemetry
+
+    path, line = os.environ.get("TORCHELASTIC_ERROR_FILE"), telemetry.last_stderr_line
+    if not path or not line:
+        return
+    try:
+        with open(path, "w") as fh:
+            json.dump({"message": line, "timestamp": int(time.time())}, fh)
+    except OSError:
+        pass  # the exit code still says it failed
 
 
 if __name__ == "__main__":

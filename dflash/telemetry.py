@@ -286,8 +286,13 @@ class Heartbeat:
 def stderr_line(line: str) -> None:
     """One line on stderr in one write(): print() writes the text and its newline in two, so ranks of a torchrun
     sharing one log could glue two lines together (CI saw it), and opsctl reads a crash's reason from such lines."""
+    global last_stderr_line
+    last_stderr_line = line
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+last_stderr_line: str | None = None  # the last stderr_line: a command's error line, for torchrun's report (cli.main)
 
 
 def hostname() -> str:

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import TCPStore
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config, parse_rendezvous_endpoint
 
@@ -91,6 +93,18 @@ def say_left(rdzv: Rendezvous) -> bool:
         return False
 
 
+def failed_rank_exit(exc: ChildFailedError) -> int:
+    """The exit code of the rank that failed first, said in one line with its error: torchrun itself always exits 1,
+    which would hide a rank's own code (2: a refused config or resume) behind a generic failure. A rank ended by a
+    signal exits 128 + N, as a shell reports it."""
+    rank, failure = exc.get_first_failure()
+    code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode if failure.exitcode < 0 else 1
+    msg = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message")
+    print(f"dflash.torchrun: rank {rank} failed first, exit code {code}" + (f": {msg}" if msg else ""),
+          file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     rdzv = rendezvous(argv)
@@ -100,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     except SignalException:
         rdzv = None  # killed: no waiting and nobody to wait for
         raise
+    except ChildFailedError as exc:
+        traceback.print_exc()  # torchrun's own report stays in the log as it was (opsctl reads its root cause)
+        raise SystemExit(failed_rank_exit(exc)) from None
     finally:
         if rdzv is not None and store is not None:
             wait_for_others(store, rdzv)

@@ -64,6 +64,7 @@ read_history = _W["read_history"]
 history_lines = _W["_history_lines"]
 GROUP_FILE: str = _W["GROUP_FILE"]
 with_args = _W["with_args"]
+resume_argv = _W["resume_argv"]
 proc_starttime = _W["proc_starttime"]
 RESTARTING_FILE: str = _W["RESTARTING_FILE"]
 NOTIFIERS_FILE: str = _W["NOTIFIERS_FILE"]
@@ -430,15 +431,18 @@ class ProcWatch:
         pid = info.get("pid")
         pgid = info.get("pgid")
         restart = read_json(self.run.state_file(RESTARTING_FILE)) if code is None else None
+        lost = None
         if restart is not None and wrapper_of(info) is None:
-            restart = None  # the wrapper died during its back-off: nothing will restart
+            # the wrapper died during its back-off: nothing will restart, until a launch carries the restart out
+            lost, restart = restart, None
+            code = lost.get("exit_code")
         ended = None
         if code is not None:
             state = "exited"
             try:
                 ended = os.path.getmtime(self.run.state_file("exit_code"))  # written once, when the run ended
             except OSError:
-                pass
+                ended = (lost or {}).get("ended")
         elif restart is not None:
             state = "restarting"  # the attempt crashed; the wrapper starts the next one at restart["at"]
             ended = restart.get("ended")
@@ -463,7 +467,9 @@ class ProcWatch:
         return {"state": state, "pid": pid, "pgid": pgid, "exit_code": code, "session": self.run.session,
                 "killed_by_opsctl": os.path.exists(self.run.state_file("killed")),
                 "killed_at": (read_json(self.run.state_file("killed")) or {}).get("ts"),
-                "exception": restart.get("exception") if restart else (self.exception(pid, code) if exited else None),
+                "exception": (restart or lost or {}).get("exception") if restart or lost
+                else (self.exception(pid, code) if exited else None),
+                "restart_lost": lost, "signal": info.get("signal") if exited else None,
                 "leftovers": self.leftovers(info) if exited else [],
                 "attempt": info.get("attempt"), "started": info.get("started"), "ended": ended,
                 "restarts": info.get("restarts"), "restart_max": info.get("restart_max"), "restart": restart}
@@ -1065,6 +1071,22 @@ def previous_attempt(run: Run) -> dict[str, Any]:
     return out
 
 
+def lost_restart(run: Run, lost: dict[str, Any] | None, argv: list[str]) -> dict[str, Any] | None:
+    """The restart a wrapper was waiting to start when it died (SIGKILL, OOM, a reboot during the back-off), which
+    this launch carries out in its place: {n, of, argv} (argv with the policy's resume arguments), said on the
+    launch's stream; None when there is none (or no restart policy now)."""
+    policy = run.args.get("restart") or {}
+    if not isinstance(lost, dict) or policy.get("when") != "on-failure":
+        return None
+    n = int(lost.get("n") or 1)
+    resumed = resume_argv(argv, [str(a) for a in policy.get("resume_args") or []])
+    emit("check", name="restart", ok=True,
+         detail=f"restart {n} of {lost.get('max')} after attempt {lost.get('attempt')} (exit "
+                f"{lost.get('exit_code')}) never started: the run's wrapper died during its back-off; starting it "
+                "now" + (f", resuming with {' '.join(policy.get('resume_args') or [])}" if resumed != argv else ""))
+    return {"n": n, "of": lost.get("attempt"), "argv": resumed}
+
+
 def finished_refusal(run: Run, prev: dict[str, Any], argv: list[str]) -> str | None:
     """Why launching again would only break a run that already completed its last step (None: go ahead).
 
@@ -1216,12 +1238,14 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         check("not_running", False, "run is restarting (restart {} of {} after attempt {} exited {}); kill it "
               "first".format(r.get("n"), r.get("max"), r.get("attempt"), r.get("exit_code")))
         return refused()
+    lost = prev.get("restart_lost")
     left = leftovers(run)
     if left:
         check("not_running", False,
               f"the previous run exited but left processes alive (pids {left}); kill them first (opsctl kill)")
         return refused()
     emit("check", name="not_running", ok=True, detail=f"no live process recorded in {run.state_dir}")
+    restart = lost_restart(run, lost, argv)
     prev = previous_attempt(run)
     why = finished_refusal(run, prev, argv)
     if why:  # before anything is touched: the finished run's files and state stay exactly as they are
@@ -1311,12 +1335,18 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     env["OPSCTL_RUN"] = run.name  # how cache_users() names the run that holds a cache dir
     env["OPSCTL_STATE_DIR"] = run.state_dir
     launch_ts = time.time()
-    aid = history_add(run.state_dir, started=launch_ts, by="launch", argv=argv, extra_args=extra, log_seq=log_seq)
+    if restart is not None:  # this launch is the restart whose wrapper died during its back-off
+        argv = restart["argv"]
+        aid = history_add(run.state_dir, started=launch_ts, by="restart", restart=restart["n"],
+                          restart_of=restart["of"], argv=argv, extra_args=extra, log_seq=log_seq)
+    else:
+        aid = history_add(run.state_dir, started=launch_ts, by="launch", argv=argv, extra_args=extra, log_seq=log_seq)
     # The wrapper runs the attempts: the first one (its id allocated here) and, by the restart policy, the next.
     spec = {"argv": argv, "env": env, "workdir": run.workdir, "log": run.log, "state_dir": run.state_dir,
             "name": run.name, "host": str(opts.get("host") or socket.gethostname()), "attempt": aid,
             "events": run.events, "restart": run.args.get("restart"), "notify": run.args.get("notify"),
-            "stall_after": run.args.get("stall_after"), "keep_logs": run.keep_logs, "extra_args": extra}
+            "stall_after": run.args.get("stall_after"), "keep_logs": run.keep_logs, "extra_args": extra,
+            "restarts_used": restart["n"] if restart is not None else 0}
     with open(run.state_file("spec.json"), "w") as fh:
         json.dump(spec, fh)
     with open(run.state_file("wrapper.py"), "w") as fh:

@@ -452,6 +452,7 @@ class EventsWatch:
             self.last_step: int | None = None
             self.checkpoint: str | None = None
             self.run_end: dict[str, Any] | None = None
+            self.fatal: str | None = None  # the message of the last fatal error (a refusal's own words)
             self.last_progress: float | None = None
             self.step_times: collections.deque[float] = collections.deque(maxlen=20)
             self.stalled = False
@@ -489,6 +490,8 @@ class EventsWatch:
         if not isinstance(ts, (int, float)) or ts < self.since:
             return
         kind = ev.get("kind")
+        if kind == "error" and ev.get("fatal") and ev.get("message"):
+            self.fatal = str(ev["message"])
         if kind in ("run_start", "phase", "heartbeat", "step", "checkpoint"):
             self.last_progress = float(ts)
             self.stalled = False
@@ -680,6 +683,41 @@ def _say(text: str) -> None:
         pass
 
 
+# A process ended by one of these was stopped by someone (a person's `kill`, opsctl's own escalation): `killed`,
+# never restarted. Other signals (SIGSEGV, SIGABRT, SIGBUS, ...) are the program's own crash.
+STOP_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def shell_signal(argv: list[str], code: int) -> int | None:
+    """The signal that ended a shell-wrapped command (`bash -c STRING`, how a command string runs): the shell
+    reports its child's death by signal N as exit status 128 + N, so that is the signal, as for a direct child.
+    (A script that itself ends with `exit 137` reads the same: a shell cannot tell the two apart.)"""
+    if len(argv) < 2 or os.path.basename(argv[0]) not in _SHELLS or argv[1] != "-c" or not 128 < code < 128 + 65:
+        return None
+    try:
+        return int(signal.Signals(code - 128))
+    except ValueError:
+        return None
+
+
+def oom_kills() -> int | None:
+    """The kernel's OOM kills in this process's cgroup so far (cgroup v2 memory.events), None where unreadable: a
+    SIGKILL that came with a new OOM kill is the run's crash (out of memory), not someone stopping it."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            path = next((ln.split(":", 2)[2].strip() for ln in fh if ln.startswith("0::")), None)
+        if path is None:
+            return None
+        with open(os.path.join("/sys/fs/cgroup", path.lstrip("/"), "memory.events")) as fh:
+            for line in fh:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def _restart_count(times: list[float], within: float | None, now: float) -> int:
     """Restarts that count against `max`: all of this launch's, or those of the last `within` seconds."""
     return len(times) if not within else sum(1 for t in times if now - t < within)
@@ -713,7 +751,9 @@ def main() -> None:
     if reaper_error is None and hasattr(os, "waitid"):
         threading.Thread(target=_reap_orphans, args=(children,), daemon=True).start()
     aid = spec.get("attempt")
-    restart_times: list[float] = []
+    # A launch that carries out a restart whose wrapper died during its back-off: those restarts count against max
+    # (as recent ones), and its attempt runs with the resume arguments.
+    restart_times: list[float] = [time.time()] * int(spec.get("restarts_used") or 0)
     current = {"attempt": aid, "running": False}
 
     def tell_disk_full() -> None:
@@ -760,6 +800,7 @@ def main() -> None:
         except FileNotFoundError:
             pass
         current.update(attempt=aid, running=True)
+        ooms = oom_kills()
         code = attempt.wait()
         current["running"] = False
         ended = time.time()
@@ -768,25 +809,38 @@ def main() -> None:
         tell_disk_full()  # one the run wrote just before it ended comes before how it ended
         killed = os.path.exists(killed_file)
         run_end = watch.run_end or {}
-        if killed:
-            outcome = "killed"
+        if attempt.signal is None:
+            attempt.signal = shell_signal(attempt.argv, code)
+        signame = None if attempt.signal is None else signal.Signals(attempt.signal).name
+        oom = signame == "SIGKILL" and ooms is not None and (oom_kills() or 0) > ooms
+        if killed or (signame in STOP_SIGNALS and not oom):
+            outcome = "killed"  # by opsctl kill, or by a signal someone sent from outside
         elif code == 0:
             outcome = "finished"
+        elif run_end.get("reason") == "refused":
+            outcome = "refused"  # the run refused to start (a resume it cannot make): a restart would refuse too
         else:
             outcome = "crashed"
-        exception = crash_line(spec["log"]) if outcome == "crashed" else None  # a kill's KeyboardInterrupt is no news
+        # a kill's KeyboardInterrupt is no news
+        exception = crash_line(spec["log"]) if outcome in ("crashed", "refused") else None
+        if oom:
+            exception = exception or "killed by the kernel's OOM killer (out of memory)"
         # A kill (opsctl's marker, a signal that ended the process, or a run that says it stopped on a signal)
         # never restarts: someone wanted it to stop.
         by_signal = attempt.signal is not None or run_end.get("reason") == "signal"
         used = _restart_count(restart_times, within, ended)
         again = outcome == "crashed" and not by_signal and used < restart_max
-        what = exception or (f"killed by signal {signal.Signals(attempt.signal).name}" if attempt.signal else None)
+        refusal = watch.fatal if outcome == "refused" else None
+        what = exception or refusal or (f"killed by signal {signame}" if signame else None)
         reason = f"{what} (exit {code})" if what else f"exit {code}"
+        if outcome == "killed" and not killed:
+            # status reads it from here (proc `signal`): killed, and by whom, not crashed
+            info = read_json(os.path.join(state, "pid")) or {}
+            atomic_write(os.path.join(state, "pid"), json.dumps({**info, "signal": signame}) + "\n")
         if aid is not None:
             history_add(state, id=aid, ended=ended, outcome=outcome, exit_code=code, exception=exception,
-                        signal=None if attempt.signal is None else signal.Signals(attempt.signal).name,
-                        first_step=watch.first_step, last_step=watch.last_step, checkpoint=watch.checkpoint,
-                        run_end=run_end.get("reason"))
+                        signal=signame, first_step=watch.first_step, last_step=watch.last_step,
+                        checkpoint=watch.checkpoint, run_end=run_end.get("reason"), reason=refusal)
         if not again:
             atomic_write(os.path.join(state, "exit_code"), f"{code}\n")
             _say(f"\n[opsctl] run exited with status {code}")
@@ -794,6 +848,8 @@ def main() -> None:
                 reason += f"; restart limit reached ({used} of {restart_max})"
             if outcome in ("finished", "crashed"):
                 notifier.fire(outcome, {"attempt": aid, "step": watch.last_step, "reason": reason})
+            elif outcome == "refused":  # notify's states stay as documented: a refusal is a run that did not go on
+                notifier.fire("crashed", {"attempt": aid, "step": watch.last_step, "reason": f"refused: {reason}"})
             break
         n = used + 1
         at = ended + backoff

@@ -424,7 +424,7 @@ def _host_status(ctx: Ctx, host: HostConfig, runs: list[RunConfig], quiet: bool)
 
 STATE_COLOURS = {"training": "green", "finished": "green", "crashed": "red", "killed": "yellow", "stalled": "red",
                  "loading": "cyan", "compiling": "cyan", "starting": "cyan", "absent": "dim", "unreachable": "magenta",
-                 "restarting": "yellow"}
+                 "restarting": "yellow", "refused": "magenta"}
 
 
 def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: bool = False) -> int:

@@ -9,6 +9,7 @@ head is how every other client (status, history, kill) sees what it does.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -17,7 +18,7 @@ from rich.text import Text
 
 from opsctl.channel import run_args, stream_agent
 from opsctl.commands import EXIT_OK, EXIT_TRANSPORT, Ctx, OpsError
-from opsctl.group import GroupRun
+from opsctl.group import GroupRun, verdict
 from opsctl.history import OUTCOME_STYLES
 from opsctl.runstate import fmt_span, fmt_when
 from opsctl.transport import TransportError
@@ -123,6 +124,36 @@ def _node_outcome(a: dict[str, Any] | None, cause: int | None, node: int, group_
     return out
 
 
+# The wrapper's crash line of a torchrun node whose failed rank left no traceback: torchrun's root cause in it.
+_TORCHRUN_CAUSE = re.compile(r"ChildFailedError: (.+) \(no traceback in the log\)$")
+
+
+def _node_reason(a: dict[str, Any]) -> str:
+    """A node attempt's reason as `status` words it for that node (RunState's `exception (exit N)`, torchrun's root
+    cause for its ChildFailedError), so that history names what status named."""
+    what = a.get("exception")
+    m = _TORCHRUN_CAUSE.search(str(what or ""))
+    if m:
+        what = f"torchrun: {m.group(1)}"
+    code = a.get("exit_code")
+    return f"{what} (exit {code})" if what else f"exit {code}"
+
+
+def crash_verdict(nodes: list[dict[str, Any]]) -> tuple[int | None, str | None]:
+    """(node, reason) of a group attempt that crashed with no opsctl there to record why, from its nodes' own
+    attempts (`nodes`: group_history's per-node entries): the same verdict `status GROUP RUN` gives, the node that
+    died first and is not a peer's lost connection."""
+    rows = []
+    for x in nodes:
+        started, ended = x.get("started"), x.get("ended")
+        rows.append({"node": x["node"], "host": x["host"], "state": x["outcome"],
+                     "reason": _node_reason(x), "exception": x.get("exception"), "started_at": started,
+                     "duration_s": ended - started if isinstance(started, (int, float))
+                     and isinstance(ended, (int, float)) else None})
+    state, why, node = verdict(rows)
+    return (node, why) if state == "crashed" else (None, None)
+
+
 def group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Every group attempt, oldest first, each with its nodes' own attempts (outcome, exception, exit code, ...);
     `node_histories`: every node's own history (opsctl.history.fetch_history), by node index."""
@@ -140,7 +171,7 @@ def group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dict[st
                           "outcome": _node_outcome(a, g.get("node"), n.index, g.get("outcome")),
                           **{k: (a or {}).get(k) for k in ("exit_code", "exception", "signal", "reason",
                                                            "first_step", "last_step", "log", "checkpoint", "argv")}})
-        outcome = g.get("outcome")
+        outcome, cause, why = g.get("outcome"), g.get("node"), g.get("reason")
         if outcome is None:  # not recorded (no opsctl followed it to its end): what its nodes say
             outs = [x["outcome"] for x in nodes]
             outcome = ("crashed" if "crashed" in outs else "running" if "running" in outs
@@ -150,6 +181,13 @@ def group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dict[st
                 outcome = "killed"
             if restart and restart["attempt"] == g.get("id") and not restart["stale"]:
                 outcome = "starting"  # a restart's attempt, its nodes not launched yet
+            if outcome == "crashed" and cause is None:  # which node and why, as status says it
+                times = {i: (per_node.get(n.index, {}).get(ids.get(n.index, -1)) or {}) for i, n in enumerate(gr.nodes)}
+                cause, why = crash_verdict([{**x, "started": times[i].get("started"), "ended": times[i].get("ended")}
+                                            for i, x in enumerate(nodes)])
+                for x in nodes:  # a node opsctl stopped because of the crash (status stops them) is `stopped`
+                    x["outcome"] = _node_outcome({"outcome": x["outcome"]} if x["attempt"] is not None else None,
+                                                 cause, x["node"], outcome)
         started, ended = g.get("started"), g.get("ended")
         end = ended if isinstance(ended, (int, float)) else (rec.head_ts if outcome == "running" else None)
         out.append({"group": gr.group, "run": gr.name, "id": g.get("id"), "started": started, "ended": ended,
@@ -158,7 +196,7 @@ def group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dict[st
                     "by": g.get("by"), "restart": g.get("restart"), "restart_of": g.get("restart_of"),
                     "restart_max": g.get("restart_max"), "supervised": g.get("supervised"),
                     "restart_cancelled": bool(g.get("killed") and g.get("restart_at") is not None),
-                    "outcome": outcome, "node": g.get("node"), "reason": g.get("reason"),
+                    "outcome": outcome, "node": cause, "reason": why,
                     "extra_args": g.get("extra_args") or [], "nodes": nodes})
     return out
 

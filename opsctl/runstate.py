@@ -64,7 +64,8 @@ class RunView:
     """What a person wants to know about one run, at one instant."""
 
     # starting, loading, compiling, training, stalled, finished, crashed, killed, restarting (an attempt crashed
-    # and the wrapper starts the next one after the back-off); absent: the host was reached and has no such run;
+    # and the wrapper starts the next one after the back-off), refused (the run refused to start: run_end
+    # `refused`, e.g. a resume it cannot make); absent: the host was reached and has no such run;
     # unreachable: the host could not be asked at all.
     state: str = "absent"
     phase: str | None = None
@@ -138,6 +139,8 @@ class RunState:
         self._ended: float | None = None
         self._restart_at: float | None = None
         self._killed_at: float | None = None  # when opsctl asked for the kill (the agent host's clock, as events')
+        self._restart_lost: dict[str, Any] | None = None  # the restart whose wrapper died during the back-off
+        self._signal: str | None = None  # the stop signal from outside opsctl that ended the attempt (the wrapper's)
 
     # -- input ---------------------------------------------------------------------------
     def apply(self, msg: dict[str, Any]) -> None:
@@ -168,6 +171,8 @@ class RunState:
                 self._killed_at = float(msg["killed_at"])
             v.exception = msg.get("exception")
             v.leftover_pids = [int(p) for p in msg.get("leftovers") or []]
+            self._restart_lost = msg.get("restart_lost") if isinstance(msg.get("restart_lost"), dict) else None
+            self._signal = msg.get("signal") if isinstance(msg.get("signal"), str) else None
         elif t == "gpu":
             self._v.gpus = list(msg.get("gpus") or [])
         elif t == "hello":
@@ -258,20 +263,27 @@ class RunState:
             v.eta_s = None
         return v
 
-    @staticmethod
-    def _reason(v: RunView) -> str | None:
+    def _reason(self, v: RunView) -> str | None:
         if v.state == "unreachable":
             return v.link_error
         parts: list[str] = []
         if v.state == "restarting":
             what = v.exception or (f"exit {v.proc_exit_code}" if v.proc_exit_code is not None else "crashed")
             parts.append(f"restart {v.restart_n}/{v.restart_max} in {v.restart_in_s or 0:.0f} s after {what}")
-        if v.state == "crashed":
+        if v.state in ("crashed", "refused"):
             fatal = next((e for e in reversed(v.errors) if e.get("fatal")), None)
             what = v.exception or (f"{fatal.get('class')}: {fatal.get('message')}" if fatal else None)
+            if v.state == "refused" and fatal and not v.exception:
+                what = fatal.get("message")  # the refusal's own words: its class says nothing more
             code = v.exit_code if v.exit_code is not None else v.proc_exit_code
             parts.append(f"{what} (exit {code})" if what else f"exit {code}")
-        if v.leftover_pids and v.state in ("finished", "crashed", "killed"):
+        lost = self._restart_lost
+        if lost is not None and v.state == "crashed":
+            parts.append(f"restart {lost.get('n')}/{lost.get('max')} never started: the run's wrapper died during "
+                         "its back-off (opsctl launch starts it, with the resume arguments)")
+        if v.state == "killed" and self._signal and not self.killed_by_us:
+            parts.append(f"by {self._signal} from outside opsctl")
+        if v.leftover_pids and v.state in ("finished", "crashed", "killed", "refused"):
             parts.append("leftover processes: PID " + ", ".join(str(p) for p in v.leftover_pids))
         return "; ".join(parts) or None
 
@@ -288,9 +300,11 @@ class RunState:
                 return "killed" if self.killed_by_us and killed_first else "crashed"
             if self.killed_by_us and v.end_reason == "signal":
                 return "killed"
+            if v.end_reason == "refused":
+                return "refused"
             return "finished" if (v.exit_code in (0, None)) else "crashed"
         if v.proc_state == "exited":
-            if self.killed_by_us:
+            if self.killed_by_us or self._signal:
                 return "killed"
             return "crashed" if (self._fatal_error or v.exit_code not in (0,)) or self._saw_run_start else "finished"
         if self._fatal_error and not alive:

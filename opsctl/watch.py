@@ -25,7 +25,7 @@ from opsctl.channel import run_args, stream_agent
 from opsctl.config import HostConfig, RunConfig
 from opsctl.group import rankless, verdict
 from opsctl.runstate import RunState, RunView
-from opsctl.transport import Transport
+from opsctl.transport import PermanentTransportError, Transport
 
 DEFAULT_LOG_CAPACITY = 10_000  # lines kept per run for scroll-back and search
 DEFAULT_INBOX_LINES = 50_000  # log lines a worker may queue before the UI drains them; more are dropped (and counted)
@@ -103,7 +103,7 @@ def state_label(view: RunView | dict[str, Any]) -> str:
 
 def ending_text(view: RunView) -> str | None:
     """How an ended attempt ended, one line: `run_end signal, exit code 0, at step 1,234` (None while it runs)."""
-    if view.state not in ("finished", "crashed", "killed"):
+    if view.state not in ("finished", "crashed", "killed", "refused"):
         return None
     parts = [f"run_end {view.end_reason}" if view.end_reason else "process gone without run_end"]
     if view.exit_code is not None:
@@ -114,7 +114,7 @@ def ending_text(view: RunView) -> str | None:
 
 # Which run `opsctl watch` opens on: the one that needs someone first (lower is more urgent). A kill you asked for
 # needs nobody.
-ATTENTION = {"crashed": 0, "stalled": 1, "unreachable": 2, "restarting": 3}
+ATTENTION = {"crashed": 0, "refused": 0, "stalled": 1, "unreachable": 2, "restarting": 3}
 
 
 def attention_rank(view: RunView, alerts: Sequence[Alert]) -> int:
@@ -432,10 +432,22 @@ class _Stopped(Exception):
     """The worker was stopped while waiting to reconnect."""
 
 
+class _Permanent(Exception):
+    """The link failed in a way retrying cannot mend (host key unknown or changed, authentication refused)."""
+
+
+def permanent_link_error(exc: Exception, connected_once: bool) -> bool:
+    """What every follower gives up on at once (logs -f and launch --follow exit 3 on it): host key and
+    authentication failures; a host name that does not resolve only before the link ever worked (afterwards it
+    may be a resolver outage). Connection refused, timeouts and a dropped link are retried."""
+    return isinstance(exc, PermanentTransportError) and (exc.kind != "dns" or not connected_once)
+
+
 class SourceWorker:
     """Follows one source on a daemon thread and queues its messages for the UI thread, bounded and counted.
 
-    Link loss is retried with back-off (or at once on `request_reconnect`); a normal end waits for a manual reconnect.
+    Link loss is retried with back-off (or at once on `request_reconnect`); a normal end waits for a manual reconnect,
+    and so does a permanent error (permanent_link_error: said once as link `failed`, never retried by itself).
     """
 
     def __init__(self, source: WatchSource, inbox_lines: int = DEFAULT_INBOX_LINES,
@@ -451,6 +463,7 @@ class SourceWorker:
         self._stop = threading.Event()
         self.received = 0
         self.ended = threading.Event()  # set while the stream has ended normally (until a reconnect)
+        self.connected_once = False  # an agent message ever came through this worker's link
         self._thread = threading.Thread(target=self._run, name=f"watch:{source.label}", daemon=True)
 
     def start(self) -> SourceWorker:
@@ -498,12 +511,15 @@ class SourceWorker:
                 return
             if not announced:
                 self._put(link_msg("up"))
-                announced = True
+                announced = self.connected_once = True
             yield msg
         if not self._finite and not self._stop.is_set():
             raise ConnectionError("stream closed")
 
     def _lost(self, exc: Exception, attempt: int) -> None:
+        if permanent_link_error(exc, self.connected_once):
+            self._put(link_msg("failed", f"{exc} (not retried: it needs a person; r: try again)"))
+            raise _Permanent
         delay = self._delay(attempt)
         self._put(link_msg("lost", f"{type(exc).__name__}: {exc} (retry in {delay:.3g} s)"))
         self._wake.wait(delay)  # `request_reconnect` cuts the wait short
@@ -520,9 +536,14 @@ class SourceWorker:
                     self._put(msg)
             except _Stopped:
                 return
+            except _Permanent:
+                permanent = True
+            else:
+                permanent = False
             if self._stop.is_set():
                 return
-            self._put(link_msg("ended", "r: reconnect"))
+            if not permanent:
+                self._put(link_msg("ended", "r: reconnect"))
             self.ended.set()
             self._wake.wait()
             self._wake.clear()
@@ -643,7 +664,7 @@ class RunModel:
         elif t == "link":
             detail = msg.get("detail")
             self.link = str(msg.get("state")) + (f" ({detail})" if detail else "")
-            if msg.get("state") == "lost":
+            if msg.get("state") in ("lost", "failed"):  # failed: a permanent error, not retried
                 self.heard = False
                 self.link_error = str(detail or "link lost")
         elif t == "log_reset":

@@ -56,6 +56,7 @@ STATE_STYLES: dict[str, str] = {
     "killed": "bold white on dark_orange3",
     "unreachable": "bold white on purple",
     "restarting": "bold black on dark_orange",
+    "refused": "bold white on magenta",
     "connecting": "bold black on grey58",
 }
 

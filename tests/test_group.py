@@ -411,3 +411,20 @@ def test_a_group_that_always_crashes_stops_after_max_and_a_kill_cancels_a_restar
     assert [a["outcome"] for a in h][-1] == "crashed" and h[-1]["restart_cancelled"], h
     assert group_status(hosts)[0]["group"]["state"] == "crashed"
     assert nodes[0].training() == [] and nodes[1].training() == []
+
+
+def test_history_of_an_unfollowed_group_crash_names_the_node_and_reason_status_names(tmp_path: Path,
+                                                                                    nodes: list[Node]) -> None:
+    hosts = restart_hosts(tmp_path, nodes, "boom", max_restarts=1, backoff=0.5)
+    r = opsctl(hosts, "launch", "pair", "r")  # returns at READY: no opsctl is there to record how it ends
+    assert r.returncode == 0, r.stderr[-3000:]
+    (tmp_path / "boom").write_text("")  # node 1's rank dies
+    info = wait_group(hosts, "crashed")  # status names the node and why (and stops node 0)
+    assert info["node"] == 1 and info["reason"].startswith("node1 n1: torchrun: rank 1"), info
+    (h,) = group_history(hosts)
+    assert (h["outcome"], h["node"]) == ("crashed", 1), h
+    assert h["reason"] and info["reason"].startswith(h["reason"]), (h["reason"], info["reason"])
+    assert [(x["node"], x["outcome"]) for x in h["nodes"]] == [(0, "stopped"), (1, "crashed")], h
+    r = opsctl(hosts, "history", "pair", "r")
+    assert "crashed (node1 n1: torchrun: rank 1" in r.stdout and "node0 n0: stopped" in r.stdout, r.stdout
+    assert nodes[0].training() == [] and nodes[1].training() == []

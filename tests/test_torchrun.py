@@ -127,3 +127,39 @@ def test_the_head_waits_for_the_others_but_not_past_its_linger(tmp_path: Path,
     gone = launcher.Rendezvous("127.0.0.2", _free_port("127.0.0.2"), "w", 1, False)
     t0 = time.monotonic()
     assert not launcher.say_left(gone) and time.monotonic() - t0 < 4 * launcher.SAY_LEFT_TIMEOUT_S + 10
+
+
+def _standalone(tmp_path: Path, *worker: str) -> tuple[int, str]:
+    """A real single-node dflash.torchrun of two ranks; (exit code, its log)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"):
+        env.pop(k, None)
+    cp = subprocess.run([sys.executable, "-m", "dflash.torchrun", "--standalone", "--nproc-per-node", "2",
+                         "--max-restarts", "0", *worker], cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=180)
+    return cp.returncode, cp.stdout + cp.stderr
+
+
+def test_a_rank_refused_with_a_dflash_error_line_makes_torchrun_exit_with_its_code_and_line(tmp_path: Path) -> None:
+    from opsctl.agent_wrapper import crash_line, torchrun_root_cause
+
+    missing = tmp_path / "missing.yaml"
+    rc, log = _standalone(tmp_path, "-m", "dflash", "train", "--config", str(missing), "--out", str(tmp_path / "o"))
+    line = f"dflash: {missing}: cannot read config"
+    assert rc == 2, log[-3000:]  # the rank's own usage exit code, not torchrun's generic 1
+    assert "ChildFailedError" in log and f"traceback : {line}" in log, log[-3000:]  # torchrun's report carries it
+    last = log.rstrip().splitlines()[-1]
+    assert last.startswith("dflash.torchrun: rank ") and f"failed first, exit code 2: {line}" in last, last
+    (tmp_path / "run.log").write_text(log)
+    cause = torchrun_root_cause(log.splitlines())  # what opsctl shows for a torchrun node (status, group verdict)
+    assert cause is not None and cause.startswith("rank ") and line in cause, cause
+    assert (crash_line(str(tmp_path / "run.log")) or "").startswith(line)
+
+
+def test_a_rank_killed_by_a_signal_makes_torchrun_exit_128_plus_the_signal(tmp_path: Path) -> None:
+    (tmp_path / "w.py").write_text("import os, signal, time\nif os.environ['RANK'] == '1':\n"
+                                   "    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(30)\n")
+    rc, log = _standalone(tmp_path, "w.py")
+    assert rc == 128 + 9, log[-3000:]
+    assert log.rstrip().splitlines()[-1].startswith("dflash.torchrun: rank 1 failed first, exit code 137: Signal 9"), \
+        log[-2000:]
