@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dflash import checkpoint as ckpt
 from dflash import locks
-from dflash.config import RunConfig
+from dflash.config import ConfigError, RunConfig, config_from_dict
 from dflash.data import Schedule, TokenizedCorpus, load_or_build_schedule
 from dflash.pipeline import FeedState, Roles, drafter_feed, epochs_needed, total_steps_for
 from dflash.telemetry import EventWriter
@@ -120,6 +120,10 @@ def resume_config_differences(saved: dict[str, Any], cfg: RunConfig) -> list[str
     RESUME_SECTIONS). target.path is compared only when the config names one without target.pretrain: a pretrained
     target's path is where the cache put it (the pretrain settings, arch and seed identify it), and a config without
     target.path gets it from the cache or from the regenerated records it trains on."""
+    try:  # through today's schema: a field newer than the checkpoint gets its default on both sides
+        saved = config_from_dict(saved, "<checkpoint>").to_dict()
+    except ConfigError:
+        pass  # a field since removed or renamed: compare what was recorded
     now = cfg.to_dict()
     if cfg.target.path is None or cfg.target.pretrain is not None:
         saved = {**saved, "target": {k: v for k, v in (saved.get("target") or {}).items() if k != "path"}}

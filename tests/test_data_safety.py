@@ -353,3 +353,19 @@ def test_resume_with_a_changed_target_is_refused_before_pretraining_it(tmp_path:
                                 "(--fresh, or another --out)"), err
     assert sorted(p.name for p in cache.iterdir()) == entries  # no new target was pretrained
     assert _snapshot(out) == before
+
+
+def test_a_checkpoint_from_before_a_config_field_existed_still_resumes() -> None:
+    """Fields added to the config since the checkpoint was saved take their defaults on both sides: an upgrade of
+    dflash alone never makes a resume refused."""
+    from dflash.rundir import resume_config_differences
+
+    cfg = config_from_dict(tiny_run_yaml(), "<t>")
+    saved = cfg.to_dict()
+    del saved["target"]["attention"], saved["drafter"]["layer_sliding_windows"], saved["train"]["final_save_wait_s"]
+    assert resume_config_differences(saved, cfg) == []
+    saved["drafter"]["block_size"] = 8
+    saved["target"]["arch"].pop("head_dim")
+    assert resume_config_differences(saved, cfg) == [
+        "drafter.block_size: 8 in the checkpoint, 4 in the config",
+        "target.arch.head_dim: null in the checkpoint, 16 in the config"]
