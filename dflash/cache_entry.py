@@ -8,7 +8,7 @@ What is recorded and checked, and why (cheap enough for every run):
 - on use, every file's size (any truncation or append shows), and the sha256 of every file up to FULL_HASH_BYTES
   (configs, pretrain.json, complete.json, the tokenizer: they are read whole anyway); a larger file (weights, a long
   regen.jsonl) is re-hashed only when its mtime differs from the recorded one. A copied or moved cache (new mtimes) is
-  hashed once in full on first use and still verifies; a damaged file of unchanged size and mtime is not caught, which
+  hashed once in full on first use, still verifies, and its new mtimes are recorded; a damaged file of unchanged size and mtime is not caught, which
   is the price of not reading gigabytes on every start.
 
 Entries written by an older dflash have no record: they are adopted when their structure checks out (every JSON file
@@ -57,18 +57,23 @@ def record_content(directory: str | Path) -> dict[str, Any]:
         st = (d / rel).stat()
         files[str(rel)] = {"bytes": st.st_size, "sha256": sha256_file(d / rel), "mtime_ns": st.st_mtime_ns}
     record = {"format": 1, "files": files}
+    _write_record(d, record)
+    return record
+
+
+def _write_record(d: Path, record: dict[str, Any]) -> None:
     tmp = d / f".{CONTENT}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
         fh.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, d / CONTENT)
-    return record
 
 
 def content_problem(directory: str | Path) -> str | None:
     """None when the entry matches its record; else what is wrong, naming the file (see the module docstring for
-    what is checked). `no content record` when there is none (an entry of an older dflash, or never finished)."""
+    what is checked). `no content record` when there is none (an entry of an older dflash, or never finished).
+    Call it holding the entry's lock: a file found whole under a new mtime is written back into the record."""
     d = Path(directory)
     rec_path = d / CONTENT
     if not rec_path.is_file():
@@ -78,6 +83,7 @@ def content_problem(directory: str | Path) -> str | None:
         items = [(str(k), int(v["bytes"]), str(v["sha256"]), v.get("mtime_ns")) for k, v in files.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"{rec_path}: unreadable content record ({type(exc).__name__})"
+    touched = {}
     for rel, size, digest, mtime in items:
         f = d / rel
         try:
@@ -88,6 +94,12 @@ def content_problem(directory: str | Path) -> str | None:
             return f"{f}: {st.st_size} bytes, {size} when written (truncated or replaced)"
         if (size <= FULL_HASH_BYTES or st.st_mtime_ns != mtime) and sha256_file(f) != digest:
             return f"{f}: sha256 differs from the one recorded when it was written (corrupt)"
+        if st.st_mtime_ns != mtime:
+            touched[rel] = st.st_mtime_ns
+    if touched:  # same content, new mtimes (a copied cache): hashed in full once, the fast path from now on
+        for rel, mtime_ns in touched.items():
+            files[rel]["mtime_ns"] = mtime_ns
+        _write_record(d, {"format": 1, "files": files})
     return None
 
 
