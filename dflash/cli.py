@@ -135,11 +135,12 @@ def _train(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     from dflash import locks
     from dflash.checkpoint import list_checkpoints
-    from dflash.rundir import check_resume_config, hold_run_lock
+    from dflash.rundir import check_resume_config, drop_unused_run_dir, hold_run_lock
     from dflash.train import UsageError, prepare_documents, train
 
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
     lock = None
+    created = not out.exists()
     try:
         docs = prepare_documents(cfg)  # validated before anything is written to --out
         resume = args.resume == "always" or (args.resume == "auto" and bool(list_checkpoints(out)))
@@ -156,6 +157,8 @@ def _train(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     finally:
         if lock is not None:
+            if created:
+                drop_unused_run_dir(out)
             locks.release(lock)
     if result.world_size > 1:
         _leave_without_teardown(result.exit_code)

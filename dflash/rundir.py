@@ -48,6 +48,18 @@ def hold_run_lock(out: Path) -> Path:
         raise UsageError(str(exc)) from None
 
 
+def drop_unused_run_dir(out: Path) -> None:
+    """Remove an OUT that this process created only to lock it (a refusal found after the lock: bad data, a mask
+    token outside a tokenizer's vocabulary): a refused run leaves no directory behind. Call it still holding the
+    lock, so nobody else can be using the file it unlinks."""
+    try:
+        if [p.name for p in out.iterdir()] == [locks.RUN_LOCK]:
+            (out / locks.RUN_LOCK).unlink()
+            out.rmdir()
+    except OSError:
+        pass
+
+
 def check_out(out: Path, roles: Roles, *, resume: bool, fresh: bool) -> None:
     """What OUT holds against --resume/--fresh. --fresh deletes only OUT/checkpoints/step-N (and crashed temp dirs),
     and only once the whole config has been checked (the caller's job)."""
