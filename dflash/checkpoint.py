@@ -109,18 +109,43 @@ def checkpoints_dir(out: str | Path) -> Path:
     return Path(out) / "checkpoints"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _is_abandoned_tmp(name: str) -> bool:
+    """A `.tmp-step-N-PID` save directory that no live save can be writing: this process's own (an earlier failed
+    attempt), or one whose process is gone. Another live process's save in progress is never touched (two trainers
+    on one OUT are refused by the run lock, but a directory must not depend on that to stay intact); a name without
+    a pid is from an older dflash and is removed as before."""
+    m = _TMP_RE.match(name)
+    if m is None:
+        return False
+    if m.group(2) is None:
+        return True
+    pid = int(m.group(2)[1:])
+    return pid == os.getpid() or not _pid_alive(pid)
+
+
 def save_checkpoint(out: str | Path, step: int, files: dict[str, bytes | Callable[[Path], None]],
                     keep_last: int | None = None) -> SavedCheckpoint:
     """Write `files` (name -> bytes, or a writer called with the destination path) as OUT/checkpoints/step-N.
 
     The directory appears under its final name only once every file and the manifest are on disk (fsync'd), so a
-    crash mid-save leaves a `.tmp-step-N-PID` directory that resume ignores and the next save cleans up.
+    crash mid-save leaves a `.tmp-step-N-PID` directory that resume ignores and the next save cleans up (once that
+    PID is gone: see _is_abandoned_tmp).
     """
     t0 = time.perf_counter()
     root = checkpoints_dir(out)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.iterdir():  # leftovers of a crashed save: ours by name pattern, inside our own dir
-        if stale.is_dir() and _TMP_RE.match(stale.name):
+        if stale.is_dir() and _is_abandoned_tmp(stale.name):
             shutil.rmtree(stale)
     for name in files:
         if "/" in name or name in (MANIFEST, "", ".", ".."):

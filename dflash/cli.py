@@ -142,18 +142,33 @@ def _train(args: argparse.Namespace) -> int:
         check_run(cfg, "cuda" if _cuda() else "cpu")
     except ConfigError as exc:
         return _fail(str(exc))
+    from dflash import locks
     from dflash.checkpoint import list_checkpoints
+    from dflash.rundir import check_resume_config, drop_unused_run_dir, hold_run_lock
     from dflash.train import UsageError, prepare_documents, train
 
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    lock = None
+    created = not out.exists()
     try:
         docs = prepare_documents(cfg)  # validated before anything is written to --out
+        resume = args.resume == "always" or (args.resume == "auto" and bool(list_checkpoints(out)))
+        if resume and not args.fresh:
+            check_resume_config(out, cfg)  # read-only, before the lock and before pretraining/regenerating
+        if locks.is_rank0():
+            lock = hold_run_lock(out)  # before the first write to OUT (train.log below); rank 0 for the job
         cfg, docs = _target_and_data(cfg, docs, out)  # target.pretrain / target.regen: built on first use, cached
+        # again under the lock: `--resume auto` follows what OUT holds now
         resume = args.resume == "always" or (args.resume == "auto" and bool(list_checkpoints(out)))
         result = train(cfg, out, max_steps=args.max_steps, resume=resume, fresh=args.fresh,
                        allow_slow_kernels=args.allow_slow_kernels, docs=docs)
     except (DataError, UsageError, ConfigError) as exc:
         return _fail(str(exc))
+    finally:
+        if lock is not None:
+            if created:
+                drop_unused_run_dir(out)
+            locks.release(lock)
     if result.world_size > 1:
         _leave_without_teardown(result.exit_code)
     return result.exit_code
@@ -200,6 +215,7 @@ def _target_and_data(cfg: Any, docs: Any, out: Path | None, regen: bool = True) 
 def _pretrain_target(args: argparse.Namespace) -> int:
     from dflash.config import ConfigError, load_config
     from dflash.data import DataError, load_tokenizer, read_documents
+    from dflash.locks import LockBusy
     from dflash.pretrain import cache_root, pretrain
     from dflash.target import TargetPretrainConfig
 
@@ -213,7 +229,7 @@ def _pretrain_target(args: argparse.Namespace) -> int:
         cache = Path(cfg.data.tokenizer_cache) if cfg.data.tokenizer_cache else cache_root(pc) / "tokenizer"
         tok = load_tokenizer(cfg.data, docs, cache)
         summary = pretrain(cfg, docs, tok, args.out)
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, LockBusy) as exc:
         return _fail(str(exc))
     print(f"pretrain-target: wrote {args.out} (held-out loss {summary['loss']['val']:.3f} nats/token, unigram "
           f"{summary['unigram_val_nats']:.3f}); use it with `target: {{path: {args.out}}}`")
@@ -223,6 +239,7 @@ def _pretrain_target(args: argparse.Namespace) -> int:
 def _regen(args: argparse.Namespace) -> int:
     from dflash.config import ConfigError, check_run, load_config
     from dflash.data import DataError, read_documents
+    from dflash.locks import LockBusy
     from dflash.regen import RegenSettings, regen
 
     try:
@@ -240,7 +257,7 @@ def _regen(args: argparse.Namespace) -> int:
         docs = read_documents(cfg.data)
         cfg, _ = _target_and_data(cfg, docs, None, regen=False)
         summary = regen(cfg, docs, args.out, settings)
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, LockBusy) as exc:
         return _fail(str(exc))
     print(f"regen: {summary['written']} new records ({summary['new_tokens']} tokens) in {summary['records']}; "
           f"train on them with `data: {{paths: [{args.out}]}}`")

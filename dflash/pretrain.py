@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from dflash import locks
+from dflash.cache_entry import content_problem, record_content, structure_problem
 from dflash.checkpoint import atomic_directory
 from dflash.config import ConfigError, RunConfig
 from dflash.data import (
@@ -120,6 +122,16 @@ def _windows(stream: torch.Tensor, seq_len: int, limit: int) -> torch.Tensor:
 
 def pretrain(cfg: RunConfig, docs: Sequence[Document], tok: TokenizerAdapter, out: str | Path, *,
              log: Log = print, device: torch.device | None = None, max_seconds: float | None = None) -> dict[str, Any]:
+    """_pretrain into `out` holding its lock (`.NAME.lock` next to it): a second `pretrain-target` on the same
+    directory is refused naming the first (locks.LockBusy); resolve_target already holds it (re-entrant)."""
+    dst = Path(out)
+    with locks.hold(locks.sibling_lock(dst), str(dst), hint="another pretrain-target writes there: wait for it to "
+                    "end, or use another --out"):
+        return _pretrain(cfg, docs, tok, dst, log=log, device=device, max_seconds=max_seconds)
+
+
+def _pretrain(cfg: RunConfig, docs: Sequence[Document], tok: TokenizerAdapter, out: str | Path, *,
+              log: Log = print, device: torch.device | None = None, max_seconds: float | None = None) -> dict[str, Any]:
     """Train `cfg.target.arch` (vocabulary = the tokenizer's) on the corpus and write an HF directory to `out`.
 
     The corpus is one token stream (documents in order, each ending with EOS; chats whole); the last 5 % is held out
@@ -209,6 +221,7 @@ def pretrain(cfg: RunConfig, docs: Sequence[Document], tok: TokenizerAdapter, ou
         model.to(torch.float32).save_pretrained(str(tmp))
         _save_hf_tokenizer(tok, tmp)
         (tmp / _DONE).write_text(json.dumps(summary, indent=2) + "\n")
+        record_content(tmp)  # sizes + sha256 of every file: checked on each use of a cache entry
     return summary
 
 
@@ -250,20 +263,48 @@ def resolve_target(cfg: RunConfig, docs: Sequence[Document], log: Log = print) -
     if data.tokenizer is None and data.tokenizer_cache is None:
         data = replace_fields(data, tokenizer_cache=str(root / "tokenizer"))
     tok = load_tokenizer(data, docs, data.tokenizer_cache or root / "tokenizer")
-    path = root / f"target-{pretrain_key(cfg, docs, tok)}"
-    if (path / _DONE).is_file():
-        log(f"target: pretrained {path} (cached)")
-    else:
-        log(f"target: pretraining target.arch on the corpus (first use; cached as {path})")
-        if path.exists():  # an unfinished directory (no pretrain.json): ours by name, inside the cache
-            shutil.rmtree(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
+    key = pretrain_key(cfg, docs, tok)
+    path = root / f"target-{key}"
+    # Two runs started at once on a fresh cache: the second waits for the first's build and then reuses it.
+    with locks.hold(locks.sibling_lock(path), f"target cache entry {path}", wait=True, log=log):
+        problem = cached_target_problem(path, key) if path.exists() else "absent"
+        if problem is None:
+            log(f"target: pretrained {path} (cached)")
+        else:
+            if problem == "absent" or not (path / _DONE).exists():
+                log(f"target: pretraining target.arch on the corpus (first use; cached as {path})")
+            else:
+                log(f"target: cache entry {path} is damaged ({problem}): rebuilding it")
+            if path.exists():  # unfinished or damaged: ours by name, inside the cache, and we hold its lock
+                try:
+                    shutil.rmtree(path)
+                except OSError as exc:
+                    raise DataError(f"{path}: damaged cache entry ({problem}) that cannot be removed "
+                                    f"({exc.strerror}); delete it by hand") from None
+            path.parent.mkdir(parents=True, exist_ok=True)
             pretrain(cfg, docs, tok, path, log=log)
-        except (OSError, DataError):
-            if not (path / _DONE).is_file():  # else another process finished first and renamed onto the path
-                raise
     return replace_fields(cfg, data=data, target=replace_fields(cfg.target, path=str(path)))
+
+
+def cached_target_problem(path: Path, key: str) -> str | None:
+    """None when a cached pretrained target is whole (cache_entry's content record); an entry of an older dflash
+    (no record) is adopted when its structure checks out and pretrain.json names this key."""
+    problem = content_problem(path)
+    if problem is None or not problem.endswith("no content record"):
+        return problem
+    done = path / _DONE
+    if not done.is_file():
+        return f"{done}: missing (unfinished)"
+    problem = structure_problem(path)
+    if problem is None:
+        try:
+            recorded = json.loads(done.read_text()).get("key")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        if recorded != key:
+            return f"{done}: made for key {recorded}, not {key}"
+        record_content(path)
+    return problem
 
 
 __all__ = ["as_dict", "cache_root", "check_pretrain", "pretrain", "pretrain_key", "replace_fields", "resolve_target",

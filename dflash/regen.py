@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 
+from dflash import locks
+from dflash.cache_entry import content_problem, dir_fingerprint, record_content, structure_problem
 from dflash.config import ConfigError, RunConfig
 from dflash.data import REGEN_MANIFEST, DataError, Document, TokenizerAdapter, corpus_fingerprint, load_tokenizer
 from dflash.pretrain import as_dict, replace_fields
@@ -184,6 +187,17 @@ def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
 
 def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: RegenSettings, *,
           device: torch.device | None = None, log: Log = print, max_seconds: float | None = None) -> dict[str, Any]:
+    """_regen into `out` holding its lock (`.NAME.lock` next to it): two regens appending to one regen.jsonl would
+    interleave and repeat prompts, so the second is refused naming the first (locks.LockBusy). The cache build
+    (regenerated_documents) holds it already (re-entrant)."""
+    dst = Path(out)
+    with locks.hold(locks.sibling_lock(dst), str(dst), hint="another dflash regen writes there: wait for it to end "
+                    "(rerunning it later resumes), or use another --out"):
+        return _regen(cfg, docs, dst, settings, device=device, log=log, max_seconds=max_seconds)
+
+
+def _regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: RegenSettings, *,
+           device: torch.device | None = None, log: Log = print, max_seconds: float | None = None) -> dict[str, Any]:
     """Run the config's target over the corpus prompts and append records to OUT/regen.jsonl (resumable).
 
     `max_seconds` stops after the batch that crosses it (a time-boxed benchmark); the records so far are complete
@@ -305,13 +319,42 @@ def regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: R
 
 
 def _target_identity(cfg: RunConfig) -> dict[str, Any]:
-    """What names the target's weights: its directory (with the pretrain key a cached pretrained one carries), or the
-    random-init recipe."""
+    """What names the target's weights, by content, never by where they lie (a copied or moved cache must find its
+    records): a pretrained target by its pretrain key (everything its weights depend on), any other directory by
+    cache_entry.dir_fingerprint (sizes and sampled bytes of its files), a random init by its recipe."""
     if cfg.target.path:
         done = Path(cfg.target.path) / "pretrain.json"
-        key = json.loads(done.read_text()).get("key") if done.is_file() else None
-        return {"path": str(Path(cfg.target.path).resolve()), "pretrain_key": key}
+        try:
+            key = json.loads(done.read_text()).get("key") if done.is_file() else None
+        except (OSError, ValueError, AttributeError):
+            key = None
+        if key:
+            return {"pretrain_key": key}
+        return {"weights": dir_fingerprint(cfg.target.path)}
     return {"family": getattr(cfg.target, "family", None), "arch": cfg.target.arch, "seed": cfg.target.seed}
+
+
+def cached_records_problem(out: Path) -> str | None:
+    """None when a cached records directory is whole (cache_entry's content record). One of an older dflash (no
+    record, but complete.json) is adopted when regen.jsonl holds as many records as complete.json says were made:
+    a file cut at a line boundary parses fine and would train on part of the data."""
+    problem = content_problem(out)
+    if problem is None or not problem.endswith("no content record"):
+        return problem
+    complete = out / "complete.json"
+    problem = structure_problem(out)
+    if problem is not None:
+        return problem
+    try:
+        promised = int(json.loads(complete.read_text())["prompts"])
+        with open(out / RECORDS, "rb") as fh:
+            found = sum(1 for line in fh if line.strip())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{out}: unreadable records or {complete.name} ({type(exc).__name__})"
+    if found != promised:
+        return f"{out / RECORDS}: {found} records, {complete} says {promised} were made"
+    record_content(out)
+    return None
 
 
 def regenerated_documents(cfg: RunConfig, docs: Sequence[Document], log: Log = print) -> list[Document]:
@@ -343,12 +386,25 @@ def regenerated_documents(cfg: RunConfig, docs: Sequence[Document], log: Log = p
                            cfg.data.max_len))}, sort_keys=True, default=str)
     out = root / f"regen-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
     complete = out / "complete.json"
-    if complete.is_file():
-        log(f"data: the target's regenerated records {out} (cached)")
-    else:
-        log(f"data: regenerating the training data with the target (first use; cached as {out})")
-        summary = regen(cfg, docs, out, settings, log=log)
-        complete.write_text(json.dumps(summary) + "\n")
+    # Two runs started at once on a fresh cache: the second waits for the first's records and then reuses them.
+    with locks.hold(locks.sibling_lock(out), f"regen cache entry {out}", wait=True, log=log):
+        problem = cached_records_problem(out) if complete.is_file() else "absent"
+        if problem is None:
+            log(f"data: the target's regenerated records {out} (cached)")
+        else:
+            if problem == "absent":  # a killed first use continues where it stopped (regen resumes)
+                log(f"data: regenerating the training data with the target (first use; cached as {out})")
+            else:
+                log(f"data: cache entry {out} is damaged ({problem}): regenerating it")
+                try:
+                    shutil.rmtree(out)  # ours by name, inside the cache, and we hold its lock
+                except OSError as exc:
+                    raise DataError(f"{out}: damaged cache entry ({problem}) that cannot be removed "
+                                    f"({exc.strerror}); delete it by hand") from None
+            summary = regen(cfg, docs, out, settings, log=log)
+            if summary["complete"]:
+                complete.write_text(json.dumps(summary) + "\n")
+                record_content(out)  # last: sizes + sha256 of every file, checked on each use
     from dflash.pretrain import replace_fields
 
     return read_documents(replace_fields(cfg.data, paths=[str(out)], format="auto"))

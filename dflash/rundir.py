@@ -6,6 +6,7 @@ Everything that reads or writes OUT before the first step is here; dflash/train.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sys
@@ -17,7 +18,8 @@ from typing import Any
 import torch.distributed as dist
 
 from dflash import checkpoint as ckpt
-from dflash.config import RunConfig
+from dflash import locks
+from dflash.config import ConfigError, RunConfig, config_from_dict
 from dflash.data import Schedule, TokenizedCorpus, load_or_build_schedule
 from dflash.pipeline import FeedState, Roles, drafter_feed, epochs_needed, total_steps_for
 from dflash.telemetry import EventWriter
@@ -36,6 +38,28 @@ class ResumeRefused(UsageError):
         self.step = step
 
 
+def hold_run_lock(out: Path) -> Path:
+    """OUT/run.lock for this process (dflash/locks.py): a second trainer on one OUT would interleave steps and
+    checkpoints with the first. Refused in one line naming the holder; release with locks.release(path)."""
+    try:
+        return locks.acquire(locks.run_lock(out), str(out), hint="another dflash train writes there: stop it first "
+                             "(opsctl kill, or SIGTERM that pid), or use another --out")
+    except locks.LockBusy as exc:
+        raise UsageError(str(exc)) from None
+
+
+def drop_unused_run_dir(out: Path) -> None:
+    """Remove an OUT that this process created only to lock it (a refusal found after the lock: bad data, a mask
+    token outside a tokenizer's vocabulary): a refused run leaves no directory behind. Call it still holding the
+    lock, so nobody else can be using the file it unlinks."""
+    try:
+        if [p.name for p in out.iterdir()] == [locks.RUN_LOCK]:
+            (out / locks.RUN_LOCK).unlink()
+            out.rmdir()
+    except OSError:
+        pass
+
+
 def check_out(out: Path, roles: Roles, *, resume: bool, fresh: bool) -> None:
     """What OUT holds against --resume/--fresh. --fresh deletes only OUT/checkpoints/step-N (and crashed temp dirs),
     and only once the whole config has been checked (the caller's job)."""
@@ -46,6 +70,131 @@ def check_out(out: Path, roles: Roles, *, resume: bool, fresh: bool) -> None:
     if found and not resume and not fresh:
         raise UsageError(f"{out}: has checkpoints ({found[0][1].name}); pass --resume (or --fresh to start over) "
                          "or use a new --out")
+
+
+# Resume policy per config field: a resume continues the same training, so what decides the model's shape, the
+# target it learns from, the data and its order, or the objective must be what the checkpoint was trained with; how
+# the run is computed (backends, memory), reported, saved or how long it runs may change. Fields not named here
+# follow their section's rule (RESUME_SECTIONS), so a new field in a free section (dist, an eval section) is free.
+RESUME_FREE = {
+    # drafter: the same weights and the same function, computed another way
+    "drafter.attention": "backend only (flex and dense compute the same attention)",
+    "drafter.ce_chunk": "memory only (the loss is the same, in other chunks)",
+    "drafter.grad_checkpoint": "memory only",
+    # target: where and how it runs, not what it computes
+    "target.dtype": "precision of the frozen target's forward (auto differs between CPU and GPU hosts)",
+    "target.packing": "how buffers are laid out for the target's forward, not their content",
+    "target.attention": "kernel choice only",
+    "target.allow_slow_kernels": "a permission, not a setting",
+    "target.pretrain.cache_dir": "where the cache lives; the entry is keyed by content",
+    "target.regen.cache_dir": "where the cache lives; the entry is keyed by content",
+    # data: where the tokenizer is cached (the tokenizer content is checked by schedule.json's fingerprint)
+    "data.tokenizer_cache": "a location; the tokenizer's content is checked through schedule.json",
+}
+RESUME_FIXED = {
+    # train: the optimizer and scheduler state come from the checkpoint, so a changed lr, betas or weight_decay
+    # would be silently ignored (restored from it); grad_clip and the schedule shape would change the objective
+    # halfway; the seed decides the data order (schedule.json) and the anchors.
+    "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.grad_clip", "train.warmup_frac",
+    "train.min_lr_ratio",
+}
+# section -> True: every field must match unless in RESUME_FREE; False: only the RESUME_FIXED ones.
+# train.max_steps/epochs (the run's length: --max-steps already extends a resumed run), checkpoint_every, keep_last,
+# final_save_wait_s, heartbeat_s, log_every, compile, compile_backend are free; dist is free (the number of drafter
+# ranks is checked against the checkpoint's feeds in select_start).
+RESUME_SECTIONS = {"drafter": True, "target": True, "data": True, "train": False, "dist": False}
+
+
+def _flatten(prefix: str, value: Any, into: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, dict):  # an empty mapping (target.arch: {}) adds nothing: its keys are all unset
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, into)
+    else:
+        into[prefix] = value
+    return into
+
+
+def _fixed(name: str) -> bool:
+    if name in RESUME_FREE or any(name.startswith(f + ".") for f in RESUME_FREE):
+        return False
+    section = name.split(".", 1)[0]
+    if RESUME_SECTIONS.get(section, False):
+        return True
+    return name in RESUME_FIXED
+
+
+def _shown(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v, default=str)
+
+
+def resume_config_differences(saved: dict[str, Any], cfg: RunConfig) -> list[str]:
+    """`field: A in the checkpoint, B in the config` for every field that must not change on resume (see
+    RESUME_SECTIONS). target.path is compared only when the config names one without target.pretrain: a pretrained
+    target's path is where the cache put it (the pretrain settings, arch and seed identify it), and a config without
+    target.path gets it from the cache or from the regenerated records it trains on."""
+    try:  # through today's schema: a field newer than the checkpoint gets its default on both sides
+        saved = config_from_dict(saved, "<checkpoint>").to_dict()
+    except ConfigError:
+        pass  # a field since removed or renamed: compare what was recorded
+    now = cfg.to_dict()
+    if cfg.target.path is None or cfg.target.pretrain is not None:
+        saved = {**saved, "target": {k: v for k, v in (saved.get("target") or {}).items() if k != "path"}}
+        now = {**now, "target": {k: v for k, v in now["target"].items() if k != "path"}}
+    a, b = _flatten("", saved, {}), _flatten("", now, {})
+    lines = []
+    for name in sorted(set(a) | set(b)):
+        if _fixed(name) and a.get(name) != b.get(name):
+            lines.append(f"{name}: {_shown(a.get(name))} in the checkpoint, {_shown(b.get(name))} in the config")
+    return lines
+
+
+def check_resume_config(out: Path, cfg: RunConfig) -> None:
+    """Refuse a resume whose config differs from the newest checkpoint's in a field that must not change, in one
+    line naming each field, before anything is built or written (a changed drafter shape would otherwise fail in
+    load_state_dict with a traceback, a changed target only after pretraining it).
+
+    Only reads: meta.json of the newest checkpoint, checked against its manifest entry (size and sha256; it is
+    small). A checkpoint whose meta.json is missing or does not verify is left to the full verification that
+    select_start does (it refuses naming the file); one saved without a config (older dflash) is not compared."""
+    found = ckpt.list_checkpoints(out)
+    if not found:
+        return
+    path = found[0][1]
+    meta_file = path / "meta.json"
+    try:
+        entry = json.loads((path / ckpt.MANIFEST).read_text())["files"]["meta.json"]
+        data = meta_file.read_bytes()
+        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            return
+        meta = json.loads(data)
+        saved, saved_target = meta.get("config"), meta.get("target")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    if not isinstance(saved, dict):
+        return
+    differ = resume_config_differences(saved, cfg)
+    if cfg.target.path is not None and cfg.target.pretrain is None and isinstance(saved_target, dict):
+        differ += _target_shape_differences(saved_target, cfg)
+    if differ:
+        raise UsageError(f"{path}: refusing to resume with a changed config: {'; '.join(differ)}. Restore these "
+                         "fields to resume, or start a new run (--fresh, or another --out)")
+
+
+def _target_shape_differences(saved: dict[str, Any], cfg: RunConfig) -> list[str]:
+    """A target named by path: its shape from its config.json against the one the checkpoint was trained on (the
+    same path may hold other weights now)."""
+    from dflash.target import target_shape
+
+    try:
+        shape = target_shape(cfg.target)
+    except (OSError, ValueError):
+        return []  # check_run names an unreadable target
+    lines = []
+    for name in ("num_layers", "hidden_size"):
+        if saved.get(name) is not None and saved[name] != getattr(shape, name):
+            lines.append(f"target {name}: {saved[name]} in the checkpoint, {getattr(shape, name)} in "
+                         f"{cfg.target.path}/config.json")
+    return lines
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash import checkpoint as ckpt
-from dflash import compile_cache
+from dflash import compile_cache, locks
 from dflash.config import ConfigError, RunConfig, check_mask_token_id, check_run
 from dflash.data import DataError, Document, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
@@ -44,7 +44,16 @@ from dflash.pipeline import (
     send_target_info,
     serve_target,
 )
-from dflash.rundir import ResumeRefused, RunDir, UsageError, check_out, open_run_dir, select_start
+from dflash.rundir import (
+    ResumeRefused,
+    RunDir,
+    UsageError,
+    check_out,
+    check_resume_config,
+    hold_run_lock,
+    open_run_dir,
+    select_start,
+)
 from dflash.target import Target, probe_kernels, target_shape
 from dflash.telemetry import Heartbeat, hostname, stderr_line
 
@@ -226,9 +235,19 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
             raise cfg.error(exc) from None
         if shape.vocab_size is not None:
             check_mask_token_id(cfg, shape.vocab_size, shape.vocab_from)
-    check_out(out, roles, resume=resume, fresh=fresh)
-    init_distributed(roles, device, cfg.dist.backend, cfg.dist.timeout_s)
-    run = open_run_dir(out, roles, resume=resume)
+    if resume and roles.rank == 0:
+        check_resume_config(out, cfg)  # a changed drafter/target/data: refused before anything is built
+    # One writer per OUT: rank 0 holds OUT/run.lock for the job (re-entrant: the CLI took it already), before
+    # --fresh deletes or events.jsonl is truncated; the OS drops it when the process ends, however it ends.
+    lock = hold_run_lock(out) if roles.rank == 0 else None
+    try:
+        check_out(out, roles, resume=resume, fresh=fresh)
+        init_distributed(roles, device, cfg.dist.backend, cfg.dist.timeout_s)
+        run = open_run_dir(out, roles, resume=resume)
+    except BaseException:
+        if lock is not None:
+            locks.release(lock)
+        raise
     live = Live(device=device)
 
     def emergency_end(signum: int) -> None:
@@ -251,6 +270,8 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
         gate.restore()
         hb.stop()
         run.close()
+        if lock is not None:
+            locks.release(lock)
         if roles.world_size > 1:
             _KEPT_ALIVE.append(trainer)
             if dist.is_initialized():
