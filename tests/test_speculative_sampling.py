@@ -320,8 +320,13 @@ def test_sampled_generations_gives_each_prompt_its_own_stream() -> None:
 
 
 def test_draft_block_logits_is_the_distribution_behind_draft_block() -> None:
+    """The logits are computed by a copy of draft_block's body (speculative.py is extended, not restructured): their
+    argmax must stay draft_block's output, sliding-window drafter layers included."""
     c = case("qwen3")
-    drafter = tiny_drafter()
+    torch.manual_seed(1)
+    cfg = DrafterConfig(num_layers=2, num_heads=2, num_kv_heads=1, block_size=B, mask_token_id=VOCAB - 1,
+                        layer_sliding_windows=[3, None], attention="dense")
+    drafter = DFlashDrafter(cfg, 32, 2).eval()
     prop = DFlashProposer(drafter, c.target.embed_tokens, c.target.lm_head)
     _, taps = c.target.forward(c.prompt, 0, None, keep=1)
     assert taps is not None
@@ -332,6 +337,20 @@ def test_draft_block_logits_is_the_distribution_behind_draft_block() -> None:
         assert logits.shape == (B - 1, VOCAB)
         assert logits.argmax(-1).tolist() == draft_block(drafter, c.target.embed_tokens, c.target.lm_head, ctx,
                                                          c.prompt[n - 1])
+
+
+def test_argmax_drafts_are_the_greedy_dflash_drafts() -> None:
+    """draft="argmax": DFlash drafts its greedy tokens (a point mass), not a sample from q."""
+    c = case("qwen3")
+    _, taps = c.target.forward(c.prompt, 0, None, keep=1)
+    assert taps is not None
+    for seed in range(4):
+        prop = proposer("dflash", c.target)
+        gen = speculative_sample(c.target, prop, c.prompt, 4, B, TEMPERATURE, torch.Generator().manual_seed(seed),
+                                 draft="argmax")
+        fresh = proposer("dflash", c.target)
+        fresh.start(c.prompt, taps)
+        assert gen.drafts[0] == fresh.propose([*c.prompt, gen.tokens[0]], B - 1)
 
 
 def test_refuses_a_temperature_that_is_not_positive() -> None:
