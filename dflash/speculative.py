@@ -246,6 +246,19 @@ class DFlashProposer:
             raise RuntimeError(f"context covers {got} positions, the anchor is at position {n - 1}")
         return self.ctx
 
+    def propose_sample(self, seq: Sequence[int], k: int, temperature: float,
+                       generator: torch.Generator) -> tuple[list[int], Tensor]:
+        """Drafts drawn from the drafter's own distribution at `temperature`, and that distribution q [k, V].
+
+        Every block position is drafted in one forward from [anchor, mask, ...], so the draft at position j does not
+        depend on the drafts before it: q_j is its distribution given the committed prefix and the earlier drafts, as
+        speculative sampling's acceptance rule min(1, p/q) requires."""
+        logits = draft_block_logits(self.drafter, self.embed_tokens, self.lm_head, self._ctx(len(seq)),
+                                    int(seq[-1]))[:k]
+        q = _probs(logits, temperature)
+        drafts = torch.multinomial(_on(generator, q), 1, generator=generator).squeeze(-1)
+        return [int(t) for t in drafts.tolist()], q
+
 
 def draft_block(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Linear, ctx: Tensor,
                 anchor: int) -> list[int]:
@@ -278,6 +291,35 @@ def draft_block(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.
         x = drafter.norm(x)
         logits = F.linear(x[1:].to(lm_head.weight.dtype), lm_head.weight, lm_head.bias)
         return [int(t) for t in logits.argmax(-1).tolist()]
+
+
+def draft_block_logits(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Linear, ctx: Tensor,
+                       anchor: int) -> Tensor:
+    """The drafter's logits [B-1, V] for block positions 1..B-1 after `anchor` at position a = len(ctx): the
+    distribution behind `draft_block`'s greedy tokens (same layout and mask; tests/test_speculative_sampling.py checks
+    that their argmax is `draft_block`'s output), for drafts sampled at a temperature."""
+    cfg, b = drafter.cfg, drafter.cfg.block_size
+    a = ctx.shape[0]
+    dev = ctx.device
+    with torch.no_grad():
+        block = torch.full((b,), int(cfg.mask_token_id), dtype=torch.long, device=dev)  # type: ignore[arg-type]
+        block[0] = anchor
+        dtype = drafter.fc.weight.dtype
+        x = embed_tokens(block).to(dtype)
+        slots = torch.cat([ctx.to(dtype), ctx.new_zeros((1, ctx.shape[1]), dtype=dtype)])
+        block_pos = torch.arange(a, a + b, device=dev)
+        rope_q = rope_cos_sin(block_pos, drafter.head_dim, cfg.rope_theta, x.dtype)
+        rope_kv = rope_cos_sin(torch.cat([torch.arange(a + 1, device=dev), block_pos]), drafter.head_dim,
+                               cfg.rope_theta, x.dtype)
+        anchors = torch.tensor([a], device=dev)
+        docs = torch.zeros(a + 1, dtype=torch.long, device=dev)
+        masks: dict[int | None, Tensor] = {}
+        for layer, w in zip(drafter.layers, drafter.windows, strict=True):
+            if w not in masks:
+                masks[w] = dense_mask(anchors, docs, b, w)  # [B, a + 1 + B]
+            x = layer(x, slots, rope_q, rope_kv, _dense_attend(masks[w]))
+        x = drafter.norm(x)
+        return F.linear(x[1:].to(lm_head.weight.dtype), lm_head.weight, lm_head.bias)
 
 
 def _dense_attend(mask: Tensor) -> Any:
@@ -446,16 +488,223 @@ def check_lossless(expected: Sequence[int], got: Sequence[int], what: str) -> No
                             f"(target {e}, speculative {g})")
 
 
+# ----------------------------------------------------------------------------- sampling (temperature > 0)
+#
+# Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al.
+# 2023, "Accelerating Large Language Model Decoding with Speculative Sampling"): a draft token x drawn from q is kept
+# with probability min(1, p(x)/q(x)), p the target's distribution at that position; at the first rejection the token
+# is drawn from norm(max(0, p - q)) instead and the block ends; after a fully accepted block a bonus token is drawn from
+# p. Whatever q is, every committed token is distributed exactly as the target's own sampling at temperature T. A
+# deterministic drafter (prompt lookup, or DFlash's greedy drafts) has a point mass for q: keep x with probability
+# p(x), on rejection draw from p with x's mass removed. Every random draw goes through the caller's torch.Generator, so
+# a run is reproducible from its seed on the same device (CPU and CUDA generators give different streams).
+
+
+class SamplingProposer(Proposer, Protocol):
+    """A proposer that can draw its drafts from a distribution it can state (`DFlashProposer`); proposers without
+    `propose_sample` (`NgramProposer`) are verified with a point mass on what `propose` returns."""
+
+    def propose_sample(self, seq: Sequence[int], k: int, temperature: float,
+                       generator: torch.Generator) -> tuple[list[int], Tensor]: ...
+
+
+def _probs(logits: Tensor, temperature: float) -> Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def _on(generator: torch.Generator, t: Tensor) -> Tensor:
+    """`t` on the generator's device: torch draws with a generator only on that generator's device."""
+    return t if t.device == generator.device else t.to(generator.device)
+
+
+def _draw(probs: Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(_on(generator, probs), 1, generator=generator))
+
+
+def verify_sampled(p: Tensor, drafts: Sequence[int], q: Tensor | None, generator: torch.Generator) -> tuple[int, int]:
+    """Speculative sampling's verdict on one block: (k drafts accepted, the token committed after them).
+
+    `p` [m+1, V]: the target's probabilities at the block positions (row j: the token after feed[j], feed = [anchor,
+    drafts]); `drafts`: m tokens; `q` [m, V]: the distributions they were drawn from, or None for a point mass on each.
+    Consumes m uniforms, then one categorical draw, from `generator` (the same count whatever is accepted)."""
+    m = len(drafts)
+    p = _on(generator, p)
+    k = m
+    if m:
+        idx = torch.tensor([int(d) for d in drafts], device=p.device)[:, None]
+        ratio = p[:m].gather(1, idx).squeeze(1)
+        if q is not None:
+            q = _on(generator, q.float())
+            # q(x) > 0 for a token drawn from q; the floor only guards a caller whose q does not match its drafts.
+            ratio = ratio / q[:m].gather(1, idx).squeeze(1).clamp_min(torch.finfo(torch.float32).tiny)
+        u = torch.rand(m, generator=generator, device=p.device)
+        k = int((u < ratio).to(torch.int64).cumprod(0).sum())  # accepted with probability min(1, ratio), in order
+    if k == m:
+        return k, _draw(p[m], generator)  # every draft accepted: the bonus token from p
+    if q is None:
+        residual = p[k].clone()
+        residual[int(drafts[k])] = 0.0
+    else:
+        residual = (p[k] - q[k]).clamp_min(0.0)
+    if not float(residual.sum()) > 0.0:  # p == q up to rounding (then rejection had probability ~0): draw from p
+        residual = p[k]
+    return k, _draw(residual, generator)
+
+
+def target_sample(target: TargetLM, prompt: Sequence[int], max_new_tokens: int, temperature: float,
+                  generator: torch.Generator, stop_ids: Sequence[int] = ()) -> Generation:
+    """The target's own sampling at `temperature`, one token per cached forward: the distribution speculative sampling
+    must reproduce, and the baseline speed. One categorical draw per token from `generator`."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    stops = set(stop_ids)
+    _sync(target.device)
+    t0 = time.perf_counter()
+    f0 = target.forwards
+    cache = target.new_cache()
+    logits, _ = target.forward(prompt, 0, cache, keep=1, taps=False)
+    out = [_draw(_probs(logits[-1], temperature), generator)]
+    while len(out) < max_new_tokens and out[-1] not in stops:
+        logits, _ = target.forward([out[-1]], len(prompt) + len(out) - 1, cache, keep=1, taps=False)
+        out.append(_draw(_probs(logits[-1], temperature), generator))
+    _sync(target.device)
+    return Generation(tokens=out, seconds=time.perf_counter() - t0, target_forwards=target.forwards - f0)
+
+
+def speculative_sample(target: TargetLM, proposer: Proposer, prompt: Sequence[int], max_new_tokens: int,
+                       block_size: int, temperature: float, generator: torch.Generator,
+                       stop_ids: Sequence[int] = (), draft: str = "sample") -> Generation:
+    """Speculative sampling at `temperature` > 0: the output is distributed as the target's own sampling
+    (`target_sample`), whatever the proposer drafts; the steps, cache rollback and the recorded `anchor_pos`,
+    `drafts`, `accepted` are those of `speculative_generate` (tau = mean accepted + 1).
+
+    `draft`: "sample" draws the drafts from the proposer's distribution where it has one (`propose_sample`: DFlash's
+    q = softmax(drafter logits / T)) and verifies with min(1, p/q); "argmax" always uses `propose` (DFlash's greedy
+    drafts) with a point-mass q. Prompt lookup is a point mass either way. Which gives the higher tau depends on how
+    well the drafter is calibrated: accepted with probability sum(min(p, q)) when sampled, p(argmax q) when greedy.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if not prompt:
+        raise ValueError("empty prompt")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if draft not in ("sample", "argmax"):
+        raise ValueError(f"draft must be 'sample' or 'argmax', got {draft!r}")
+    stops = set(stop_ids)
+    _sync(target.device)
+    t0 = time.perf_counter()
+    f0 = target.forwards
+    cache = target.new_cache()
+    logits, taps = target.forward(prompt, 0, cache, keep=1)
+    assert taps is not None
+    proposer.start(prompt, taps)
+    seq = [int(t) for t in prompt] + [_draw(_probs(logits[-1], temperature), generator)]
+    gen = Generation(tokens=[seq[-1]])
+    linear = TargetLM.has_linear_layers(cache)
+    sampler = getattr(proposer, "propose_sample", None) if draft == "sample" else None
+    while len(gen.tokens) < max_new_tokens and gen.tokens[-1] not in stops:
+        n = len(seq)
+        q: Tensor | None = None
+        if sampler is not None:
+            drafted, q = sampler(seq, block_size - 1, temperature, generator)
+            drafts = [int(t) for t in drafted][: block_size - 1]
+            q = q[: len(drafts)]
+        else:
+            drafts = [int(t) for t in proposer.propose(seq, block_size - 1)][: block_size - 1]
+        feed = [seq[-1], *drafts]
+        snap = target.snapshot(cache) if linear and drafts else None
+        captured, hooks = target.capture_mixer_inputs() if snap is not None and target.readvance == "mixers" \
+            else ({}, [])
+        try:
+            logits, taps = target.forward(feed, n - 1, cache, keep=len(feed))
+        finally:
+            for h in hooks:
+                h.remove()
+        assert taps is not None
+        k, nxt = verify_sampled(_probs(logits, temperature), drafts, q, generator)
+        gen.anchor_pos.append(n - 1)
+        gen.drafts.append(drafts)
+        gen.accepted.append(k)
+        new = [*drafts[:k], nxt]
+        room = max_new_tokens - len(gen.tokens)
+        cut = _stop_at(new, stops)
+        new = new[: min(room, len(new) if cut is None else cut + 1)]
+        gen.tokens += new
+        seq += new
+        if len(gen.tokens) >= max_new_tokens or gen.tokens[-1] in stops:
+            break  # the output is complete: nothing after this step reads the cache or the context
+        proposer.commit(taps[: k + 1])  # the anchor and the accepted drafts: positions n-1 .. n-1+k
+        if k < len(drafts):  # the same rollback as speculative_generate
+            if snap is not None and target.readvance == "mixers":
+                target.restore(cache, snap, attn_len=n + k)
+                target.readvance_mixers(cache, captured, k + 1)
+            elif snap is not None:
+                target.restore(cache, snap)
+                target.forward(feed[: k + 1], n - 1, cache, keep=0, taps=False)
+            else:
+                target.crop_attention(cache, n + k)
+    _sync(target.device)
+    gen.seconds = time.perf_counter() - t0
+    gen.target_forwards = target.forwards - f0
+    return gen
+
+
+def prompt_generator(device: torch.device | str, seed: int, prompt_index: int) -> torch.Generator:
+    """The generator for one prompt of a sampled evaluation: its own stream per (seed, prompt), so a prompt's draws
+    do not depend on which prompts ran before it or on the method."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + prompt_index)
+
+
+def sampled_generations(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]],
+                        max_new_tokens: int, temperature: float, seed: int = 0, stop_ids: Sequence[int] = (),
+                        baseline_ngram: bool = False, draft: str = "sample") -> dict[str, list[Generation]]:
+    """What `dflash eval --temperature T` decodes: every prompt sampled by the target alone ("target"), by speculative
+    sampling with DFlash drafts ("dflash") and, with `baseline_ngram`, with prompt lookup ("ngram"); one untimed
+    warm-up first. Each (prompt, method) gets `prompt_generator(target.device, seed, i)`.
+
+    How eval uses it: `gens = sampled_generations(...)`, then the greedy report's statistics on these lists
+    (`acceptance_stats(gens["dflash"], b)` for tau / accept_hist / accept_by_position, `tau_interval`, tokens/s from
+    `Generation.seconds`, the same for "ngram" under `baseline`). There is no per-prompt lossless check at T > 0 (two
+    correct samplers give different tokens); losslessness in distribution is what tests/test_speculative_sampling.py
+    checks, so the report should say `lossless: null` (not checked per prompt) rather than true.
+    """
+    b = drafter.cfg.block_size
+    dev = target.device
+    dflash = DFlashProposer(drafter, target.embed_tokens, target.lm_head)
+    speculative_sample(target, dflash, prompts[0], min(2 * b, max_new_tokens), b, temperature,
+                       prompt_generator(dev, seed, len(prompts)), stop_ids, draft)
+    out: dict[str, list[Generation]] = {"target": [], "dflash": []}
+    if baseline_ngram:
+        out["ngram"] = []
+    for i, prompt in enumerate(prompts):
+        out["target"].append(target_sample(target, prompt, max_new_tokens, temperature,
+                                           prompt_generator(dev, seed, i), stop_ids))
+        out["dflash"].append(speculative_sample(target, dflash, prompt, max_new_tokens, b, temperature,
+                                                prompt_generator(dev, seed, i), stop_ids, draft))
+        if baseline_ngram:
+            out["ngram"].append(speculative_sample(target, NgramProposer(), prompt, max_new_tokens, b, temperature,
+                                                   prompt_generator(dev, seed, i), stop_ids, draft))
+    return out
+
+
 __all__ = [
     "DFlashProposer",
     "Generation",
     "LosslessError",
     "NgramProposer",
     "Proposer",
+    "SamplingProposer",
     "TargetLM",
     "check_lossless",
     "draft_block",
+    "draft_block_logits",
     "first_difference",
+    "prompt_generator",
+    "sampled_generations",
     "speculative_generate",
+    "speculative_sample",
     "target_greedy",
+    "target_sample",
+    "verify_sampled",
 ]
