@@ -101,12 +101,21 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--prompt-tokens", type=int, default=32, help="prompt length for held-out documents")
     v.add_argument("--max-new-tokens", type=int, default=64)
     v.add_argument("--block-size", type=int, default=None, help="draft block size B (default: the drafter's)")
-    v.add_argument("--method", choices=["teacher-forced", "decode"], default="teacher-forced",
-                   help="teacher-forced (default): the decode loop's exact tau and acceptance per position from the "
+    v.add_argument("--method", choices=["teacher-forced", "decode"], default=None,
+                   help="teacher-forced (default for greedy): the decode loop's exact tau and acceptance per position "
+                        "from the "
                         "target's greedy continuations, one target forward per prompt and one drafter pass over "
                         "every position: many times faster (no token-by-token loop), the same figures. decode: "
                         "greedy speculative decoding itself: adds wall-clock speed against the target alone and "
                         "the lossless check (exit 1 when an output differs from the target's own greedy decoding)")
+    v.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy. T > 0: speculative sampling at T (--method decode, the default then): "
+                        "drafts accepted with probability min(1, p/q), a rejection resampled from max(0, p - q); "
+                        "lossless in distribution (tests/test_speculative_sampling.py), so no per-prompt check")
+    v.add_argument("--draft", choices=["sample", "argmax"], default="sample",
+                   help="with --temperature: DFlash drafts sampled from the drafter's softmax at T (sample, default) "
+                        "or its greedy tokens (argmax)")
+    v.add_argument("--seed", type=int, default=0, help="with --temperature: the sampling seed (per prompt streams)")
     v.add_argument("--baseline", choices=["ngram"], default=None, help="also run prompt-lookup drafting")
     v.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     v.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")

@@ -705,6 +705,53 @@ def evaluate_teacher_forced(target: TargetLM, drafter: DFlashDrafter, prompts: S
     return result
 
 
+def evaluate_sampled(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]],
+                     max_new_tokens: int, temperature: float, seed: int = 0, stop_ids: Sequence[int] = (),
+                     baseline_ngram: bool = False, draft: str = "sample") -> dict[str, Any]:
+    """Speculative sampling at `temperature` (dflash.speculative.speculative_sample): tau and speed like `evaluate`.
+    No per-prompt lossless check: two correct samplers write different tokens; speculative sampling is lossless in
+    distribution, which tests/test_speculative_sampling.py checks (chi-square against the target's own sampling)."""
+    from dflash.speculative import sampled_generations
+
+    b = drafter.cfg.block_size
+    gens = sampled_generations(target, drafter, prompts, max_new_tokens, temperature, seed=seed, stop_ids=stop_ids,
+                               baseline_ngram=baseline_ngram, draft=draft)
+    dfl, ref = gens["dflash"], gens["target"]
+    param = next(target.model.parameters())
+    plens = [len(p) for p in prompts]
+    new_tokens = sum(len(g.tokens) for g in dfl)
+    t_target, t_dflash = sum(g.seconds for g in ref), sum(g.seconds for g in dfl)
+    stats = acceptance_stats(dfl, b)
+    result: dict[str, Any] = {
+        **stats, "method": "decode", "temperature": temperature, "draft": draft, "seed": seed, "block_size": b,
+        "lossless": None, "lossless_check": "in distribution (tests/test_speculative_sampling.py), not per prompt",
+        "errors": [], "ties": [],
+        "numerics": {"dtype": str(param.dtype).removeprefix("torch."), "device": param.device.type},
+        "prompts": len(prompts), "prompt_tokens_mean": round(sum(plens) / len(plens), 1),
+        "max_new_tokens": max_new_tokens, "new_tokens": new_tokens,
+        # tokens per second of each method over the tokens it wrote (samples differ in length)
+        "tokens_per_s": {"target": round(sum(len(g.tokens) for g in ref) / t_target, 2),
+                         "dflash": round(new_tokens / t_dflash, 2)},
+        "speedup": round((t_target / max(1, sum(len(g.tokens) for g in ref))) / (t_dflash / max(1, new_tokens)), 3),
+        "accepted": [g.accepted for g in dfl],
+    }
+    ngram = gens.get("ngram")
+    intervals = tau_interval([dfl, ngram] if ngram is not None else [dfl])
+    result["tau_ci95"] = intervals[0]
+    if ngram is not None:
+        n_stats = acceptance_stats(ngram, b)
+        n_tok, t_ngram = sum(len(g.tokens) for g in ngram), sum(g.seconds for g in ngram)
+        if stats["tau"] is not None and n_stats["tau"]:
+            result["tau_over_ngram"] = {"ratio": round(stats["tau"] / n_stats["tau"], 4), "ci95": intervals[2]}
+        result["baseline"] = {"ngram": {
+            "tau": n_stats["tau"], "tau_ci95": intervals[1], "steps": n_stats["steps"],
+            "accept_hist": n_stats["accept_hist"], "accept_by_position": n_stats["accept_by_position"],
+            "tokens_per_s": round(n_tok / t_ngram, 2),
+            "speedup": round((t_target / max(1, sum(len(g.tokens) for g in ref))) / (t_ngram / max(1, n_tok)), 3),
+            "lossless": None, "accepted": [g.accepted for g in ngram]}}
+    return result
+
+
 # ----------------------------------------------------------------------------- the command
 
 
@@ -716,7 +763,9 @@ def render(result: dict[str, Any]) -> None:
 
     con = Console()
     decode = result.get("method", "decode") == "decode"
-    table = Table(title=f"dflash eval ({result.get('method', 'decode')})  B={result['block_size']}  "
+    how = result.get("method", "decode") + (f", temperature {result['temperature']:g}" if result.get("temperature")
+                                             else "")
+    table = Table(title=f"dflash eval ({how})  B={result['block_size']}  "
                         f"{result['prompts']} prompts  {result['new_tokens']} new tokens", title_justify="left")
     cols = ["method", "acceptance tau"] + (["tokens/s", "speed vs target", "lossless"] if decode else [])
     for col in cols:
@@ -729,11 +778,14 @@ def render(result: dict[str, Any]) -> None:
     if decode:
         tps = result["tokens_per_s"]
         table.add_row("target greedy", "1.00", f"{tps['target']:.1f}", "1.00x", "-")
+        sampled = result.get("lossless", True) is None
         table.add_row("dflash", num(result["tau"]), f"{tps['dflash']:.1f}", f"{result['speedup']:.2f}x",
+                      "in distribution" if sampled else
                       "yes" if not any("(dflash)" in e for e in result["errors"]) else "[red]NO[/red]")
         if ng:
             table.add_row("n-gram (prompt lookup)", num(ng["tau"]), f"{ng['tokens_per_s']:.1f}",
-                          f"{ng['speedup']:.2f}x", "yes" if ng["lossless"] else "[red]NO[/red]")
+                          f"{ng['speedup']:.2f}x",
+                          "in distribution" if sampled else "yes" if ng["lossless"] else "[red]NO[/red]")
     else:
         table.add_row("dflash", num(result["tau"]))
         if ng:
@@ -789,6 +841,13 @@ def run(args: Any) -> int:
             return fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.block_size is not None and args.block_size < 2:
         return fail(f"--block-size must be at least 2, got {args.block_size}")
+    temperature = float(getattr(args, "temperature", 0.0) or 0.0)
+    if temperature < 0:
+        return fail(f"--temperature must be >= 0, got {temperature:g}")
+    method = getattr(args, "method", None) or ("decode" if temperature > 0 else "teacher-forced")
+    if temperature > 0 and method == "teacher-forced":
+        return fail("--method teacher-forced gives the exact tau of greedy decoding only; with --temperature > 0 "
+                    "use --method decode (speculative sampling)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         loaded = load_checkpoint(args.checkpoint) if args.checkpoint else load_export(args.drafter)
@@ -817,9 +876,12 @@ def run(args: Any) -> int:
     except (EvalError, ConfigError, DataError) as exc:
         return fail(str(exc))
     stop_ids = [] if args.no_stop else [tok.eos_id]
-    method = getattr(args, "method", "teacher-forced")
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        if method == "decode":
+        if temperature > 0:
+            result = evaluate_sampled(target, loaded.drafter, prompts, args.max_new_tokens, temperature,
+                                      seed=getattr(args, "seed", 0), stop_ids=stop_ids,
+                                      baseline_ngram=args.baseline == "ngram", draft=getattr(args, "draft", "sample"))
+        elif method == "decode":
             result = evaluate(target, loaded.drafter, prompts, args.max_new_tokens, stop_ids,
                               baseline_ngram=args.baseline == "ngram", tie_tol=args.tie_tol)
         else:
@@ -837,7 +899,7 @@ def run(args: Any) -> int:
         print(f"prompts: {where}")
         if "warning" in result:
             print(f"warning: {result['warning']}")
-    if not result.get("lossless", True):
+    if result.get("lossless") is False:
         stderr_line(f"dflash eval: {LosslessError.__name__}: {result['errors'][0]}")
         return 1
     return 0

@@ -130,3 +130,20 @@ def test_eval_teacher_forced_human_output_names_what_it_leaves_to_decode(checkpo
     out = capsys.readouterr().out
     assert "teacher-forced" in out and "acceptance tau" in out and "--method decode" in out
     assert "speed vs target" not in out
+
+
+def test_eval_temperature_samples_speculatively_and_refuses_teacher_forced(checkpoint: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash.cli import main
+
+    args = ["eval", "--checkpoint", str(checkpoint), "--num-prompts", "2", "--prompt-tokens", "12",
+            "--max-new-tokens", "10", "--temperature", "1"]
+    assert main([*args, "--json", "--baseline", "ngram", "--seed", "3"]) == 0  # decode is the default at T > 0
+    res = json.loads(capsys.readouterr().out)
+    assert (res["method"], res["temperature"], res["draft"], res["seed"]) == ("decode", 1.0, "sample", 3)
+    assert res["lossless"] is None and "distribution" in res["lossless_check"]
+    assert 1.0 <= res["tau"] <= 8 and len(res["accept_by_position"]) == 7 and res["baseline"]["ngram"]["tau"] >= 1
+    assert main([*args, "--json", "--baseline", "ngram", "--seed", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["accepted"] == res["accepted"]  # a seed reproduces a run
+    assert main([*args, "--method", "teacher-forced"]) == 2
+    assert "teacher-forced gives the exact tau of greedy decoding only" in capsys.readouterr().err
