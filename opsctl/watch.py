@@ -335,6 +335,11 @@ def stall_after_of(source: WatchSource) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
+def tau_drop_of(source: WatchSource) -> Any:
+    """The run's configured tau_regression thresholds, if its source knows its run (else the defaults apply)."""
+    return getattr(getattr(source, "run", None), "tau_regression", None)
+
+
 class RecordedSource:
     """Replays a recorded agent stream (JSON lines), as fast as possible or paced by its `ts` fields.
 
@@ -579,11 +584,11 @@ class RunModel:
 
     def __init__(self, label: str, clock: Callable[[], float] | None = None,
                  log_capacity: int = DEFAULT_LOG_CAPACITY, history: int = HISTORY,
-                 stall_after_s: float | None = None) -> None:
+                 stall_after_s: float | None = None, tau_drop: Any = None) -> None:
         self.label = label
         self.clock = clock  # None: live (local clock + agent skew); tests and replays pass the agent's clock
         self.state = SmoothedRunState(stall_after_s=stall_after_s)
-        self.tracker = AlertTracker()
+        self.tracker = AlertTracker(tau_drop)
         self.log: deque[LogLine] = deque(maxlen=log_capacity)
         self.lines_total = 0
         self.dropped = 0
