@@ -27,6 +27,7 @@ from opsctl.watch import (
     fold,
     stall_after_of,
     tau_drop_of,
+    tau_text,
 )
 from opsctl.widgets import fmt_duration, fmt_num, spark, state_badge
 
@@ -90,6 +91,9 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
                 f"  ETA {fmt_duration(view.eta_s)}  heartbeat "
                 f"{'-' if view.heartbeat_age_s is None else fmt_duration(view.heartbeat_age_s) + ' ago'}"
                 f"  link {model.link}  log {model.lines_total:,} lines, {model.dropped:,} dropped")
+    tau = tau_text(view)
+    if tau is not None:
+        head.append(f"  τ {tau}")
     parts: list[Any] = [head]
     if view.gpus:
         table = Table(box=None, pad_edge=False, show_header=True, header_style="dim")

@@ -577,6 +577,20 @@ class RunSeries:
 
 
 CHART_KEYS = ("loss", "tokens_per_s", "step_time_s", "queue_depth")
+EVAL_KEYS = ("tau", "ngram_tau")  # from `eval` events, at the step evaluated (the τ chart)
+
+
+def tau_text(view: RunView) -> str | None:
+    """`3.41 at step 4,000 (best 3.70 at step 2,000; n-gram 1.88)`: the run's τ in one line, None before any eval."""
+    if view.tau_step is None:
+        return None
+    text = f"{fmt_num(view.tau, 2)} at step {view.tau_step:,}"
+    extra = []
+    if view.tau_best_step is not None and view.tau_best_step != view.tau_step:
+        extra.append(f"best {fmt_num(view.tau_best, 2)} at step {view.tau_best_step:,}")
+    if view.ngram_tau is not None:
+        extra.append(f"n-gram {fmt_num(view.ngram_tau, 2)}")
+    return text + (f" ({'; '.join(extra)})" if extra else "")
 
 
 class RunModel:
@@ -593,7 +607,8 @@ class RunModel:
         self.lines_total = 0
         self.dropped = 0
         self._classify = SeverityClassifier()
-        self.series: dict[str, RunSeries] = {k: RunSeries() for k in CHART_KEYS}  # the whole run, for the charts
+        # the whole run, for the charts
+        self.series: dict[str, RunSeries] = {k: RunSeries() for k in CHART_KEYS + EVAL_KEYS}
         self.gpu_hist: dict[int, dict[str, deque[float]]] = {}
         self._history = history
         self.link = "connecting"
@@ -628,6 +643,12 @@ class RunModel:
                     value = ev.get(key)
                     if isinstance(value, (int, float)) and not isinstance(value, bool):
                         series.add(ev["step"], float(value))
+            elif kind == "eval" and isinstance(ev.get("step"), int):
+                self.chart_version += 1
+                for key in EVAL_KEYS:
+                    value = ev.get(key)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                        self.series[key].add(ev["step"], float(value))
             elif kind == "run_start":
                 resumed = ev.get("resumed_from")
                 for series in self.series.values():  # a resume continues the curve, a fresh start begins one
