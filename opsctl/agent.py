@@ -1345,6 +1345,7 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     spec = {"argv": argv, "env": env, "workdir": run.workdir, "log": run.log, "state_dir": run.state_dir,
             "name": run.name, "host": str(opts.get("host") or socket.gethostname()), "attempt": aid,
             "events": run.events, "restart": run.args.get("restart"), "notify": run.args.get("notify"),
+            "tau_regression": run.args.get("tau_regression"),
             "stall_after": run.args.get("stall_after"), "keep_logs": run.keep_logs, "extra_args": extra,
             "restarts_used": restart["n"] if restart is not None else 0}
     with open(run.state_file("spec.json"), "w") as fh:
@@ -1450,6 +1451,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     errors: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque(maxlen=50)
     last: dict[str, tuple[int, int, dict[str, Any]]] = {}
     size = 0
+    tau = _W["TauTrack"]()  # the run's evaluations across its attempts: the latest and the best tau so far
     if run.events and os.path.exists(run.events):
         with open(run.events, "rb") as fh:
             off = 0
@@ -1461,6 +1463,8 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                     ev = json.loads(raw)
                 except ValueError:
                     continue
+                if isinstance(ev, dict):
+                    tau.note(ev, (start, off, ev))
                 if not isinstance(ev, dict) or (isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since):
                     continue
                 kind = ev.get("kind")
@@ -1475,7 +1479,8 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                 elif isinstance(kind, str):
                     last[kind] = (start, off, ev)
             size = off
-    for item in list(last.values()) + list(steps) + list(errors):
+    taus = [e["ref"] for e in (tau.best(), tau.latest()) if e is not None]
+    for item in list(last.values()) + list(steps) + list(errors) + taus:
         picked[item[0]] = (item[1], item[2])
     for start in sorted(picked):
         end, ev = picked[start]
@@ -1725,6 +1730,7 @@ def verb_history(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     """Every attempt of the run, oldest first; an attempt with no end recorded is `running` or `restarting` when
     it is the live one, else `lost` (its wrapper died before it could write the end: SIGKILL, a reboot)."""
     attempts = read_history(run.state_dir, run.log, run.keep_logs)
+    _W["attempt_taus"](run.events, attempts)
     snap = ProcWatch(run).snapshot()
     for a in attempts:
         if a.get("outcome") is None:

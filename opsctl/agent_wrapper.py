@@ -12,7 +12,7 @@ while it lives, the leftovers stay findable; the tmux pane turns dead only after
 Every start of the command is an *attempt* recorded in STATE_DIR/history.jsonl. The wrapper is also where the
 run's restart policy lives (a crashed attempt is started again, with the resume arguments, after the back-off:
 it needs no client connected) and where `notify` commands are fired on crashed / finished / stalled / restarting /
-disk_full.
+disk_full / tau_regression.
 The agent runs this same text (exec'd into a namespace) for the rules both halves share: the attempt history, log
 rotation, the crash line of a log, and how extra arguments join a command.
 """
@@ -431,10 +431,14 @@ class EventsWatch:
     """Tails the run's events file for one attempt: first/last step, last checkpoint, run_end, and the progress
     clock that says `stalled` (the notification fires once per stall; progress ends the stall)."""
 
-    def __init__(self, path: str | None, stall_after: float | None) -> None:
+    def __init__(self, path: str | None, stall_after: float | None, tau_drop: dict[str, Any] | None = None) -> None:
         self.path = path
         self.stall_after_cfg = stall_after
         self.lock = threading.Lock()
+        # tau over every attempt of this wrapper (seed_tau adds the earlier launches'): tau_regression's reference
+        self.tau = TauTrack()
+        self.tau_drop = tau_drop or {}
+        self.tau_told = False
         self.reset(time.time())
 
     def reset(self, since: float) -> None:
@@ -485,6 +489,22 @@ class EventsWatch:
                 if isinstance(ev, dict):
                     self._note(ev)
 
+    def seed_tau(self) -> None:
+        """The evaluations already in the events file (a launch that resumes a run): the best tau so far may be
+        older than this wrapper. Only eval and run_start lines are parsed."""
+        try:
+            with open(self.path or "", "rb") as fh:
+                for raw in fh:
+                    if raw.endswith(b"\n") and (b'"eval"' in raw or b'"run_start"' in raw):
+                        try:
+                            ev = json.loads(raw)
+                        except ValueError:
+                            continue
+                        if isinstance(ev, dict):
+                            self.tau.note(ev)
+        except OSError:
+            pass
+
     def _note(self, ev: dict[str, Any]) -> None:
         ts = ev.get("ts")
         if not isinstance(ts, (int, float)) or ts < self.since:
@@ -492,6 +512,7 @@ class EventsWatch:
         kind = ev.get("kind")
         if kind == "error" and ev.get("fatal") and ev.get("message"):
             self.fatal = str(ev["message"])
+        self.tau.note(ev)
         if kind in ("run_start", "phase", "heartbeat", "step", "checkpoint"):
             self.last_progress = float(ts)
             self.stalled = False
@@ -526,6 +547,20 @@ class EventsWatch:
             got, self.disk_full = self.disk_full, None
             return got
 
+    def take_tau_regression(self) -> tuple[int, str] | None:
+        """(step, evidence) of a tau regression not notified yet: once per episode (until tau is back within the
+        margin of its best)."""
+        with self.lock:
+            evidence = self.tau.regression(self.tau_drop.get("drop_frac"), self.tau_drop.get("drop_min"))
+            if evidence is None:
+                self.tau_told = False
+                return None
+            if self.tau_told:
+                return None
+            self.tau_told = True
+            last = self.tau.latest()
+            return (last["step"] if last else 0), evidence
+
     def check_stall(self) -> float | None:
         """The silence in seconds when the run just became stalled (once per stall), else None."""
         with self.lock:
@@ -536,6 +571,118 @@ class EventsWatch:
                 self.stalled = True
                 return age
             return None
+
+
+# -- tau: the drafter's serving acceptance length, from `eval` events (docs/events.md) --------------------------
+# A tau_regression: the latest tau fell below the best so far by more than max(TAU_DROP_FRAC x best, TAU_DROP_MIN).
+# 10 %: the run-to-run spread of tau on a fixed held-out set is a few %, and a 5 % dip after a learning-rate
+# change is normal; 0.2 tokens: below that a drop is not worth waking anyone (tau is ~2-6 for useful drafters).
+TAU_DROP_FRAC = 0.10
+TAU_DROP_MIN = 0.2
+
+
+def _tau_num(x: Any) -> float | None:
+    """A finite number as float; None for null, NaN, inf, or anything else."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or x != x or x in (float("inf"), float("-inf")):
+        return None
+    return float(x)
+
+
+class TauTrack:
+    """The run's evaluations in step order, as resumes leave them: a `run_start` resumed from step S forgets the
+    evaluations after S (a fresh start forgets them all), and an evaluation at step S replaces any at S or later,
+    as the charts do with steps. status, history, the tau_regression alert and its notify all read this one rule."""
+
+    def __init__(self) -> None:
+        self.evals: list[dict[str, Any]] = []  # {step, tau, ngram_tau, tau_ci95, ts, ref}; ref: the caller's
+
+    def note(self, ev: dict[str, Any], ref: Any = None) -> bool:
+        """Fold one event (any kind; only run_start and eval count); True when the evaluations changed."""
+        kind = ev.get("kind")
+        if kind == "run_start":
+            r = ev.get("resumed_from")
+            keep = r if isinstance(r, int) and not isinstance(r, bool) else -1
+            n = len(self.evals)
+            while self.evals and self.evals[-1]["step"] > keep:
+                self.evals.pop()
+            return len(self.evals) != n
+        step = ev.get("step")
+        if kind != "eval" or not isinstance(step, int) or isinstance(step, bool):
+            return False
+        while self.evals and self.evals[-1]["step"] >= step:
+            self.evals.pop()
+        ci = ev.get("tau_ci95")
+        ci = [_tau_num(x) for x in ci] if isinstance(ci, list) and len(ci) == 2 else None
+        self.evals.append({"step": step, "tau": _tau_num(ev.get("tau")), "ngram_tau": _tau_num(ev.get("ngram_tau")),
+                           "tau_ci95": ci if ci and None not in ci else None, "ts": ev.get("ts"), "ref": ref})
+        return True
+
+    def latest(self) -> dict[str, Any] | None:
+        return self.evals[-1] if self.evals else None
+
+    def best(self) -> dict[str, Any] | None:
+        """The evaluation with the highest tau (the earliest of equals), None before any tau."""
+        top: dict[str, Any] | None = None
+        for e in self.evals:
+            if e["tau"] is not None and (top is None or e["tau"] > top["tau"]):
+                top = e
+        return top
+
+    def regression(self, frac: float | None = None, least: float | None = None) -> str | None:
+        """The evidence when the latest tau is below the best by more than the margin, else None."""
+        last, top = self.latest(), self.best()
+        if last is None or top is None:
+            return None
+        return tau_regression(top["tau"], top["step"], last["tau"], last["step"], frac, least)
+
+
+def tau_regression(best: float | None, best_step: int | None, now: float | None, now_step: int | None,
+                   frac: float | None = None, least: float | None = None) -> str | None:
+    """The one tau_regression rule (the wrapper's notify and the clients' alert): its evidence, quoting both
+    evaluations, when `now` is below `best` by more than max(frac x best, least); None otherwise."""
+    frac = TAU_DROP_FRAC if frac is None else float(frac)
+    least = TAU_DROP_MIN if least is None else float(least)
+    if best is None or now is None:
+        return None
+    drop = best - now
+    margin = max(frac * best, least)
+    if drop <= margin:
+        return None
+    return (f"best tau {best:.2f} at step {best_step}, now {now:.2f} at step {now_step} "
+            f"(-{drop:.2f}, -{100 * drop / best:.0f} %; margin {margin:.2f}: {100 * frac:g} % of the best, "
+            f"at least {least:g})")
+
+
+def attempt_taus(events: str | None, attempts: list[dict[str, Any]]) -> None:
+    """Each attempt's last and best tau (and their steps) from the events file: the eval events between its start
+    and its end (the host's clock, as both are written); null where it evaluated nothing."""
+    evals: list[tuple[float, int, float | None]] = []
+    try:
+        with open(events or "", "rb") as fh:
+            for raw in fh:
+                if b'"eval"' not in raw or not raw.endswith(b"\n"):
+                    continue
+                try:
+                    ev = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict) and ev.get("kind") == "eval" and isinstance(ev.get("ts"), (int, float)) \
+                        and isinstance(ev.get("step"), int):
+                    evals.append((float(ev["ts"]), ev["step"], _tau_num(ev.get("tau"))))
+    except OSError:
+        pass
+    for a in attempts:
+        start, end = a.get("started"), a.get("ended")
+        mine = [e for e in evals if isinstance(start, (int, float)) and e[0] >= start
+                and (not isinstance(end, (int, float)) or e[0] <= end)]
+        track = TauTrack()
+        for ts, step, tau in mine:
+            track.note({"kind": "eval", "step": step, "tau": tau, "ts": ts})
+        last, top = track.latest(), track.best()
+        a["last_tau"] = None if last is None else last["tau"]
+        a["last_tau_step"] = None if last is None else last["step"]
+        a["best_tau"] = None if top is None else top["tau"]
+        a["best_tau_step"] = None if top is None else top["step"]
 
 
 class Attempt:
@@ -744,7 +891,8 @@ def main() -> None:
     children: list[int] = []
     notifier = Notifier(spec.get("notify"), state, {**env, "OPSCTL_HOST": str(spec.get("host") or socket.gethostname()),
                                                     "OPSCTL_RUN": run_name}, spec["workdir"], children)
-    watch = EventsWatch(spec.get("events"), spec.get("stall_after"))
+    watch = EventsWatch(spec.get("events"), spec.get("stall_after"), spec.get("tau_regression"))
+    watch.seed_tau()
     killed_file = os.path.join(state, "killed")
     restarting_file = os.path.join(state, RESTARTING_FILE)
     reaper_error = _subreaper()
@@ -761,6 +909,11 @@ def main() -> None:
         if full is not None:
             notifier.fire("disk_full", {"attempt": current["attempt"], "step": full[0], "reason": full[1]})
 
+    def tell_tau() -> None:
+        tau = watch.take_tau_regression()
+        if tau is not None:
+            notifier.fire("tau_regression", {"attempt": current["attempt"], "step": tau[0], "reason": tau[1]})
+
     def stall_monitor() -> None:
         while True:
             time.sleep(0.5)
@@ -768,6 +921,7 @@ def main() -> None:
             if not current["running"]:
                 continue
             tell_disk_full()
+            tell_tau()
             age = watch.check_stall()
             if age is not None:
                 notifier.fire("stalled", {"attempt": current["attempt"], "step": watch.last_step,
@@ -807,6 +961,7 @@ def main() -> None:
         attempt.close()
         watch.poll()
         tell_disk_full()  # one the run wrote just before it ended comes before how it ended
+        tell_tau()
         killed = os.path.exists(killed_file)
         run_end = watch.run_end or {}
         if attempt.signal is None:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dflash.telemetry import ERROR_CLASSES, RESERVOIR_CAPACITY
+from opsctl.agent_wrapper import tau_regression  # the wrapper's notify fires by the same rule
 from opsctl.runstate import RunView, phase_progress
 
 WARMUP_STEPS = 3  # recompiles during the first steps are expected (shapes settle); later ones are a bug
@@ -101,7 +102,10 @@ def exception_line(traceback: str | None) -> str | None:
 class AlertTracker:
     """Remembers what the alert rules need beyond one RunView: history of steps, GPU samples, log tracebacks, link."""
 
-    def __init__(self) -> None:
+    def __init__(self, tau_drop: Any = None) -> None:
+        # the run's `tau_regression` thresholds (config.TauRegression or a dict of drop_frac/drop_min; None: defaults)
+        drop = tau_drop.model_dump() if hasattr(tau_drop, "model_dump") else dict(tau_drop or {})
+        self.tau_drop: tuple[float | None, float | None] = (drop.get("drop_frac"), drop.get("drop_min"))
         self._reset_run()
         self.link_state: str = "connecting"
         self.link_detail: str = ""
@@ -310,6 +314,11 @@ class AlertTracker:
                 yield Alert("gpu_idle", WARNING, "GPU idle while training", idle)
         if v.state in ("training", "stalled"):
             yield from self._queue_rules()
+        # A fact about the drafter, whatever the process does now: a finished run whose last tau is far below its
+        # best ends with a worse drafter than one of its own checkpoints.
+        fell = tau_regression(v.tau_best, v.tau_best_step, v.tau, v.tau_step, *self.tau_drop)
+        if fell:
+            yield Alert("tau_regression", WARNING, "τ fell below its best", fell)
 
     def _crash_evidence(self, v: RunView) -> str:
         parts: list[str] = []

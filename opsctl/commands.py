@@ -401,7 +401,7 @@ def _host_status(ctx: Ctx, host: HostConfig, runs: list[RunConfig], quiet: bool)
         for run in runs:
             if unreachable is None:
                 try:
-                    tracker = AlertTracker()
+                    tracker = AlertTracker(run.tau_regression)
                     view, st = run_status(ctx, host, run, t, tracker)  # type: ignore[arg-type]
                     rows.append(run_record(host.name, run.name, view, link="up", alerts=tracker.evaluate(view, time.time()),
                                            session=st.get("session"), session_exists=st.get("session_exists"),
@@ -425,6 +425,23 @@ def _host_status(ctx: Ctx, host: HostConfig, runs: list[RunConfig], quiet: bool)
 STATE_COLOURS = {"training": "green", "finished": "green", "crashed": "red", "killed": "yellow", "stalled": "red",
                  "loading": "cyan", "compiling": "cyan", "starting": "cyan", "absent": "dim", "unreachable": "magenta",
                  "restarting": "yellow", "refused": "magenta"}
+
+
+TAU_COLUMNS = ("τ (step)", "best τ (step)", "n-gram τ")
+
+
+def fmt_tau(tau: Any, step: Any) -> str:
+    """`3.41 (4000)`: a tau with the step it was measured after; `- (4000)` for an evaluation that verified nothing."""
+    if step is None:
+        return "-"
+    return f"{'-' if not isinstance(tau, (int, float)) else f'{tau:.2f}'} ({step})"
+
+
+def tau_cells(r: dict[str, Any]) -> list[str]:
+    """The status row's TAU_COLUMNS: the latest tau, the best so far, prompt lookup's at the latest evaluation."""
+    ngram = r.get("ngram_tau")
+    return [fmt_tau(r.get("tau"), r.get("tau_step")), fmt_tau(r.get("tau_best"), r.get("tau_best_step")),
+            "-" if not isinstance(ngram, (int, float)) else f"{ngram:.2f}"]
 
 
 def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: bool = False) -> int:
@@ -453,6 +470,10 @@ def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: b
                                                 "pid", "exit", "attempt"]
     for col in cols:
         table.add_column(col, no_wrap=col in ("host", "run", "phase", "step", "attempt"))
+    show_tau = any(r.get("tau_step") is not None for r in rows)  # a run that evaluates during training
+    if show_tau:
+        for col in TAU_COLUMNS:
+            table.add_column(col, no_wrap=True)
     if show_gpus:
         table.add_column("GPUs")
     for r in rows:
@@ -472,6 +493,8 @@ def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: b
                  attempt_clock(r)]  # the current attempt: #id, when it started, how long it ran
         if many_hosts:
             cells.insert(0, r["host"])
+        if show_tau:
+            cells += tau_cells(r)
         if show_gpus:
             cells.append(gpus or "none")
         table.add_row(*cells)

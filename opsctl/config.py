@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from dflash import yamlfile
 from opsctl.agent import SYSTEM_DIRS  # the agent checks the same list again on the host
+from opsctl.agent_wrapper import TAU_DROP_FRAC, TAU_DROP_MIN  # the wrapper notifies by the same defaults
 from opsctl.group import Checks, GroupProblems, parse_groups  # hosts.yaml `groups:` (below this module)
 
 PYTHON_PLACEHOLDER = "{python}"
@@ -242,6 +243,14 @@ class HostConfig(_Strict):
         return f"{base}+pct" if self.pct is not None else base
 
 
+class TauRegression(_Strict):
+    """When the `tau_regression` alert (and its notify) fires: the latest tau of the run's in-training evaluation is
+    below the best so far by more than max(drop_frac x best, drop_min). Defaults: the wrapper's TAU_DROP_*."""
+
+    drop_frac: float = Field(TAU_DROP_FRAC, ge=0)
+    drop_min: float = Field(TAU_DROP_MIN, ge=0)
+
+
 class RunConfig(_Strict):
     """One training job on one host. After loading, every path here is absolute (see hosts.yaml for the rules)."""
 
@@ -272,6 +281,7 @@ class RunConfig(_Strict):
     clean_roots: list[str] | None = None
     restart: RestartPolicy = RestartPolicy()
     notify: list[str] | None = None  # default: the host's notify
+    tau_regression: TauRegression = TauRegression()
 
     @field_validator("notify")
     @classmethod

@@ -57,6 +57,7 @@ class TensorBoardExport:
         self.scalars = 0
         self.steps = 0
         self.restarts = 0
+        self.evals = 0
 
     def _scalar(self, tag: str, value: float, step: int, wall_time: float) -> None:
         summary = self._summary_pb2.Summary(value=[self._summary_pb2.Summary.Value(tag=tag, simple_value=value)])
@@ -100,6 +101,8 @@ class TensorBoardExport:
                 value = _number(ev.get(key))
                 if value is not None:
                     self._scalar(f"{prefix}rank{rank}/{name}", value, step, ts)
+        elif kind == "eval" and isinstance(ev.get("step"), int):
+            self._eval(ev, ts)
         elif kind == "checkpoint":
             step = ev.get("step") if isinstance(ev.get("step"), int) else self.step
             for key, tag, scale in (("seconds", "checkpoint/seconds", 1.0), ("bytes", "checkpoint/gib", 2.0**-30),
@@ -107,6 +110,21 @@ class TensorBoardExport:
                 value = _number(ev.get(key))
                 if value is not None:
                     self._scalar(tag, value * scale, step, ts)
+
+    def _eval(self, ev: dict[str, Any], ts: float) -> None:
+        """An in-training evaluation at the step it evaluated: eval/tau, eval/ngram_tau (prompt lookup's on the same
+        text), eval/accept_pos{k} for block positions k = 1..B-1 and eval/seconds. A null (nothing verified) is
+        left out, never written as 0."""
+        step = int(ev["step"])
+        for key, tag in (("tau", "eval/tau"), ("ngram_tau", "eval/ngram_tau"), ("seconds", "eval/seconds")):
+            value = _number(ev.get(key))
+            if value is not None:
+                self._scalar(tag, value, step, ts)
+        for k, a in enumerate(ev.get("accept_by_position") or [], start=1):
+            value = _number(a)
+            if value is not None:
+                self._scalar(f"eval/accept_pos{k}", value, step, ts)
+        self.evals += 1
 
     def gpu_sample(self, msg: dict[str, Any], prefix: str = "") -> None:
         """One agent `gpu` message (NVML, every GPU): scalars at the run's current step (in a group: node 0's)."""
@@ -319,7 +337,8 @@ def export_sources(ctx: Ctx, sources: list[Source], logdir: str, ident: dict[str
     finally:
         save()
         tb.close()
-    ctx.err.print(f"exported {what}: {tb.steps} steps, {tb.scalars} scalars"
+    ctx.err.print(f"exported {what}: {tb.steps} steps, " + (f"{tb.evals} evaluations, " if tb.evals else "")
+                  + f"{tb.scalars} scalars"
                   + (f", {tb.restarts} resumed attempt(s)" if tb.restarts else "")
                   + f" into {out.resolve()} in {time.monotonic() - started:.1f} s; view: tensorboard --logdir "
                   f"{out.resolve()}", soft_wrap=True)

@@ -302,7 +302,9 @@ def rankless(row: dict[str, Any]) -> dict[str, Any]:
     their phase in heartbeats only. While its process runs, that phase is its state, not `starting`."""
     if row["node"] > 0 and row["state"] == "starting" and row.get("proc_state") == "running" and row.get("phase"):
         phase = row["phase"]
-        row["state"] = phase if phase in ("training", "compiling") else "loading"
+        # the periodic phases of training (a checkpoint, an in-training evaluation) are training, as on node 0
+        row["state"] = "training" if phase in ("training", "saving", "evaluating") else (
+            "compiling" if phase == "compiling" else "loading")
     return row
 
 

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl.channel import run_args, stream_agent
-from opsctl.commands import EXIT_OK, EXIT_TRANSPORT, Ctx, OpsError
+from opsctl.commands import EXIT_OK, EXIT_TRANSPORT, Ctx, OpsError, fmt_tau
 from opsctl.group import GroupRun, verdict
 from opsctl.history import OUTCOME_STYLES
 from opsctl.runstate import fmt_span, fmt_when
@@ -201,10 +201,23 @@ def group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dict[st
     return out
 
 
+def group_attempt_taus(gr: GroupRun, attempts: list[dict[str, Any]],
+                       node_histories: dict[int, list[dict[str, Any]]]) -> None:
+    """Each group attempt's last and best tau: those of its attempt on the node holding global rank 0 (it alone
+    writes eval events, as its steps)."""
+    head = next((n.index for n in gr.nodes if 0 in gr.ranks(n.index)), None)
+    own = {a.get("id"): a for a in node_histories.get(head, [])} if head is not None else {}
+    for g in attempts:
+        x = next((x for x in g["nodes"] if x["node"] == head), None)
+        a = own.get(x["attempt"], {}) if x is not None else {}
+        g.update({k: a.get(k) for k in ("last_tau", "last_tau_step", "best_tau", "best_tau_step")})
+
+
 def cmd_group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dict[str, Any]]],
                       as_json: bool = False) -> int:
     """One row per group attempt: how it ended (crashed naming the node and why), and each node's own ending."""
     attempts = group_history(ctx, gr, node_histories)
+    group_attempt_taus(gr, attempts, node_histories)
     if as_json:
         ctx.raw.write(json.dumps(attempts, default=str) + "\n")
         ctx.raw.flush()
@@ -215,8 +228,12 @@ def cmd_group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dic
                       f"{gr.nodes[0].run.name})")
         return EXIT_OK
     table = Table(title=f"{name}: {len(attempts)} attempt(s) of the group, newest last")
-    for col in ("#", "started", "duration", "how it ended", "nodes", "args"):
-        table.add_column(col, no_wrap=col in ("#", "started", "duration"))
+    show_tau = any(a.get("last_tau_step") is not None for a in attempts)
+    cols = ["#", "started", "duration", "how it ended", "nodes", "args"]
+    if show_tau:
+        cols[5:5] = ["last τ (step)", "best τ (step)"]
+    for col in cols:
+        table.add_column(col, no_wrap=col in ("#", "started", "duration", "last τ (step)", "best τ (step)"))
     for a in attempts:
         outcome = str(a["outcome"])
         how = Text(outcome, style=OUTCOME_STYLES.get(outcome, "white"))
@@ -237,8 +254,12 @@ def cmd_group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dic
         if by == "restart":
             by = f"restart {a.get('restart')} of {a.get('restart_max')} after #{a.get('restart_of')}"
         extra = " ".join(a.get("extra_args") or [])
-        table.add_row(str(a["id"]), fmt_when(a.get("started")), fmt_span(a.get("duration_s")), how, nodes,
-                      by + (f" -- {extra}" if extra else ""))
+        cells: list[Any] = [str(a["id"]), fmt_when(a.get("started")), fmt_span(a.get("duration_s")), how, nodes,
+                            by + (f" -- {extra}" if extra else "")]
+        if show_tau:
+            cells[5:5] = [fmt_tau(a.get("last_tau"), a.get("last_tau_step")),
+                          fmt_tau(a.get("best_tau"), a.get("best_tau_step"))]
+        table.add_row(*cells)
     ctx.out.print(table)
     return EXIT_OK
 

@@ -756,9 +756,19 @@ def group_rows(ctx: Ctx, gr: GroupRun) -> tuple[list[dict[str, Any]], dict[str, 
     info.update({"name": gr.group, "run": gr.name, "state": state, "reason": why, "node": node,
                  "nodes": len(gr.nodes), "nproc_per_node": gr.nproc_per_node, "world_size": gr.world_size,
                  "rendezvous": gr.head, "supervisor": _supervisor_info(rec)})
+    info.update(group_tau(gr, out))
     for r in out:
         r["group"] = info
     return out, unreachable
+
+
+TAU_KEYS = ("tau", "tau_step", "tau_best", "tau_best_step", "ngram_tau")
+
+
+def group_tau(gr: GroupRun, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The group's tau: that of the node holding global rank 0, which alone writes eval events (as its steps)."""
+    head = next((r for r in rows if 0 in gr.ranks(r["node"])), {})
+    return {k: head.get(k) for k in TAU_KEYS}
 
 
 def _supervisor_info(rec: GroupRecord | None) -> dict[str, Any] | None:
@@ -822,14 +832,21 @@ def cmd_group_status(ctx: Ctx, g: Group, run_name: str | None, as_json: bool = F
         title.append(f"  {info['nodes']} nodes x {info['nproc_per_node']} = world {info['world_size']}, "
                      f"rendezvous {info['rendezvous']}")
         table = Table(title=title, title_justify="left")
-        for col in ("node", "host", "state", "phase", "step", "loss", "heartbeat", "pid", "exit", "reason"):
+        show_tau = info.get("tau_step") is not None  # node 0's evaluations are the group's
+        cols = ["node", "host", "state", "phase", "step", "loss", "heartbeat", "pid", "exit", "reason"]
+        if show_tau:
+            cols[6:6] = commands.TAU_COLUMNS
+        for col in cols:
             table.add_column(col, no_wrap=col not in ("reason",))
         for r in rows:
-            table.add_row(str(r["node"]), r["host"], Text(r["state"], style=STATE_COLOURS.get(r["state"], "white")),
-                          r["phase"] or "-", str(r["step"]), "-" if r["loss"] is None else f"{r['loss']:.4g}",
-                          "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
-                          str(r["pid"] or "-"), "-" if r["exit_code"] is None else str(r["exit_code"]),
-                          r.get("reason") or "")
+            cells: list[Any] = [str(r["node"]), r["host"], Text(r["state"], style=STATE_COLOURS.get(r["state"], "white")),
+                                r["phase"] or "-", str(r["step"]), "-" if r["loss"] is None else f"{r['loss']:.4g}",
+                                "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
+                                str(r["pid"] or "-"), "-" if r["exit_code"] is None else str(r["exit_code"]),
+                                r.get("reason") or ""]
+            if show_tau:
+                cells[6:6] = commands.tau_cells(r)
+            table.add_row(*cells)
         ctx.out.print(table)
         if gr.restart is not None:  # only a run with a restart policy has a supervisor
             ctx.out.print(_supervisor_line(info))

@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl.channel import ChannelLost, run_args, stream_agent
-from opsctl.commands import EXIT_FAILED, EXIT_OK, EXIT_TRANSPORT, Ctx, OpsError, preflight
+from opsctl.commands import EXIT_FAILED, EXIT_OK, EXIT_TRANSPORT, Ctx, OpsError, fmt_tau, preflight
 from opsctl.runstate import fmt_span, fmt_when
 
 OUTCOME_STYLES = {"finished": "green", "crashed": "red", "killed": "yellow", "refused": "magenta",
@@ -72,8 +72,13 @@ def cmd_history(ctx: Ctx, host_name: str, run_name: str, as_json: bool = False) 
                       f"history)")
         return EXIT_OK
     table = Table(title=f"{host_name}/{run_name}: {len(attempts)} attempt(s), newest last")
-    for col in ("#", "started", "duration", "how it ended", "exit", "steps", "log", "checkpoint", "args"):
-        table.add_column(col, no_wrap=col in ("#", "started", "duration", "exit", "steps"))
+    cols = ["#", "started", "duration", "how it ended", "exit", "steps", "log", "checkpoint", "args"]
+    show_tau = any(a.get("last_tau_step") is not None for a in attempts)  # the run evaluates during training
+    if show_tau:
+        cols[6:6] = ["last τ (step)", "best τ (step)"]
+    for col in cols:
+        table.add_column(col, no_wrap=col in ("#", "started", "duration", "exit", "steps", "last τ (step)",
+                                              "best τ (step)"))
     for a in attempts:
         first, last = a.get("first_step"), a.get("last_step")
         steps = "-" if last is None else (f"{first}-{last}" if first is not None and first != last else str(last))
@@ -81,8 +86,12 @@ def cmd_history(ctx: Ctx, host_name: str, run_name: str, as_json: bool = False) 
         if how == "restart":
             how = f"restart {a.get('restart')} of #{a.get('restart_of')}"
         extra = " ".join(a.get("extra_args") or [])
-        table.add_row(str(a.get("id")), fmt_when(a.get("started")), fmt_span(a.get("duration_s")), _how(a),
-                      "-" if a.get("exit_code") is None else str(a["exit_code"]), steps, a.get("log") or "-",
-                      a.get("checkpoint") or "-", how + (f" -- {extra}" if extra else ""))
+        cells: list[Any] = [str(a.get("id")), fmt_when(a.get("started")), fmt_span(a.get("duration_s")), _how(a),
+                            "-" if a.get("exit_code") is None else str(a["exit_code"]), steps, a.get("log") or "-",
+                            a.get("checkpoint") or "-", how + (f" -- {extra}" if extra else "")]
+        if show_tau:
+            cells[6:6] = [fmt_tau(a.get("last_tau"), a.get("last_tau_step")),
+                          fmt_tau(a.get("best_tau"), a.get("best_tau_step"))]
+        table.add_row(*cells)
     ctx.out.print(table)
     return EXIT_OK

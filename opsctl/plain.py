@@ -18,7 +18,17 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl.alerts import CRITICAL
-from opsctl.watch import RunModel, SmoothedRunState, SourceWorker, WatchSource, ending_text, fold, stall_after_of
+from opsctl.watch import (
+    RunModel,
+    SmoothedRunState,
+    SourceWorker,
+    WatchSource,
+    ending_text,
+    fold,
+    stall_after_of,
+    tau_drop_of,
+    tau_text,
+)
 from opsctl.widgets import fmt_duration, fmt_num, spark, state_badge
 
 SETTLE_S = 1.0  # --once: a stream quiet this long has sent its backlog
@@ -35,7 +45,7 @@ def snapshot_once(sources: Sequence[WatchSource], settle_s: float = SETTLE_S, ti
     """
     if settle_s <= 0 or timeout_s <= 0:
         raise ValueError("settle_s and timeout_s must be > 0")
-    models = [RunModel(s.label, clock=clock, stall_after_s=stall_after_of(s)) for s in sources]
+    models = [RunModel(s.label, clock=clock, stall_after_s=stall_after_of(s), tau_drop=tau_drop_of(s)) for s in sources]
     workers = [SourceWorker(s) for s in sources]
     for w in workers:
         w.start()
@@ -81,6 +91,9 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
                 f"  ETA {fmt_duration(view.eta_s)}  heartbeat "
                 f"{'-' if view.heartbeat_age_s is None else fmt_duration(view.heartbeat_age_s) + ' ago'}"
                 f"  link {model.link}  log {model.lines_total:,} lines, {model.dropped:,} dropped")
+    tau = tau_text(view)
+    if tau is not None:
+        head.append(f"  τ {tau}")
     parts: list[Any] = [head]
     if view.gpus:
         table = Table(box=None, pad_edge=False, show_header=True, header_style="dim")
@@ -116,7 +129,7 @@ def run_plain(sources: Sequence[WatchSource], bell: bool = False, hz: float = PL
     if hz <= 0 or print_every_s <= 0:
         raise ValueError("hz and print_every_s must be > 0")
     console = Console(file=stream or sys.stdout)
-    models = [RunModel(s.label, stall_after_s=stall_after_of(s)) for s in sources]
+    models = [RunModel(s.label, stall_after_s=stall_after_of(s), tau_drop=tau_drop_of(s)) for s in sources]
     workers = [SourceWorker(s) for s in sources]
     seen: list[set[str]] = [set() for _ in sources]
     for w in workers:

@@ -13,7 +13,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash.telemetry import PHASES
-from opsctl.agent_wrapper import STALL_FACTOR, STALL_FLOOR_S  # the wrapper's notifications use the same rule
+from opsctl.agent_wrapper import (  # the wrapper's notifications use the same rule
+    STALL_FACTOR,
+    STALL_FLOOR_S,
+    TauTrack,  # the run's tau: the same rule as the agent's status and the notify
+)
 
 # Every phase the contract lists before `compiling` reads as loading (target, drafter, data).
 LOADING_PHASES = frozenset(PHASES[:PHASES.index("compiling")])
@@ -106,6 +110,14 @@ class RunView:
     restart_n: int | None = None  # state restarting: which restart comes next (RESTARTING (n/max))
     restart_max: int | None = None  # the restart policy's max (None: no policy)
     restart_in_s: float | None = None  # state restarting: seconds until the next attempt starts
+    # The drafter's exact serving acceptance length from the run's `eval` events (docs/events.md), across attempts
+    # as resumes leave them: the latest (with prompt lookup's on the same text) and the best so far.
+    tau: float | None = None
+    tau_step: int | None = None
+    tau_best: float | None = None
+    tau_best_step: int | None = None
+    ngram_tau: float | None = None
+    tau_ci95: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,6 +153,7 @@ class RunState:
         self._killed_at: float | None = None  # when opsctl asked for the kill (the agent host's clock, as events')
         self._restart_lost: dict[str, Any] | None = None  # the restart whose wrapper died during the back-off
         self._signal: str | None = None  # the stop signal from outside opsctl that ended the attempt (the wrapper's)
+        self.tau = TauTrack()
 
     # -- input ---------------------------------------------------------------------------
     def apply(self, msg: dict[str, Any]) -> None:
@@ -184,6 +197,8 @@ class RunState:
         v = self._v
         kind = ev.get("kind")
         ts = float(ev.get("ts", time.time()))
+        if self.tau.note(ev):
+            self._fold_tau()
         if kind == "run_start":
             self._saw_run_start = True
             self._phase_events = False  # a new attempt: until its own phase events, its heartbeats say where it is
@@ -232,6 +247,16 @@ class RunState:
             v.exit_code = ev.get("exit_code")
             v.step = ev.get("step", v.step)
             self._run_end_ts = ts
+
+    def _fold_tau(self) -> None:
+        """The view's tau fields from the evaluations (not progress: the agent's status sends the best evaluation
+        of an earlier attempt too, and its time says nothing about this one's heartbeat)."""
+        v = self._v
+        last, top = self.tau.latest(), self.tau.best()
+        v.tau, v.tau_step = (last["tau"], last["step"]) if last else (None, None)
+        v.ngram_tau = last["ngram_tau"] if last else None
+        v.tau_ci95 = last["tau_ci95"] if last else None
+        v.tau_best, v.tau_best_step = (top["tau"], top["step"]) if top else (None, None)
 
     # -- output --------------------------------------------------------------------------
     def stall_after(self) -> float:

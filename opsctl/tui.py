@@ -35,6 +35,7 @@ from opsctl.watch import (
     group_infos,
     node_view,
     stall_after_of,
+    tau_drop_of,
 )
 from opsctl.widgets import (
     AlertsPanel,
@@ -123,8 +124,8 @@ class WatchApp(App[int]):
         if len(set(labels)) != len(labels):
             raise ValueError(f"two sources share a label: {labels}")
         self.sources = list(sources)
-        self.models = [RunModel(s.label, clock=clock, log_capacity=log_capacity, stall_after_s=stall_after_of(s))
-                       for s in sources]
+        self.models = [RunModel(s.label, clock=clock, log_capacity=log_capacity, stall_after_s=stall_after_of(s),
+                                tau_drop=tau_drop_of(s)) for s in sources]
         self.followers = [SourceWorker(s, inbox_lines=inbox_lines, backoff=backoff) for s in sources]
         self.tags = [getattr(s, "group", None) for s in sources]  # the group run each source is a node of
         self.bell_on = bell

@@ -335,6 +335,11 @@ def stall_after_of(source: WatchSource) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
+def tau_drop_of(source: WatchSource) -> Any:
+    """The run's configured tau_regression thresholds, if its source knows its run (else the defaults apply)."""
+    return getattr(getattr(source, "run", None), "tau_regression", None)
+
+
 class RecordedSource:
     """Replays a recorded agent stream (JSON lines), as fast as possible or paced by its `ts` fields.
 
@@ -593,6 +598,20 @@ class RunSeries:
 
 
 CHART_KEYS = ("loss", "tokens_per_s", "step_time_s", "queue_depth")
+EVAL_KEYS = ("tau", "ngram_tau")  # from `eval` events, at the step evaluated (the τ chart)
+
+
+def tau_text(view: RunView) -> str | None:
+    """`3.41 at step 4,000 (best 3.70 at step 2,000; n-gram 1.88)`: the run's τ in one line, None before any eval."""
+    if view.tau_step is None:
+        return None
+    text = f"{fmt_num(view.tau, 2)} at step {view.tau_step:,}"
+    extra = []
+    if view.tau_best_step is not None and view.tau_best_step != view.tau_step:
+        extra.append(f"best {fmt_num(view.tau_best, 2)} at step {view.tau_best_step:,}")
+    if view.ngram_tau is not None:
+        extra.append(f"n-gram {fmt_num(view.ngram_tau, 2)}")
+    return text + (f" ({'; '.join(extra)})" if extra else "")
 
 
 class RunModel:
@@ -600,16 +619,17 @@ class RunModel:
 
     def __init__(self, label: str, clock: Callable[[], float] | None = None,
                  log_capacity: int = DEFAULT_LOG_CAPACITY, history: int = HISTORY,
-                 stall_after_s: float | None = None) -> None:
+                 stall_after_s: float | None = None, tau_drop: Any = None) -> None:
         self.label = label
         self.clock = clock  # None: live (local clock + agent skew); tests and replays pass the agent's clock
         self.state = SmoothedRunState(stall_after_s=stall_after_s)
-        self.tracker = AlertTracker()
+        self.tracker = AlertTracker(tau_drop)
         self.log: deque[LogLine] = deque(maxlen=log_capacity)
         self.lines_total = 0
         self.dropped = 0
         self._classify = SeverityClassifier()
-        self.series: dict[str, RunSeries] = {k: RunSeries() for k in CHART_KEYS}  # the whole run, for the charts
+        # the whole run, for the charts
+        self.series: dict[str, RunSeries] = {k: RunSeries() for k in CHART_KEYS + EVAL_KEYS}
         self.gpu_hist: dict[int, dict[str, deque[float]]] = {}
         self._history = history
         self.link = "connecting"
@@ -644,6 +664,12 @@ class RunModel:
                     value = ev.get(key)
                     if isinstance(value, (int, float)) and not isinstance(value, bool):
                         series.add(ev["step"], float(value))
+            elif kind == "eval" and isinstance(ev.get("step"), int):
+                self.chart_version += 1
+                for key in EVAL_KEYS:
+                    value = ev.get(key)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                        self.series[key].add(ev["step"], float(value))
             elif kind == "run_start":
                 resumed = ev.get("resumed_from")
                 for series in self.series.values():  # a resume continues the curve, a fresh start begins one

@@ -39,6 +39,7 @@ from opsctl.watch import (  # noqa: F401 - re-exported
     fmt_duration,
     fmt_num,
     state_label,
+    tau_text,
 )
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -167,6 +168,8 @@ class RunSummary(_Quiet):
             t.append_text(state_badge(view))
             t.append(f" step {view.step:,}{total}{pct}  loss {fmt_num(view.loss, 4)}  tok/s "
                      f"{fmt_num(rate if rate is not None else view.tokens_per_s, 0)}  ETA {fmt_duration(view.eta_s)}")
+            if view.tau_step is not None:
+                t.append(f"  τ {fmt_num(view.tau, 2)}")
             if view.reason:
                 t.append(f"  {view.reason}", style="bold red" if view.state in ("crashed", "unreachable") else "yellow")
             t.append(f"\nphase {phase}  heartbeat {heartbeat}  {ended or process}  link {model.link}  log {log}",
@@ -193,6 +196,9 @@ class RunSummary(_Quiet):
         ]
         if ended:
             rows.insert(1, ("ended", ended))
+        tau = tau_text(view)
+        if tau is not None:  # a run that evaluates during training (train.eval_every)
+            rows.insert(rows.index(("loss", fmt_num(view.loss, 4))) + 1, ("τ", tau))
         for key, value in rows:
             t.append(f"\n{key:>10} ", style="dim")
             style = "bold red" if key == "log" and dropped else ""
@@ -288,15 +294,39 @@ class Chart(PlotextPlot):
         self.refresh()
 
 
+    def draw_tau(self, tau: RunSeries, ngram: RunSeries, view: RunView) -> None:
+        """τ at each evaluation over the whole run, never smoothed (each point is exact on the same held-out set: a
+        smoothed curve would hide the drop the tau_regression alert is about), prompt lookup's τ faint beside it."""
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        self.key = "tau"
+        width = max(10, self.size.width)
+        if ngram.steps:
+            plt.plot(ngram.steps, ngram.values, color="gray", marker="braille")
+        if tau.steps:
+            plt.plot(tau.steps, tau.values, color="magenta", marker="braille")
+            lo, hi = tau.steps[0], tau.steps[-1]
+            plt.xticks(sorted({round(lo + (hi - lo) * k / 4) for k in range(5)}))
+        title = f"τ {tau_text(view)}" if view.tau_step is not None else "τ: no evaluation yet"
+        if len(title) > width - 8:
+            title = title.split(" (")[0]
+        plt.title(title)
+        plt.xlabel("step" + ("  (gray: n-gram)" if ngram.steps else ""))
+        self.refresh()
+
+
 CHART_STYLE: dict[str, tuple[str, str, str]] = {
     "loss": ("loss", "green", ""), "tokens_per_s": ("tokens/s", "cyan", ""),
     "step_time_s": ("step time", "yellow", " s"), "queue_depth": ("queue depth", "blue", ""),
+    "tau": ("τ", "magenta", ""),
 }
-RIGHT_CHARTS = ("tokens_per_s", "step_time_s", "queue_depth")
+# τ first: next to loss whenever the run evaluates (train.eval_every); skipped for a run that has no evaluation yet
+RIGHT_CHARTS = ("tau", "tokens_per_s", "step_time_s", "queue_depth")
 
 
 class Charts(Horizontal):
-    """Loss and one more metric (m: tokens/s, step time, queue depth) over the whole run, side by side."""
+    """Loss and one more metric (m: τ, tokens/s, step time, queue depth) over the whole run, side by side."""
 
     DEFAULT_CSS = "Charts { height: 12; } Charts Chart { width: 1fr; height: 1fr; }"
 
@@ -317,14 +347,25 @@ class Charts(Horizontal):
         capacity = model.tracker.capacity
         left, right = self.query_one("#chart-loss", Chart), self.query_one("#chart-right", Chart)
         left.draw("loss", model.series["loss"], self.smoothing, capacity)
+        key = self._right_key(model)
+        if key == "tau":
+            right.draw_tau(model.series["tau"], model.series["ngram_tau"], model.view())
+        else:
+            right.draw(key, model.series[key], self.smoothing, capacity)
+
+    def _right_key(self, model: RunModel | None) -> str:
+        """The right chart's metric: τ only for a run that has evaluated (else the next one)."""
         key = RIGHT_CHARTS[self.right]
-        right.draw(key, model.series[key], self.smoothing, capacity)
+        if key == "tau" and (model is None or not model.series["tau"]):
+            key = RIGHT_CHARTS[(self.right + 1) % len(RIGHT_CHARTS)]
+        return key
 
     def next_metric(self) -> str:
-        self.right = (self.right + 1) % len(RIGHT_CHARTS)
+        shown = self._right_key(self._model)
+        self.right = (RIGHT_CHARTS.index(shown) + 1) % len(RIGHT_CHARTS)
         if self._model is not None:
             self.show(self._model)
-        return CHART_STYLE[RIGHT_CHARTS[self.right]][0]
+        return CHART_STYLE[self._right_key(self._model)][0]
 
     def toggle_smoothing(self) -> float:
         self.smoothing = 0.0 if self.smoothing else 0.6

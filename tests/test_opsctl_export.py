@@ -113,3 +113,33 @@ def test_export_follow_adds_steps_until_the_run_ends(tmp_path: Path, sshd) -> No
         assert [s for s, _ in _scalars(out, "train/loss")] == list(range(1, 31))  # every step, to the end
     finally:
         opsctl(hosts, "clean", "box", "live")
+
+
+def test_export_writes_eval_tau_ngram_and_acceptance_per_position_at_the_evaluated_step(tmp_path: Path,
+                                                                                       sshd) -> None:
+    """eval/tau, eval/ngram_tau, eval/accept_pos{k} (k = 1..B-1) at each evaluation's step; a resume drops the crashed
+    attempt's evaluations after its checkpoint, like its steps; a null τ (nothing verified) is left out, never 0."""
+    events = tmp_path / "events.jsonl"
+    w = EventWriter(events, run_id="r1", truncate=True)
+
+    def evaluate(step: int, tau: float | None) -> None:
+        w.emit("phase", phase="evaluating")
+        w.emit("eval", step=step, tau=tau, accept_by_position=[0.8, 0.5, None], accept_hist=[1, 2, 3, 4],
+               ngram_tau=1.9, block_size=4, sequences=8, tokens=256, seconds=2.5, tau_ci95=[2.0, 3.0])
+
+    _attempt(w, 1, 5, None, 5.0)
+    evaluate(5, 2.5)
+    _attempt(w, 6, 10, None, 5.0)  # another attempt, steps 6..10; it crashes after an evaluation at 10
+    evaluate(10, 3.5)
+    _attempt(w, 7, 12, 6, 50.0)  # resumed from the checkpoint at step 6: the evaluation at 10 is gone
+    evaluate(12, None)
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={"r": script_run(tmp_path, "ok_run.py")})
+    out = tmp_path / "tb"
+    r = opsctl(hosts, "export", "box", "r", "--tensorboard", str(out))
+    assert r.returncode == 0 and "3 evaluations" in r.stderr, r.stderr
+    assert _scalars(out, "eval/tau") == [(5, 2.5)]
+    assert _scalars(out, "eval/ngram_tau") == [(5, pytest.approx(1.9)), (12, pytest.approx(1.9))]
+    assert _scalars(out, "eval/accept_pos1") == [(5, pytest.approx(0.8)), (12, pytest.approx(0.8))]
+    assert [s for s, _ in _scalars(out, "eval/accept_pos2")] == [5, 12]
+    assert "eval/accept_pos3" not in EventAccumulator(str(out)).Reload().Tags()["scalars"]  # null: no point
+    assert _scalars(out, "eval/seconds")[-1] == (12, 2.5)

@@ -954,3 +954,56 @@ async def test_a_restarting_run_is_shown_as_restarting_n_of_max(tmp_path: Path) 
         await settle(pilot)
         assert "RESTARTING (2/3)" in text_of(app, RunsBar)
         assert "RESTARTING (2/3)" in text_of(app, RunSummary)
+
+
+# -- τ live during training (train.eval_every) -------------------------------------------------------------
+@pytest.mark.anyio
+async def test_tau_is_drawn_next_to_loss_over_the_whole_run_and_its_fall_is_alerted() -> None:
+    from opsctl.widgets import Chart
+
+    app = app_for("evaluating")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        model = app.models[0]
+        assert model.series["tau"].steps == [10, 20, 30, 40, 50, 60]
+        assert model.series["tau"].values == [2.1, 3.0, 3.6, 3.9, 3.3, 3.4]
+        assert model.series["ngram_tau"].steps == [10, 20, 30, 40, 50, 60]
+        right = app.query_one("#chart-right", Chart)
+        assert right.key == "tau"  # next to loss, by default, for a run that evaluates
+        built = re.sub(r"\x1b\[[0-9;]*m", "", right.plt.build())
+        assert "τ 3.40 at step 60" in built and "step" in built, built
+        ticks = [float(m) for m in re.findall(r"^\s*(\d+\.\d+)┤", built, re.M)]
+        assert min(ticks) < 2.1 and max(ticks) >= 3.8, built  # the whole run: every evaluation, n-gram's too
+        summary = text_of(app, RunSummary)
+        assert "TRAINING" in summary  # after an evaluation, the steps go on: training, never another state
+        assert "τ 3.40 at step 60 (best 3.90 at step 40; n-gram 1.85)" in summary, summary
+        alerts = text_of(app, AlertsPanel)
+        assert "τ fell below its best" in alerts and "best tau 3.90 at step 40, now 3.40 at step 60" in alerts, alerts
+        await pilot.press("m")
+        await pilot.pause()
+        assert right.key == "tokens_per_s"
+        await pilot.press("m", "m", "m")
+        await pilot.pause()
+        assert right.key == "tau"
+
+
+def test_plain_and_once_json_show_tau() -> None:
+    out = io.StringIO()
+    assert run_plain([recorded("evaluating")], stream=out, hz=20) == 0
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out.getvalue()).split())  # the panel's lines wrap at 80 columns
+    assert "τ 3.40 at step 60 (best 3.90 at step 40; n-gram 1.85)" in text, text
+    assert "τ fell below its best" in text
+    (snap,) = snapshot_once([recorded("evaluating")], settle_s=0.3, timeout_s=10)
+    assert (snap["tau"], snap["tau_step"], snap["tau_best"], snap["tau_best_step"], snap["ngram_tau"]) == (
+        3.4, 60, 3.9, 40, 1.85), snap
+    assert snap["tau_ci95"] == [3.28, 3.52] and snap["state"] in ("training", "stalled")
+    assert [a["key"] for a in snap["alerts"] if a["key"] == "tau_regression"] == ["tau_regression"]
+
+
+def test_snapshot_tau_chart_next_to_loss(snap_compare: Any) -> None:
+    app = app_for("evaluating")
+
+    async def run_before(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
