@@ -101,3 +101,24 @@ def test_an_out_pretrained_with_another_recipe_is_refused_in_one_line(tmp_path: 
     assert (out / "target" / "pretrain.json").is_file()  # nothing deleted
     state = json.loads((out / "bench-state.json").read_text())
     assert state["calls"][-1]["rc"] == 2 and state["units"] == {}
+
+
+def test_a_pretraining_stopped_by_its_safety_cap_is_reported_as_a_cut_recipe(tmp_path: Path) -> None:
+    """--pretrain-seconds is a cap, not the recipe: when it stops pretraining, the call says RECIPE CUT and the unit
+    is recorded as cut; a later call reusing that target says it again."""
+    out = tmp_path / "q"
+    empty = tmp_path / "no-gutenberg"
+    empty.mkdir()
+    cmd = [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--stage", "target", "--gutenberg", str(empty),
+           "--pretrain-seconds", "0.5"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((out / "target" / "pretrain.json").read_text())
+    assert summary["steps_done"] < summary["settings"]["steps"] == 40
+    assert f"RECIPE CUT: target seed 0 pretrained {summary['steps_done']}/40 steps" in r.stdout
+    unit = json.loads((out / "bench-state.json").read_text())["units"]["pretrain/seed0"]
+    assert unit["cut"] is True and unit["steps"] == summary["steps_done"]
+    again = subprocess.run(cmd[:-2], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "RECIPE CUT" in again.stdout and "(reused)" in again.stdout
+    assert json.loads((out / "target" / "pretrain.json").read_text()) == summary  # reused, not pretrained again
