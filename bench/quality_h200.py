@@ -20,7 +20,7 @@ A call starts a unit of work (one target, one regeneration, one drafter, eval, c
 of --call-seconds (default 540 on a GPU, off on CPU), by that unit's time measured before in this --out
 (OUT/bench-state.json) or else the H200 estimate; otherwise it stops and exits 3: run the same command again and it
 continues. A unit is never cut, so on an H200 `python3 bench/quality_h200.py --out DIR` repeated until it exits 0
-(4-5 calls) gives the whole recipe, as does running the five stages one by one (each exits 3 while units are left).
+(about three calls: ~470, ~435 and ~150-350 s) gives the whole recipe, as does running the five stages one by one (each exits 3 while units are left).
 
 Numbers, and the dtype of each: the per-seed tau and its median are teacher-forced in --eval-dtype (bfloat16 by
 default): exactly what the decode loop would accept on the bf16 target's own batched greedy continuations, which a
@@ -61,7 +61,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+T_START = time.perf_counter()  # a call's clock starts before torch's import (~5-10 s), which the call also pays
+
+import torch  # noqa: E402 - after the clock starts
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -280,14 +282,6 @@ def parse_variants(spec: str) -> list[tuple[str, str, str, str]]:
     return out
 
 
-def latest_checkpoint(drafter_dir: Path, steps: int) -> Path:
-    """step-`steps` if training finished, else the newest checkpoint (a call that ran out of time)."""
-    final = drafter_dir / "checkpoints" / f"step-{steps}"
-    if final.is_dir():
-        return final
-    return sorted((drafter_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))[-1]
-
-
 # ----------------------------------------------------------------------------------------------- seeds and summaries
 
 # Defaults sized from the H200's measured rates (docs/quality.md, sixth session 2026-12-04, and the fourth/fifth):
@@ -406,7 +400,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, work: Path, dev: torch.device) -> None:
         self.args, self.work, self.dev, self.smoke = args, work, dev, args.smoke
-        self.t_call = time.perf_counter()
+        self.t_call = T_START
         self.ran_any = False
         smoke = self.smoke
         self.call_seconds = float(args.call_seconds) if args.call_seconds is not None else \
