@@ -27,7 +27,10 @@ examples:
   dflash preflight --config my.yaml
       which kernels the target would use; exit 1 if a GPU run would fall back to slow PyTorch code
   dflash export --checkpoint runs/tiny/checkpoints/step-200 --out hf/tiny-drafter
-      a Hugging Face directory in the DFlashDraftModel format (z-lab/dflash, SpecForge)
+      a Hugging Face directory in the DFlashDraftModel format (z-lab/dflash, SGLang, vLLM), bfloat16,
+      published only if it passes the serving checks (docs/serving.md)
+  dflash export --check hf/tiny-drafter --target /models/Qwen3.5-27B
+      what SGLang or vLLM would misread in an export; exit 1 if anything
 
 exit codes: 0 ok (also after SIGTERM/SIGINT: the step finishes and is checkpointed; before the first step
             the run stops at the next phase boundary), 1 run error (see events.jsonl),
@@ -54,9 +57,17 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("preflight", help="show the kernels a config's target binds; exit 1 on problems")
     f.add_argument("--config", required=True)
     f.add_argument("--allow-slow-kernels", action="store_true")
-    e = sub.add_parser("export", help="checkpoint -> Hugging Face DFlashDraftModel directory")
-    e.add_argument("--checkpoint", required=True, help="a checkpoints/step-N directory")
-    e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    e = sub.add_parser("export", help="checkpoint -> Hugging Face DFlashDraftModel directory; --check an export",
+                       description="Write a checkpoint as the DFlashDraftModel directory SGLang and vLLM load "
+                                   "(checked before it is published), or --check an existing export directory.")
+    e.add_argument("--checkpoint", help="a checkpoints/step-N directory")
+    e.add_argument("--out", help="output directory (must not exist or be empty)")
+    e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="weight dtype of the export (default bfloat16, like released drafters)")
+    e.add_argument("--check", metavar="DIR", help="only check an export directory: every SGLang/vLLM loader rule, "
+                                                  "one line per problem, exit 1 if any")
+    e.add_argument("--target", metavar="TARGET_DIR",
+                   help="the target's Hugging Face directory: also check taps, vocabulary, hidden size against it")
     _eval_parser(sub)
     pt = sub.add_parser("pretrain-target", help="train target.arch as a language model on the corpus -> HF dir",
                         description="Train the config's random-init target (target.arch, target.pretrain settings) "
@@ -282,14 +293,47 @@ def _preflight(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from dflash.checkpoint import CheckpointError
-    from dflash.export import ExportError, export_checkpoint
+    from dflash.export import ExportCheckFailed, ExportError, export_checkpoint
 
+    if args.check is not None:
+        if args.checkpoint is not None or args.out is not None:
+            return _fail("export --check DIR checks an existing export; it takes no --checkpoint/--out")
+        return _export_check(args.check, args.target)
+    if args.checkpoint is None or args.out is None:
+        return _fail("export needs --checkpoint STEP_DIR and --out DIR (or --check EXPORT_DIR)")
     try:
-        path = export_checkpoint(args.checkpoint, args.out)
-    except (CheckpointError, ExportError) as exc:
+        path = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, target_dir=args.target)
+    except ExportCheckFailed as exc:
+        from dflash.telemetry import stderr_line
+
+        for line in exc.problems:
+            stderr_line(f"dflash export: {line}")
+        stderr_line(f"dflash export: {args.out}: not written ({len(exc.problems)} problem(s) above)")
+        return 1
+    except (CheckpointError, ExportError, ValueError) as exc:
         return _fail(str(exc))
-    print(f"exported {args.checkpoint} -> {path}")
+    print(f"exported {args.checkpoint} -> {path} ({args.dtype}, passes the SGLang/vLLM loader checks)")
     return 0
+
+
+def _export_check(where: str, target: str | None) -> int:
+    """`dflash export --check`: problems one per line on stderr, exit 1; notes (engine flags) on stdout."""
+    from dflash.export_check import check_export, render, target_facts_from_dir
+    from dflash.telemetry import stderr_line
+
+    if not Path(where).is_dir():
+        return _fail(f"{where}: not an export directory")
+    try:
+        facts = target_facts_from_dir(target) if target is not None else None
+    except ValueError as exc:
+        return _fail(str(exc))
+    res = check_export(where, facts)
+    for line in res.problems:
+        stderr_line(f"dflash export --check: {line}")
+    for note in res.notes:
+        print(f"note: {note}")
+    print(render(res, where))
+    return 1 if res.problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:
