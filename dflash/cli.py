@@ -22,6 +22,9 @@ examples:
       continue from the newest checkpoint in runs/tiny/checkpoints (refused if it is corrupt)
   dflash train --config configs/tiny.yaml --out runs/tiny --fresh
       start over in a directory that holds an older run's checkpoints
+  dflash train --config my.yaml --out runs/adapted --init-from z-lab-Qwen3.5-27B-DFlash
+      start from a released (or exported) drafter and train it on your data; refused unless its shapes,
+      taps, block size and mask token match the config
   torchrun --nproc-per-node 8 -m dflash train --config my.yaml --out /runs/a
       one process per GPU; `dist: {roles: split, target_ranks: 5}` puts the target on 5 ranks
   dflash preflight --config my.yaml
@@ -54,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="start over in an --out that has checkpoints (deletes OUT/checkpoints/step-*)")
     t.add_argument("--allow-slow-kernels", action="store_true",
                    help="run a GPU job even if the target falls back to slow PyTorch kernels")
+    t.add_argument("--init-from", metavar="EXPORT_DIR", default=None,
+                   help="start from a z-lab-layout drafter (a `dflash export`, a released DFlash drafter) instead "
+                        "of a random init; its shapes, taps, block size and mask token must match the config "
+                        "(train.init_from)")
     f = sub.add_parser("preflight", help="show the kernels a config's target binds; exit 1 on problems")
     f.add_argument("--config", required=True)
     f.add_argument("--allow-slow-kernels", action="store_true")
@@ -149,6 +156,8 @@ def _train(args: argparse.Namespace) -> int:
         return _fail(f"--max-steps must be at least 1, got {args.max_steps}")
     try:
         cfg = load_config(args.config)
+        if args.init_from is not None:
+            cfg.train.init_from = str(Path(args.init_from).resolve())
         # shapes, target.path, device: before train() may delete checkpoints (--fresh) or write to --out
         check_run(cfg, "cuda" if _cuda() else "cpu")
     except ConfigError as exc:
@@ -159,6 +168,8 @@ def _train(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
     try:
         docs = prepare_documents(cfg)  # validated before anything is written to --out
+        if cfg.train.init_from is not None:
+            _check_init_from(cfg, docs, out)  # before anything (a cached target's log line too) reaches --out
         cfg, docs = _target_and_data(cfg, docs, out)  # target.pretrain / target.regen: built on first use, cached
         resume = args.resume == "always" or (args.resume == "auto" and bool(list_checkpoints(out)))
         result = train(cfg, out, max_steps=args.max_steps, resume=resume, fresh=args.fresh,
@@ -168,6 +179,36 @@ def _train(args: argparse.Namespace) -> int:
     if result.world_size > 1:
         _leave_without_teardown(result.exit_code)
     return result.exit_code
+
+
+def _check_init_from(cfg: Any, docs: Any, out: Path) -> None:
+    """--init-from against the config, before train() writes to OUT: the target's depth and width from its config,
+    the taps, and the mask token (the tokenizer's, read into a scratch cache so OUT stays untouched). Raises
+    UsageError with the one line to show; train() checks the same again when it builds the drafter."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from dflash.data import load_tokenizer
+    from dflash.init_from import InitFromError, check_init_from
+    from dflash.target import resolve_tap_layers, target_shape
+    from dflash.train import UsageError
+
+    shape = target_shape(cfg.target)
+    taps = resolve_tap_layers(cfg.target.tap_layers, shape.num_layers, cfg.drafter.num_layers)
+    mask = cfg.drafter.mask_token_id
+    if mask is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            cache = Path(cfg.data.tokenizer_cache) if cfg.data.tokenizer_cache else Path(tmp)
+            if not cfg.data.tokenizer_cache and (out / "tokenizer").is_dir():
+                for f in (out / "tokenizer").glob("tiny-bpe-*.json"):  # a restart reuses the run's own BPE
+                    shutil.copy(f, cache)
+            mask = load_tokenizer(cfg.data, docs, cache).mask_token_id
+    dcfg = dataclasses.replace(cfg.drafter, mask_token_id=mask)
+    try:
+        check_init_from(cfg.train.init_from, dcfg, shape.hidden_size, taps)
+    except InitFromError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _leave_without_teardown(code: int) -> None:
