@@ -22,12 +22,18 @@ examples:
       continue from the newest checkpoint in runs/tiny/checkpoints (refused if it is corrupt)
   dflash train --config configs/tiny.yaml --out runs/tiny --fresh
       start over in a directory that holds an older run's checkpoints
+  dflash train --config my.yaml --out runs/adapted --init-from z-lab-Qwen3.5-27B-DFlash
+      start from a released (or exported) drafter and train it on your data; refused unless its shapes,
+      taps, block size and mask token match the config
   torchrun --nproc-per-node 8 -m dflash train --config my.yaml --out /runs/a
       one process per GPU; `dist: {roles: split, target_ranks: 5}` puts the target on 5 ranks
   dflash preflight --config my.yaml
       which kernels the target would use; exit 1 if a GPU run would fall back to slow PyTorch code
   dflash export --checkpoint runs/tiny/checkpoints/step-200 --out hf/tiny-drafter
-      a Hugging Face directory in the DFlashDraftModel format (z-lab/dflash, SpecForge)
+      a Hugging Face directory in the DFlashDraftModel format (z-lab/dflash, SGLang, vLLM), bfloat16,
+      published only if it passes the serving checks (docs/serving.md)
+  dflash export --check hf/tiny-drafter --target /models/Qwen3.5-27B
+      what SGLang or vLLM would misread in an export; exit 1 if anything
 
 exit codes: 0 ok (also after SIGTERM/SIGINT: the step finishes and is checkpointed; before the first step
             the run stops at the next phase boundary), 1 run error (see events.jsonl),
@@ -51,12 +57,24 @@ def _parser() -> argparse.ArgumentParser:
                    help="start over in an --out that has checkpoints (deletes OUT/checkpoints/step-*)")
     t.add_argument("--allow-slow-kernels", action="store_true",
                    help="run a GPU job even if the target falls back to slow PyTorch kernels")
+    t.add_argument("--init-from", metavar="EXPORT_DIR", default=None,
+                   help="start from a z-lab-layout drafter (a `dflash export`, a released DFlash drafter) instead "
+                        "of a random init; its shapes, taps, block size and mask token must match the config "
+                        "(train.init_from)")
     f = sub.add_parser("preflight", help="show the kernels a config's target binds; exit 1 on problems")
     f.add_argument("--config", required=True)
     f.add_argument("--allow-slow-kernels", action="store_true")
-    e = sub.add_parser("export", help="checkpoint -> Hugging Face DFlashDraftModel directory")
-    e.add_argument("--checkpoint", required=True, help="a checkpoints/step-N directory")
-    e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    e = sub.add_parser("export", help="checkpoint -> Hugging Face DFlashDraftModel directory; --check an export",
+                       description="Write a checkpoint as the DFlashDraftModel directory SGLang and vLLM load "
+                                   "(checked before it is published), or --check an existing export directory.")
+    e.add_argument("--checkpoint", help="a checkpoints/step-N directory")
+    e.add_argument("--out", help="output directory (must not exist or be empty)")
+    e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="weight dtype of the export (default bfloat16, like released drafters)")
+    e.add_argument("--check", metavar="DIR", help="only check an export directory: every SGLang/vLLM loader rule, "
+                                                  "one line per problem, exit 1 if any")
+    e.add_argument("--target", metavar="TARGET_DIR",
+                   help="the target's Hugging Face directory: also check taps, vocabulary, hidden size against it")
     _eval_parser(sub)
     pt = sub.add_parser("pretrain-target", help="train target.arch as a language model on the corpus -> HF dir",
                         description="Train the config's random-init target (target.arch, target.pretrain settings) "
@@ -147,6 +165,8 @@ def _train(args: argparse.Namespace) -> int:
         return _fail(f"--max-steps must be at least 1, got {args.max_steps}")
     try:
         cfg = load_config(args.config)
+        if args.init_from is not None:
+            cfg.train.init_from = str(Path(args.init_from).resolve())
         # shapes, target.path, device: before train() may delete checkpoints (--fresh) or write to --out
         check_run(cfg, "cuda" if _cuda() else "cpu")
     except ConfigError as exc:
@@ -162,6 +182,8 @@ def _train(args: argparse.Namespace) -> int:
     try:
         docs = prepare_documents(cfg)  # validated before anything is written to --out
         resume = args.resume == "always" or (args.resume == "auto" and bool(list_checkpoints(out)))
+        if cfg.train.init_from is not None and not resume:  # a resume continues its checkpoint: init_from unused
+            _check_init_from(cfg, docs, out)  # before anything (a cached target's log line too) reaches --out
         if resume and not args.fresh:
             check_resume_config(out, cfg)  # read-only, before the lock and before pretraining/regenerating
         if locks.is_rank0():
@@ -181,6 +203,36 @@ def _train(args: argparse.Namespace) -> int:
     if result.world_size > 1:
         _leave_without_teardown(result.exit_code)
     return result.exit_code
+
+
+def _check_init_from(cfg: Any, docs: Any, out: Path) -> None:
+    """--init-from against the config, before train() writes to OUT: the target's depth and width from its config,
+    the taps, and the mask token (the tokenizer's, read into a scratch cache so OUT stays untouched). Raises
+    UsageError with the one line to show; train() checks the same again when it builds the drafter."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from dflash.data import load_tokenizer
+    from dflash.init_from import InitFromError, check_init_from
+    from dflash.target import resolve_tap_layers, target_shape
+    from dflash.train import UsageError
+
+    shape = target_shape(cfg.target)
+    taps = resolve_tap_layers(cfg.target.tap_layers, shape.num_layers, cfg.drafter.num_layers)
+    mask = cfg.drafter.mask_token_id
+    if mask is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            cache = Path(cfg.data.tokenizer_cache) if cfg.data.tokenizer_cache else Path(tmp)
+            if not cfg.data.tokenizer_cache and (out / "tokenizer").is_dir():
+                for f in (out / "tokenizer").glob("tiny-bpe-*.json"):  # a restart reuses the run's own BPE
+                    shutil.copy(f, cache)
+            mask = load_tokenizer(cfg.data, docs, cache).mask_token_id
+    dcfg = dataclasses.replace(cfg.drafter, mask_token_id=mask)
+    try:
+        check_init_from(cfg.train.init_from, dcfg, shape.hidden_size, taps)
+    except InitFromError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _leave_without_teardown(code: int) -> None:
@@ -308,14 +360,47 @@ def _preflight(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from dflash.checkpoint import CheckpointError
-    from dflash.export import ExportError, export_checkpoint
+    from dflash.export import ExportCheckFailed, ExportError, export_checkpoint
 
+    if args.check is not None:
+        if args.checkpoint is not None or args.out is not None:
+            return _fail("export --check DIR checks an existing export; it takes no --checkpoint/--out")
+        return _export_check(args.check, args.target)
+    if args.checkpoint is None or args.out is None:
+        return _fail("export needs --checkpoint STEP_DIR and --out DIR (or --check EXPORT_DIR)")
     try:
-        path = export_checkpoint(args.checkpoint, args.out)
-    except (CheckpointError, ExportError) as exc:
+        path = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, target_dir=args.target)
+    except ExportCheckFailed as exc:
+        from dflash.telemetry import stderr_line
+
+        for line in exc.problems:
+            stderr_line(f"dflash export: {line}")
+        stderr_line(f"dflash export: {args.out}: not written ({len(exc.problems)} problem(s) above)")
+        return 1
+    except (CheckpointError, ExportError, ValueError) as exc:
         return _fail(str(exc))
-    print(f"exported {args.checkpoint} -> {path}")
+    print(f"exported {args.checkpoint} -> {path} ({args.dtype}, passes the SGLang/vLLM loader checks)")
     return 0
+
+
+def _export_check(where: str, target: str | None) -> int:
+    """`dflash export --check`: problems one per line on stderr, exit 1; notes (engine flags) on stdout."""
+    from dflash.export_check import check_export, render, target_facts_from_dir
+    from dflash.telemetry import stderr_line
+
+    if not Path(where).is_dir():
+        return _fail(f"{where}: not an export directory")
+    try:
+        facts = target_facts_from_dir(target) if target is not None else None
+    except ValueError as exc:
+        return _fail(str(exc))
+    res = check_export(where, facts)
+    for line in res.problems:
+        stderr_line(f"dflash export --check: {line}")
+    for note in res.notes:
+        print(f"note: {note}")
+    print(render(res, where))
+    return 1 if res.problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:

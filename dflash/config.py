@@ -178,6 +178,9 @@ class TrainConfig(_Section):
     eval_prompts: int = 32  # held-out prompts (the same ones `dflash eval --num-prompts N` picks)
     eval_prompt_tokens: int | None = None  # None: target.regen's prompt_tokens, else data.max_len // 4 (<= 256)
     eval_new_tokens: int | None = None  # None: target.regen's max_new_tokens, else up to 128
+    # A z-lab-layout drafter directory (`dflash export`, a released DFlash drafter) whose weights replace the random
+    # init of a new run (dflash/init_from.py; `dflash train --init-from DIR`); a resumed run loads its checkpoint.
+    init_from: str | None = None
 
     _positive = _v(_positive, "lr", "heartbeat_s")
     _counts = _v(_at_least(1), "epochs", "max_steps", "keep_last", "log_every", "eval_prompts",
@@ -419,6 +422,8 @@ def load_config(path: str | Path) -> RunConfig:
         cfg.data.tokenizer = str(_resolve(base, cfg.data.tokenizer))
     if cfg.target.path is not None:
         cfg.target.path = str(_resolve(base, cfg.target.path))
+    if cfg.train.init_from is not None:
+        cfg.train.init_from = str(_resolve(base, cfg.train.init_from))
     return cfg  # target.path is checked by check_run: a shipped config names a path on the training box
 
 

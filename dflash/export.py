@@ -89,9 +89,30 @@ def draft_config(meta: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[s
     }
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
-    """Verify `checkpoint`, then write `out` atomically (temp dir + rename); refuses a non-empty `out`."""
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class ExportCheckFailed(ExportError):
+    """The written export fails `dflash export --check`: nothing was published at the output path."""
+
+    def __init__(self, out: Path, problems: list[str]) -> None:
+        super().__init__(f"{out}: not written, the export fails {len(problems)} serving check(s): {problems[0]}")
+        self.problems = problems
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16",
+                      target_dir: str | Path | None = None) -> Path:
+    """Verify `checkpoint`, then write `out` atomically (temp dir + rename); refuses a non-empty `out`.
+
+    The weights are cast to `dtype` (bfloat16 by default, like the released drafters). The written directory must
+    pass `dflash export --check` (dflash/export_check.py) against the target the run trained with (its meta.json,
+    or `target_dir`) before it is renamed into place: an export an engine would misread is never published."""
     from safetensors.torch import save_file
+
+    from dflash.export_check import TargetFacts, check_export, target_facts_from_dir
+
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
 
     src = Path(checkpoint)
     if not src.is_dir():
@@ -112,13 +133,107 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     if missing or extra:
         raise ExportError(f"{src / 'drafter.pt'}: weights do not match the DFlashDraftModel layout "
                           f"(missing {missing[:5]}, unexpected {extra[:5]})")
-    cfg = draft_config(meta, state)
+    tensors = {k: state[k].detach().to(EXPORT_DTYPES[dtype]).contiguous().cpu() for k in wanted}
+    cfg = draft_config(meta, tensors)
+    t = meta["target"]
+    facts = target_facts_from_dir(target_dir) if target_dir is not None else TargetFacts(
+        num_layers=t.get("num_layers"), hidden_size=t.get("hidden_size"), vocab_size=t.get("vocab_size"),
+        source=f"{src / 'meta.json'} target")
+    info = {"source": str(src.resolve()), "step": int(manifest["step"]), "run_id": meta.get("run_id"),
+            "target": t, "dtype": dtype, **provenance(src, meta, int(manifest["step"]))}
     with atomic_directory(dst) as tmp:
-        tensors = {k: state[k].detach().contiguous().cpu() for k in wanted}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         shutil.copyfile(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
-        (tmp / "dflash_export.json").write_text(json.dumps({
-            "source": str(src.resolve()), "step": int(manifest["step"]), "run_id": meta.get("run_id"),
-            "target": meta["target"]}, indent=2) + "\n")
+        (tmp / "dflash_export.json").write_text(json.dumps(info, indent=2) + "\n")
+        checked = check_export(tmp, facts)
+        if checked.problems:
+            raise ExportCheckFailed(dst, checked.problems)  # atomic_directory removes the temp dir
     return dst
+
+
+def provenance(src: Path, meta: dict[str, Any], step: int) -> dict[str, Any]:
+    """What the drafter was trained against, for whoever serves it later: the target's config hash, the tokenizer's
+    content hash, block size, training step, and tau from the run's last `eval` event at or before this step.
+
+    Each is best effort (None with the reason's absence): an export of a checkpoint whose run directory is gone is
+    still an export."""
+    d = meta["drafter"]
+    return {"block_size": int(d["block_size"]), "training_step": step,
+            "target_config_sha256": _target_config_hash(meta), "tokenizer_sha256": _tokenizer_hash(src, meta),
+            "eval": last_eval(src, step)}
+
+
+def _sha(obj: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _target_config_hash(meta: dict[str, Any]) -> str | None:
+    """sha256 of the target's config: its config.json as a dict (path targets), else the config the random-init
+    target is built from (family, arch, embedding rows); key order and whitespace do not count."""
+    t = meta["target"]
+    try:
+        if t.get("path"):
+            return _sha(json.loads((Path(t["path"]) / "config.json").read_text()))
+        from dflash.config import config_from_dict
+        from dflash.target import target_hf_config
+
+        cfg = config_from_dict(meta["config"], "meta.json:config")
+        hf = target_hf_config(cfg.target, int(t["vocab_size"])).to_dict()
+        hf.pop("transformers_version", None)
+        return _sha(hf)
+    except Exception:  # noqa: BLE001 - provenance must not fail an export
+        return None
+
+
+def _tokenizer_hash(src: Path, meta: dict[str, Any]) -> str | None:
+    """The run's tokenizer content hash (dflash.data.TokenizerAdapter.content_hash: what it does, not where it is):
+    data.tokenizer, else the one regenerated records are pinned to (regen.json), else the run's tiny BPE."""
+    try:
+        from dflash.config import config_from_dict
+        from dflash.data import REGEN_MANIFEST, TokenizerAdapter, load_tokenizer, read_documents
+
+        cfg = config_from_dict(meta["config"], "meta.json:config")
+        if cfg.data.tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            return TokenizerAdapter(hf=AutoTokenizer.from_pretrained(cfg.data.tokenizer)).content_hash
+        for p in map(Path, cfg.data.paths):
+            manifest = (p if p.is_dir() else p.parent) / REGEN_MANIFEST
+            if manifest.is_file():
+                return str(json.loads(manifest.read_text())["tokenizer"]["content_hash"])
+        run_dir = src.parent.parent if src.parent.name == "checkpoints" else None
+        cache = Path(cfg.data.tokenizer_cache) if cfg.data.tokenizer_cache else \
+            (run_dir / "tokenizer" if run_dir is not None else None)
+        if cache is None or not cache.is_dir():
+            return None
+        return load_tokenizer(cfg.data, read_documents(cfg.data), cache).content_hash
+    except Exception:  # noqa: BLE001 - provenance must not fail an export
+        return None
+
+
+def last_eval(src: Path, step: int) -> dict[str, Any] | None:
+    """The run's `eval` event of this checkpoint's step, else its last one before it (OUT/events.jsonl, OUT being
+    two levels above checkpoints/step-N); None when the run measured none or its directory is gone."""
+    from dflash.telemetry import read_events
+
+    if src.parent.name != "checkpoints":
+        return None
+    path = src.parent.parent / "events.jsonl"
+    if not path.is_file():
+        return None
+    best: dict[str, Any] | None = None
+    try:
+        for ev in read_events(path):
+            if ev.get("kind") != "eval" or not isinstance(ev.get("step"), int) or ev["step"] > step:
+                continue
+            if best is None or ev["step"] >= best["step"]:
+                best = ev
+    except OSError:
+        return None
+    if best is None:
+        return None
+    keys = ("step", "tau", "ngram_tau", "block_size", "sequences", "tokens", "tau_ci95", "accept_by_position")
+    return {k: best[k] for k in keys if k in best}

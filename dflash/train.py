@@ -533,6 +533,8 @@ class Trainer:
             self.drafter = DFlashDrafter(self.dcfg, info.hidden_size, len(info.tap_layers)).to(device)
         except ValueError as exc:  # e.g. drafter.hidden_size != target hidden size
             raise UsageError(str(cfg.error(exc))) from None
+        if cfg.train.init_from is not None and self.start.resume_path is None:
+            self._init_from(cfg.train.init_from)
         self.model: nn.Module = self.drafter
         if len(roles.drafters) > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -555,6 +557,18 @@ class Trainer:
             rngs = ckpt.load_file(path, "rng.pt")
             _set_rng_state(rngs[d] if isinstance(rngs, list) else rngs, self.gen)
             self.log.info("resumed from %s", path)
+
+    def _init_from(self, export_dir: str) -> None:
+        """A new run starts from an exported / released drafter (dflash/init_from.py); a resume ignores it."""
+        from dflash.init_from import InitFromError, check_init_from, load_init_from
+
+        try:
+            check_init_from(export_dir, self.dcfg, self.info.hidden_size, list(self.info.tap_layers))
+        except InitFromError as exc:
+            raise UsageError(str(exc)) from None
+        got = load_init_from(self.drafter, export_dir)
+        self.log.info("drafter initialised from %s (%s weights%s)", got["path"], got["dtype"],
+                      f", step {got['step']} of run {got['run_id']}" if got.get("step") is not None else "")
 
     def _build_feeder(self) -> None:
         """Where buffers come from (the local target, or the target ranks), mixed through the reservoir; compile."""

@@ -34,7 +34,7 @@ def test_export_writes_dflash_config_and_qwen3_weights(trained: Path, tmp_path: 
     from transformers import AutoConfig
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-    dst = export_checkpoint(trained, tmp_path / "hf")
+    dst = export_checkpoint(trained, tmp_path / "hf")  # bfloat16 by default, like released drafters
     cfg = json.loads((dst / "config.json").read_text())
     meta = load_file(trained, "meta.json")
     assert cfg["architectures"] == ["DFlashDraftModel"]
@@ -47,8 +47,9 @@ def test_export_writes_dflash_config_and_qwen3_weights(trained: Path, tmp_path: 
 
     weights = load_safetensors(str(dst / "model.safetensors"))
     state = load_file(trained, "drafter.pt")
-    assert set(weights) == set(state)
-    assert all(torch.equal(weights[k], state[k]) for k in state)
+    assert set(weights) == set(state) and cfg["dtype"] == "bfloat16"
+    assert all(weights[k].dtype == torch.bfloat16 and torch.equal(weights[k], state[k].to(torch.bfloat16))
+               for k in state)
     assert weights["fc.weight"].shape == (32, 2 * 32)  # two taps of a 32-wide target
 
     hf = AutoConfig.from_pretrained(str(dst))
@@ -83,7 +84,7 @@ def test_automodel_with_remote_code_loads_the_drafter_and_matches_dflash_model(t
 
     from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig
 
-    dst = export_checkpoint(trained, tmp_path / "hf")
+    dst = export_checkpoint(trained, tmp_path / "hf", dtype="float32")  # exact logits need the training dtype
     hf, info = AutoModel.from_pretrained(str(dst), trust_remote_code=True, output_loading_info=True)
     assert type(hf).__name__ == "DFlashDraftModel"
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
