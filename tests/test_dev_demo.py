@@ -83,12 +83,13 @@ def test_dev_demo_succeeds_first_after_finish_after_kill_after_crash(tmp_path: P
         st = _status(d)
         assert (st["state"], st["step"]) == ("finished", 24), st
 
-        shutil.rmtree(d / "runs" / "tiny")  # after a crash (the trainer SIGKILLed mid-run)
+        # after a crash (the trainer aborts mid-run: SIGABRT; a SIGKILL from outside opsctl now reads `killed`)
+        shutil.rmtree(d / "runs" / "tiny")
         assert _run(d, opsctl, "launch", "local", "tiny").returncode == 0
         deadline = time.monotonic() + 240
         while _status(d)["step"] < 10 and time.monotonic() < deadline:  # past its first checkpoint
             time.sleep(0.5)
-        os.kill(_status(d)["pid"], signal.SIGKILL)
+        os.kill(_status(d)["pid"], signal.SIGABRT)
         deadline = time.monotonic() + 60
         while _status(d)["state"] != "crashed" and time.monotonic() < deadline:
             time.sleep(0.2)
