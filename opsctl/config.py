@@ -680,9 +680,11 @@ def load_inventory(path: str | Path | None = None) -> Inventory:
         return inv
     shown = str(path) if path is not None else str(p)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = yamlfile.read_bytes(p, shown).decode("utf-8")  # refused past yamlfile.MAX_CONFIG_BYTES
     except FileNotFoundError:
         raise InventoryError([Problem(shown, None, "", "file not found")]) from None
+    except yamlfile.YamlFileError as e:
+        raise InventoryError([Problem(shown, *pr) for pr in e.problems]) from None
     except (OSError, UnicodeDecodeError) as e:
         raise InventoryError([Problem(shown, None, "", f"cannot read: {e}")]) from None
     inv = parse_inventory(text, file=shown, base_dir=p.resolve().parent)

@@ -6,7 +6,12 @@ opsctl`, `python -m dflash`), real sshd on loopback and real tmux, as an operato
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +86,91 @@ def test_dotted_name_whose_session_is_taken_is_refused_in_one_line(tmp_path: Pat
     doc["hosts"]["local"]["runs"]["a.b"]["tmux_session"] = "dflash-ab-dotted"
     hosts.write_text(yaml.safe_dump(doc, sort_keys=False))
     assert opsctl(hosts, "hosts", "check").returncode == 0
+
+
+# -- item 5: billion laughs and oversized files ----------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _measured(*argv: str, timeout: float = 120) -> tuple[int, str, float, float]:
+    """Run a real CLI (`python ARGV`) to its end: (exit code, its output, wall seconds, peak RSS in MiB).
+
+    os.wait4 gives that process's own rusage, so nothing else this test session started counts; past `timeout`
+    it is killed (an unbounded parse would otherwise take the machine's memory with it)."""
+    env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb")
+    with tempfile.TemporaryFile("w+") as out:
+        t0 = time.monotonic()
+        p = subprocess.Popen([sys.executable, *argv], cwd=str(REPO), env=env, stdout=out, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL)
+        killer = threading.Timer(timeout, p.kill)
+        killer.start()
+        try:
+            _, status, usage = os.wait4(p.pid, 0)
+        finally:
+            killer.cancel()
+        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        wall = time.monotonic() - t0
+        out.seek(0)
+        return p.returncode, out.read(), wall, usage.ru_maxrss / 1024
+
+
+def _billion_laughs(path: Path) -> Path:
+    """The classic: 9 levels of 9 aliases, about 500 bytes of text that expand to 9**9 (387 million) strings."""
+    rows = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    prev = "a"
+    for name in "bcdefghi":
+        rows.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]")
+        prev = name
+    path.write_text("\n".join(rows) + "\n")
+    assert 400 < path.stat().st_size < 600
+    return path
+
+
+def test_billion_laughs_is_refused_at_once_by_both_clis(tmp_path: Path) -> None:
+    laughs = _billion_laughs(tmp_path / "laughs.yaml")
+    rc, out, wall, rss = _measured("-m", "opsctl", "--hosts", str(laughs), "hosts", "check")
+    assert rc == commands.EXIT_USAGE and "Traceback" not in out, out
+    assert out.strip().startswith(f"{laughs}:") and "MAX_ALIAS_NODES" in out and "100000 nodes" in out, out
+    assert wall < 10 and rss < 150, (wall, rss)  # it was 4 GiB and a MemoryError after 33 s
+    # dflash: the same refusal before anything is built; torch's import is the floor, measured on a missing config
+    out_dir = tmp_path / "out"
+    rc0, out0, wall0, rss0 = _measured("-m", "dflash", "train", "--config", str(tmp_path / "none.yaml"),
+                                       "--out", str(out_dir))
+    assert rc0 == 2 and "cannot read config" in out0, out0
+    rc, out, wall, rss = _measured("-m", "dflash", "train", "--config", str(laughs), "--out", str(out_dir))
+    assert rc == 2 and "Traceback" not in out, out
+    # line 6 (`f`, 9**6 strings) is the first whose value passes the cap: it is named, the rest is never visited
+    assert out.strip() == (f"dflash: {laughs}:6: aliases expand this document by more than 100000 nodes "
+                           "(MAX_ALIAS_NODES in dflash/yamlfile.py; a 'billion laughs'?); write the values out or "
+                           "use fewer nested aliases"), out
+    assert wall < wall0 + 3 and rss < rss0 + 64, (wall, wall0, rss, rss0)
+    assert not out_dir.exists()  # nothing written
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("hosts: &h {local: {local: true, runs: {r: *h}}}\n")
+    rc, out, wall, rss = _measured("-m", "opsctl", "--hosts", str(loop), "hosts", "check")
+    assert rc == commands.EXIT_USAGE and "a recursive document" in out and "Traceback" not in out, out
+
+
+def test_oversized_config_files_are_refused_without_reading_them(tmp_path: Path) -> None:
+    from dflash.yamlfile import MAX_CONFIG_BYTES
+
+    big = tmp_path / "hosts.yaml"
+    with big.open("w") as fh:  # 50 MB of plausible YAML: a hosts file that grew by mistake, or a log named as one
+        fh.write("hosts:\n  local:\n    local: true\n    runs:\n")
+        row = "      r{:07d}: {{workdir: /w, command: [x], log: l}}\n"
+        while fh.tell() < 50_000_000:
+            fh.write("".join(row.format(i) for i in range(fh.tell(), fh.tell() + 10_000)))
+    for argv in (["-m", "opsctl", "--hosts", str(big), "hosts", "check"],
+                 ["-m", "opsctl", "--hosts", str(big), "status"],
+                 ["-m", "dflash", "train", "--config", str(big), "--out", str(tmp_path / "out")]):
+        rc, out, wall, rss = _measured(*argv)
+        assert rc == 2 and "Traceback" not in out, out
+        assert f"{big}: {big.stat().st_size / 1e6:.1f} MB, over the {MAX_CONFIG_BYTES} byte cap on config files (MAX_CONFIG_BYTES" in out, out
+        assert rss < 400 and wall < 15, (argv, wall, rss)  # opsctl took >120 s and 3.2 GiB
+    assert not (tmp_path / "out").exists()
+    # at the cap exactly is still a file (refused for its content, not its size)
+    edge = tmp_path / "edge.yaml"
+    edge.write_text("#" * (MAX_CONFIG_BYTES - 1) + "\n")
+    rc, out, _, _ = _measured("-m", "opsctl", "--hosts", str(edge), "hosts", "check")
+    assert rc == 2 and "cap" not in out and "top level must be a mapping" in out, out
