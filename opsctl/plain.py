@@ -18,37 +18,47 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl.alerts import CRITICAL
-from opsctl.watch import RunModel, SmoothedRunState, SourceWorker, WatchSource, ending_text, fold, stall_after_of
+from opsctl.watch import (
+    RunModel,
+    SmoothedRunState,
+    SourceWorker,
+    WatchSource,
+    ending_text,
+    fold,
+    link_msg,
+    stall_after_of,
+)
 from opsctl.widgets import fmt_duration, fmt_num, spark, state_badge
 
-SETTLE_S = 1.0  # --once: a stream quiet this long has sent its backlog
-ONCE_TIMEOUT_S = 10.0
+ONCE_TIMEOUT_S = 10.0  # --once: a source silent this long (no answer, or a stream that stopped) is given up
 PLAIN_HZ = 4.0
 PRINT_EVERY_S = 5.0  # --plain into a pipe or file: at most one snapshot this often
 
 
-def snapshot_once(sources: Sequence[WatchSource], settle_s: float = SETTLE_S, timeout_s: float = ONCE_TIMEOUT_S,
+def snapshot_once(sources: Sequence[WatchSource], timeout_s: float = ONCE_TIMEOUT_S,
                   clock: Callable[[], float] | None = None) -> list[dict[str, Any]]:
-    """Follow every source until each has ended or gone quiet for `settle_s` (at most `timeout_s`); one dict per run.
+    """Follow every source until its backlog is in (the agent's `backlog_end`) or its stream ended; one dict per run.
 
-    The agent's `follow` never ends by itself, so "quiet" is how we know the backlog (tail, state, a GPU sample) is in.
-    """
-    if settle_s <= 0 or timeout_s <= 0:
-        raise ValueError("settle_s and timeout_s must be > 0")
+    Never a quiet spell as the end: a host busy reading a huge log says nothing for seconds and is not done. A source
+    silent for `timeout_s` is given up: unreachable when it never answered, or when its stream stopped short."""
+    if timeout_s <= 0:
+        raise ValueError("timeout_s must be > 0")
     models = [RunModel(s.label, clock=clock, stall_after_s=stall_after_of(s)) for s in sources]
     workers = [SourceWorker(s) for s in sources]
     for w in workers:
         w.start()
-    deadline = time.monotonic() + timeout_s
     last_news = [time.monotonic()] * len(workers)
+    given_up = [False] * len(workers)
     try:
-        while time.monotonic() < deadline:
+        while True:
             now = time.monotonic()
             for i, got in enumerate(fold(workers, models)):
                 if got:
                     last_news[i] = now
-            settled = [w.ended.is_set() or (w.received and now - last_news[i] >= settle_s)
-                       for i, w in enumerate(workers)]
+            for i, w in enumerate(workers):
+                done = w.ended.is_set() or w.caught_up.is_set()
+                given_up[i] = not done and now - last_news[i] >= timeout_s
+            settled = [w.ended.is_set() or w.caught_up.is_set() or g for w, g in zip(workers, given_up, strict=True)]
             if all(settled) and not any(w.pending() for w in workers):
                 break
             time.sleep(0.02)
@@ -56,9 +66,12 @@ def snapshot_once(sources: Sequence[WatchSource], settle_s: float = SETTLE_S, ti
     finally:
         for w in workers:
             w.stop()
-    for w, m in zip(workers, models, strict=True):
+    for w, m, g in zip(workers, models, given_up, strict=True):
         if not w.received or not m.heard:
             m.mark_unreachable(f"no answer within {timeout_s:g} s ({m.link})")
+        elif g:
+            m.ingest(link_msg("lost", f"the stream stopped before its backlog was complete (nothing for "
+                                      f"{timeout_s:g} s)"))
     return [m.snapshot(log=getattr(getattr(s, "run", None), "log", None)) for m, s in zip(models, sources, strict=True)]
 
 

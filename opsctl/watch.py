@@ -451,6 +451,7 @@ class SourceWorker:
         self._stop = threading.Event()
         self.received = 0
         self.ended = threading.Event()  # set while the stream has ended normally (until a reconnect)
+        self.caught_up = threading.Event()  # the agent said `backlog_end`: all it had at connect time is queued
         self._thread = threading.Thread(target=self._run, name=f"watch:{source.label}", daemon=True)
 
     def start(self) -> SourceWorker:
@@ -471,6 +472,8 @@ class SourceWorker:
                 self._dropped += 1
             box.append(msg)
             self.received += 1
+        if msg.get("t") == "backlog_end":
+            self.caught_up.set()
 
     def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
         """(non-log messages, log messages, drops since the last drain), emptying the inbox."""

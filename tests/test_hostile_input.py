@@ -174,3 +174,53 @@ def test_oversized_config_files_are_refused_without_reading_them(tmp_path: Path)
     edge.write_text("#" * (MAX_CONFIG_BYTES - 1) + "\n")
     rc, out, _, _ = _measured("-m", "opsctl", "--hosts", str(edge), "hosts", "check")
     assert rc == 2 and "cap" not in out and "top level must be a mapping" in out, out
+
+
+# -- item 6: one huge log line ---------------------------------------------------------------------------------
+
+
+def test_huge_log_line_is_cut_visibly_and_hides_neither_newer_lines_nor_the_run(tmp_path: Path, sshd) -> None:
+    from opsctl.agent import MAX_LOG_LINE
+
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={
+        "big": script_run(tmp_path, "ok_run.py", "--steps", "10", "--step-time", "0.02", tmux_session="huge-line")})
+    try:
+        assert opsctl(hosts, "launch", "box", "big", "--follow").returncode == 0
+        huge = 20_000_000
+        with (tmp_path / "run.log").open("a") as fh:  # a dumped tensor, a progress bar that never wrote a newline
+            fh.write("x" * huge + "\n")
+            fh.writelines(f"newer {i}\n" for i in range(10))
+        r = opsctl(hosts, "logs", "box", "big", "-n", "20")
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert len(lines) == 20 and len(r.stdout) < 2 * MAX_LOG_LINE, (len(lines), len(r.stdout))
+        assert lines[-10:] == [f"newer {i}" for i in range(10)]  # the newest lines, in order
+        assert lines[-11] == "x" * MAX_LOG_LINE + " ... [cut 19.9 MB]"
+        assert lines[-12] == "run ended: completed" and lines[0].startswith("step ")  # -n stays exact
+        r = opsctl(hosts, "logs", "box", "big", "-n", "3")
+        assert r.returncode == 0 and r.stdout.splitlines() == ["newer 7", "newer 8", "newer 9"]
+        t0 = time.monotonic()
+        r = opsctl(hosts, "watch", "--once", "box:big")
+        assert r.returncode == 0, r.stderr
+        (snap,) = json.loads(r.stdout)
+        assert snap["state"] == "finished" and snap["step"] == 10, snap  # was `absent`, step 0
+        assert snap["log_lines"] >= 12 and time.monotonic() - t0 < 30
+    finally:
+        opsctl(hosts, "clean", "box", "big")
+        kill_tmux(tmp_path, "big")
+
+
+def test_long_line_written_in_pieces_costs_one_cut_line_with_exact_offsets(tmp_path: Path) -> None:
+    from opsctl.agent import Tail
+
+    log = tmp_path / "run.log"
+    log.write_bytes(b"first\n")
+    t = Tail(str(log), 0, max_line=10)
+    assert t.read([]) == [(0, 6, b"first")]
+    with log.open("ab") as fh:
+        fh.write(b"y" * 3000)  # an unfinished line, longer than the cap: held as its head only
+    assert t.read([]) == [] and len(t.buf) == 10 and t.skipped == 2990
+    with log.open("ab") as fh:
+        fh.write(b"y" * 2000 + b"\nnext\n")
+    assert t.read([]) == [(6, 5007, b"y" * 10 + b" ... [cut 5.0 KB]"), (5007, 5012, b"next")]
+    assert t.offset == 5012 and t.buf == b"" and t.skipped == 0  # a reconnect resumes exactly after it

@@ -583,7 +583,7 @@ def test_record_saves_a_stream_that_replays_identically(tmp_path: Path) -> None:
 
 
 def test_once_json_snapshot_of_every_run() -> None:
-    snaps = snapshot_once([recorded("crashed"), recorded("training")], settle_s=0.3, timeout_s=10,
+    snaps = snapshot_once([recorded("crashed"), recorded("training")], timeout_s=10,
                           clock=lambda: last_ts("training") + 2)
     by = {f'{s["host"]}:{s["run"]}': s for s in snaps}
     crashed, training = by["h200:crashed"], by["h200:training"]
@@ -598,7 +598,7 @@ def test_once_json_snapshot_of_every_run() -> None:
 def test_once_json_gives_up_on_a_hanging_host_within_the_timeout() -> None:
     hanging = HangingSource("dead:run")
     start = time.monotonic()
-    snaps = snapshot_once([hanging, recorded("loading")], settle_s=0.2, timeout_s=1.0)
+    snaps = snapshot_once([hanging, recorded("loading")], timeout_s=1.0)
     assert time.monotonic() - start < 3
     # never `absent` (that says the host answered and has no such run): it is unreachable, and says why
     assert snaps[0]["link"] == "unreachable" and snaps[0]["state"] == "unreachable"
