@@ -613,23 +613,41 @@ class Tail:
         return out
 
 
-def bounded_lines(fh: Any, limit: int) -> Any:
-    """The lines of a binary file without their newlines, each cut to `limit` bytes (cut_line); memory stays
-    bounded by `limit` however long a line is."""
+def long_lines(fh: Any, limit: int) -> Any:
+    """(first bytes, length, ended by a newline) of each line of a binary file, without its newline: at most
+    `limit + 1` bytes of a line are kept, so memory stays bounded however long a line is."""
     while True:
         head = fh.readline(limit + 1)
         if not head:
             return
         if head.endswith(b"\n"):
-            yield head[:-1]
+            yield head[:-1], len(head) - 1, True
             continue
-        whole, raw = len(head), head
+        length, raw = len(head), head
         while not raw.endswith(b"\n"):  # the rest of a long line, read and dropped in chunks
             raw = fh.readline(1 << 20)
             if not raw:
                 break
-            whole += len(raw) - raw.endswith(b"\n")
-        yield cut_line(head, whole, limit)
+            length += len(raw) - raw.endswith(b"\n")
+        yield head, length, raw.endswith(b"\n")
+
+
+def bounded_lines(fh: Any, limit: int) -> Any:
+    """The lines of a binary file without their newlines, each cut to `limit` bytes (cut_line)."""
+    for head, length, _ in long_lines(fh, limit):
+        yield cut_line(head, length, limit)
+
+
+def event_object(raw: bytes, length: int) -> Any:
+    """One events line as a JSON object, or why it is none (a str). The contract's types are checked by the
+    client (dflash.telemetry, through opsctl.runstate), which counts both kinds of bad line alike."""
+    if length > MAX_EVENT_LINE:
+        return f"longer than {MAX_EVENT_LINE} bytes (MAX_EVENT_LINE)"
+    try:
+        ev = json.loads(raw)
+    except ValueError:
+        return "not JSON"
+    return ev if isinstance(ev, dict) else "not a JSON object"
 
 
 def cut_line(head: bytes, whole: int, limit: int) -> bytes:
@@ -688,11 +706,9 @@ class Follower:
                 for r in resets:
                     emit("log_reset", reason=r, file="events")
                 resets = []
-                try:
-                    ev = json.loads(raw)
-                except ValueError:
-                    continue
-                if not isinstance(ev, dict):
+                ev = event_object(raw, end - off - 1)
+                if isinstance(ev, str):  # said, never silently dropped: the client counts it (RunState)
+                    emit("bad_event", off=off, end=end, error=ev)
                     continue
                 self._note(ev)
                 emit("event", off=off, end=end, event=ev)
@@ -1490,24 +1506,26 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     errors: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque(maxlen=50)
     last: dict[str, tuple[int, int, dict[str, Any]]] = {}
     size = 0
+    bad: list[Any] = [0, None]  # lines since the last run_start that are no event: how many, the last one's why
     if run.events and os.path.exists(run.events):
         with open(run.events, "rb") as fh:
             off = 0
-            for raw in fh:
-                start, off = off, off + len(raw)
-                if not raw.endswith(b"\n"):
+            for head, length, complete in long_lines(fh, MAX_EVENT_LINE):
+                start, off = off, off + length + complete
+                if not complete:
                     break
-                try:
-                    ev = json.loads(raw)
-                except ValueError:
+                ev = event_object(head, length)
+                if isinstance(ev, str):
+                    bad[:] = [bad[0] + 1, f"events file offset {start}: {ev}"]
                     continue
-                if not isinstance(ev, dict) or (isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since):
+                if isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since:
                     continue
                 kind = ev.get("kind")
                 if kind == "run_start":
                     steps.clear()
                     errors.clear()
                     last.clear()
+                    bad[:] = [0, None]
                 if kind == "step":
                     steps.append((start, off, ev))
                 elif kind == "error":
@@ -1531,7 +1549,8 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         log_size = None
     emit("status", name=run.name, proc=snap, killed_by_opsctl=killed is not None, killed=killed,
          launched_ts=launch.get("ts"), session=run.session, session_exists=sess["exists"],
-         pane_dead=sess["pane_dead"], log=run.log, log_size=log_size, events=run.events, events_size=size)
+         pane_dead=sess["pane_dead"], log=run.log, log_size=log_size, events=run.events, events_size=size,
+         bad_events=bad[0], bad_event=bad[1])
     return EXIT_CODES["ok"]
 
 

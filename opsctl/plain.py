@@ -23,6 +23,7 @@ from opsctl.watch import (
     SmoothedRunState,
     SourceWorker,
     WatchSource,
+    bad_events_text,
     ending_text,
     fold,
     link_msg,
@@ -47,17 +48,16 @@ def snapshot_once(sources: Sequence[WatchSource], timeout_s: float = ONCE_TIMEOU
     workers = [SourceWorker(s) for s in sources]
     for w in workers:
         w.start()
-    last_news = [time.monotonic()] * len(workers)
+    start = time.monotonic()
     given_up = [False] * len(workers)
     try:
         while True:
             now = time.monotonic()
-            for i, got in enumerate(fold(workers, models)):
-                if got:
-                    last_news[i] = now
+            fold(workers, models)
             for i, w in enumerate(workers):
                 done = w.ended.is_set() or w.caught_up.is_set()
-                given_up[i] = not done and now - last_news[i] >= timeout_s
+                heard = w.last_agent_msg or start  # the watcher's own link messages (retries) are no answer
+                given_up[i] = not done and now - heard >= timeout_s
             settled = [w.ended.is_set() or w.caught_up.is_set() or g for w, g in zip(workers, given_up, strict=True)]
             if all(settled) and not any(w.pending() for w in workers):
                 break
@@ -93,7 +93,8 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
                 f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(rate if rate is not None else view.tokens_per_s, 0)}"
                 f"  ETA {fmt_duration(view.eta_s)}  heartbeat "
                 f"{'-' if view.heartbeat_age_s is None else fmt_duration(view.heartbeat_age_s) + ' ago'}"
-                f"  link {model.link}  log {model.lines_total:,} lines, {model.dropped:,} dropped")
+                f"  link {model.link}  log {model.lines_total:,} lines, {model.dropped:,} dropped"
+                + (f"; {bad_events_text(view.bad_events)}" if view.bad_events else ""))
     parts: list[Any] = [head]
     if view.gpus:
         table = Table(box=None, pad_edge=False, show_header=True, header_style="dim")

@@ -224,3 +224,56 @@ def test_long_line_written_in_pieces_costs_one_cut_line_with_exact_offsets(tmp_p
         fh.write(b"y" * 2000 + b"\nnext\n")
     assert t.read([]) == [(6, 5007, b"y" * 10 + b" ... [cut 5.0 KB]"), (5007, 5012, b"next")]
     assert t.offset == 5012 and t.buf == b"" and t.skipped == 0  # a reconnect resumes exactly after it
+
+
+# -- item 7: an event line of the wrong types ------------------------------------------------------------------
+
+
+def test_event_line_of_wrong_types_is_skipped_and_counted_by_every_verb(tmp_path: Path, sshd) -> None:
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={
+        "r": script_run(tmp_path, "bad_event_run.py", "--steps", "5", tmux_session="bad-event")})
+    try:
+        # `"ts": "yesterday", "step": "three"` in the middle of real events (tests/runs/bad_event_run.py)
+        r = opsctl(hosts, "launch", "box", "r", "--follow")
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr  # was exit 1, ValueError in runstate
+        assert "r finished" in r.stderr
+        with (tmp_path / "events.jsonl").open("a") as fh:  # and lines that are no JSON object at all
+            fh.write("not json\n[1, 2]\n")
+        r = opsctl(hosts, "status", "box", "r", "--json")
+        assert r.returncode == 0, r.stderr
+        (st,) = json.loads(r.stdout)
+        assert st["state"] == "finished" and st["step"] == 5 and st["loss"] == 0.2, st  # the good events all count
+        assert st["bad_events"] == 3 and st["bad_event"].endswith(": not a JSON object"), st
+        r = opsctl(hosts, "watch", "--once", "box:r")
+        assert r.returncode == 0, r.stderr
+        (snap,) = json.loads(r.stdout)
+        assert snap["state"] == "finished" and snap["step"] == 5 and snap["bad_events"] == 3, snap
+        table = opsctl(hosts, "status", "box", "r")
+        assert table.returncode == 0
+        assert "r: 3 bad event lines skipped (last: events file offset" in " ".join(table.stdout.split())
+        r = opsctl(hosts, "history", "box", "r", "--json")
+        assert r.returncode == 0, r.stderr
+    finally:
+        opsctl(hosts, "clean", "box", "r")
+        kill_tmux(tmp_path, "r")
+
+
+def test_reader_check_names_the_wrong_type_and_keeps_a_newer_writers_events() -> None:
+    from dflash.telemetry import EventError, parse_event
+    from opsctl.runstate import RunState
+
+    base = {"v": 1, "ts": 5.0, "run_id": "r", "rank": 0, "seq": 1}
+    rs = RunState()
+    assert rs.apply({"t": "event", "off": 0, "end": 9, "event": {**base, "kind": "step", "step": 3, "loss": "nan"}})
+    assert rs.view(6.0).step == 3  # "nan" is the contract's word for NaN, and keys left out are the reader's defaults
+    assert rs.apply({"t": "event", "off": 9, "end": 20, "event": {**base, "kind": "eval_v2", "tau": [1]}})
+    assert not rs.apply({"t": "event", "off": 20, "end": 40, "event": {**base, "ts": "yesterday", "kind": "step"}})
+    assert not rs.apply({"t": "event", "off": 40, "end": 60, "event": {**base, "kind": "step", "acc": ["x"]}})
+    v = rs.view(6.0)
+    assert v.step == 3 and v.bad_events == 2 and v.bad_event == "events file offset 40: step: acc must be a list of numbers"
+    try:
+        parse_event({**base, "kind": "step", "step": 1})  # the writer's check still wants every key
+    except EventError as exc:
+        assert "missing key 'epoch'" in str(exc)
+    else:
+        raise AssertionError("an incomplete step event passed the complete check")
