@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -93,26 +92,35 @@ def test_dotted_name_whose_session_is_taken_is_refused_in_one_line(tmp_path: Pat
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _measured(*argv: str, timeout: float = 120) -> tuple[int, str, float, float]:
-    """Run a real CLI (`python ARGV`) to its end: (exit code, its output, wall seconds, peak RSS in MiB).
+# Runs `python -m MODULE ARGS` and, at its exit, writes its own peak RSS (VmHWM of this process image: a forked
+# child's rusage would also count the test process it was forked from) to $HWM_FILE.
+_HWM_RUNNER = """\
+import atexit, os, runpy, sys
+def _hwm():
+    with open("/proc/self/status") as fh:
+        kib = next(ln for ln in fh if ln.startswith("VmHWM:")).split()[1]
+    with open(os.environ["HWM_FILE"], "w") as out:
+        out.write(kib)
+atexit.register(_hwm)
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
 
-    os.wait4 gives that process's own rusage, so nothing else this test session started counts; past `timeout`
-    it is killed (an unbounded parse would otherwise take the machine's memory with it)."""
-    env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb")
-    with tempfile.TemporaryFile("w+") as out:
+
+def _measured(*argv: str, timeout: float = 120) -> tuple[int, str, float, float]:
+    """Run a real CLI (`python -m MODULE ARGS`, argv starting with "-m") to its end: (exit code, its output, wall
+    seconds, peak RSS in MiB). Past `timeout` it is killed (an unbounded parse would take the machine with it)."""
+    assert argv[0] == "-m"
+    with tempfile.TemporaryDirectory() as d:
+        hwm = Path(d) / "hwm"
+        env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb", HWM_FILE=str(hwm))
         t0 = time.monotonic()
-        p = subprocess.Popen([sys.executable, *argv], cwd=str(REPO), env=env, stdout=out, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL)
-        killer = threading.Timer(timeout, p.kill)
-        killer.start()
-        try:
-            _, status, usage = os.wait4(p.pid, 0)
-        finally:
-            killer.cancel()
-        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        p = subprocess.run([sys.executable, "-c", _HWM_RUNNER, "-m", *argv[1:]], cwd=str(REPO), env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                           timeout=timeout)
         wall = time.monotonic() - t0
-        out.seek(0)
-        return p.returncode, out.read(), wall, usage.ru_maxrss / 1024
+        assert hwm.exists(), p.stdout
+        return p.returncode, p.stdout, wall, int(hwm.read_text()) / 1024
 
 
 def _billion_laughs(path: Path) -> Path:
