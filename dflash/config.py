@@ -405,9 +405,11 @@ def load_config(path: str | Path) -> RunConfig:
     """Load a YAML run config. Relative data/tokenizer paths are resolved against the config file's directory."""
     p = Path(path)
     try:
-        raw = p.read_bytes()
+        raw = yamlfile.read_bytes(p, str(path))  # refused past yamlfile.MAX_CONFIG_BYTES
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    except yamlfile.YamlFileError as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
     try:
         doc = yamlfile.parse(yamlfile.decode(raw, str(path)), str(path))
     except yamlfile.YamlFileError as exc:

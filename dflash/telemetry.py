@@ -99,9 +99,11 @@ class EventError(ValueError):
     """An event line that breaks the contract in docs/events.md."""
 
 
-def _check_types(obj: dict[str, Any], spec: dict[str, tuple[type, ...]], where: str) -> None:
+def _check_types(obj: dict[str, Any], spec: dict[str, tuple[type, ...]], where: str, complete: bool = True) -> None:
     for key, types in spec.items():
         if key not in obj:
+            if not complete:
+                continue
             raise EventError(f"{where}: missing key {key!r}")
         value = obj[key]
         # bool is an int subclass; only accept it where bool is named.
@@ -113,10 +115,22 @@ def _check_types(obj: dict[str, Any], spec: dict[str, tuple[type, ...]], where: 
             )
 
 
-def validate_event(obj: Any) -> dict[str, Any]:
-    """Raise EventError unless obj is a valid event; return it unchanged."""
+def validate_event(obj: Any, complete: bool = True) -> dict[str, Any]:
+    """Raise EventError unless obj is a valid event; return it unchanged.
+
+    `complete=False` is the reader's check (opsctl): every key present has the contract's type, but a key left out
+    or a kind newer than this reader is left to the reader's defaults, so a reader never breaks on a value of the
+    wrong type and never refuses a writer that is a version ahead."""
     if not isinstance(obj, dict):
         raise EventError(f"event must be a JSON object, got {type(obj).__name__}")
+    if not complete:
+        if not isinstance(obj.get("kind"), str):
+            raise EventError("event: key 'kind' must be str" + ("" if "kind" in obj else " (it is missing)"))
+        _check_types(obj, COMMON, "event", complete=False)
+        if obj["kind"] in KINDS:
+            _check_types(obj, KINDS[obj["kind"]], obj["kind"], complete=False)
+        _check_lists(obj, obj["kind"])
+        return obj
     _check_types(obj, COMMON, "event")
     kind = obj["kind"]
     if kind not in KINDS:
@@ -130,12 +144,17 @@ def validate_event(obj: Any) -> dict[str, Any]:
         raise EventError(f"error: unknown class {obj['class']!r}")
     if kind == "run_end" and obj["reason"] not in END_REASONS:
         raise EventError(f"run_end: unknown reason {obj['reason']!r}")
-    if kind == "step" and not all(isinstance(a, (int, float)) for a in obj["acc"]):
+    _check_lists(obj, kind)
+    return obj
+
+
+def _check_lists(obj: dict[str, Any], kind: str) -> None:
+    """The elements of the contract's lists of numbers (present ones: the types are checked before)."""
+    if kind == "step" and not all(isinstance(a, (int, float)) for a in obj.get("acc", ())):
         raise EventError("step: acc must be a list of numbers")
     if kind == "eval" and not all(a is None or (isinstance(a, (int, float)) and not isinstance(a, bool))
-                                  for a in obj["accept_by_position"]):
+                                  for a in obj.get("accept_by_position", ())):
         raise EventError("eval: accept_by_position must be a list of numbers (or null)")
-    return obj
 
 
 def _json_safe(value: Any) -> Any:
@@ -159,13 +178,19 @@ def parse_line(line: str | bytes) -> dict[str, Any]:
         obj = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise EventError(f"not JSON: {exc}") from exc
+    return parse_event(obj)
+
+
+def parse_event(obj: Any, complete: bool = True) -> dict[str, Any]:
+    """One event as json.loads returned it (a reader that parsed the line itself, e.g. opsctl's agent): its
+    "nan"/"inf" words made floats again, then validated (validate_event); raise EventError unless it fits."""
     if isinstance(obj, dict):
         for key in _FLOAT_KEYS:
             if obj.get(key) in _FLOAT_WORDS:
                 obj[key] = _FLOAT_WORDS[obj[key]]
         if isinstance(obj.get("acc"), list):
             obj["acc"] = [_FLOAT_WORDS.get(a, a) if isinstance(a, str) else a for a in obj["acc"]]
-    return validate_event(obj)
+    return validate_event(obj, complete)
 
 
 class EventWriter:

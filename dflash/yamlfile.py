@@ -5,6 +5,7 @@ Stdlib + PyYAML only, so opsctl can import it without torch; every problem it ra
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -13,6 +14,11 @@ from typing import Any
 import yaml
 
 Loc = tuple[str, ...]
+
+# A config or hosts.yaml is a page or two of text; these caps make a hostile or mistaken file (a 516-byte
+# "billion laughs", a log passed as --config) a one-line refusal in well under a second instead of gigabytes.
+MAX_CONFIG_BYTES = 1 << 20  # the largest file either loader reads
+MAX_ALIAS_NODES = 100_000  # the most nodes aliases (`*name`, `<<: *name`) may add to a document when expanded
 
 
 class YamlFileError(ValueError):
@@ -87,14 +93,42 @@ def decode(raw: bytes, file: str) -> str:
                                               "save the file as UTF-8")]) from None
 
 
+def read_bytes(path: str | os.PathLike[str], file: str) -> bytes:
+    """The bytes of a config file, refused past MAX_CONFIG_BYTES without reading more than that (a FIFO, /dev/zero
+    or a 50 MB file named by mistake costs nothing). OSError is left to the callers, who phrase it themselves."""
+    with open(path, "rb") as fh:
+        raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            try:
+                size = f"{os.fstat(fh.fileno()).st_size / 1e6:.1f} MB, "
+            except OSError:
+                size = ""
+            raise YamlFileError(file, [(None, "", _too_big(size))])
+    return raw
+
+
+def _too_big(size: str) -> str:
+    return (f"{size}over the {MAX_CONFIG_BYTES} byte cap on config files (MAX_CONFIG_BYTES in dflash/yamlfile.py); "
+            "is this the file you meant?")
+
+
 def parse(text: str, file: str) -> YamlDoc:
-    """Parse one YAML document from a single node tree, so data and line numbers can never disagree."""
+    """Parse one YAML document from a single node tree, so data and line numbers can never disagree.
+
+    Capped (MAX_CONFIG_BYTES, MAX_ALIAS_NODES) before anything is built: aliases are shared in the node tree, but the
+    line walk below and every consumer of the data (pydantic, JSON dumps) expand them."""
+    if len(text) > MAX_CONFIG_BYTES:  # characters <= bytes: a text this long is a file over the cap
+        raise YamlFileError(file, [(None, "", _too_big(f"{len(text)} characters, "))])
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
+        if node is not None:
+            _check_aliases(node, file)
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         raise YamlFileError(file, [(_error_line(text, exc), "", f"not valid YAML: {_error_text(exc)}")]) from None
+    except RecursionError:
+        raise _too_deep(file) from None
     finally:
         loader.dispose()
     lines: dict[Loc, int] = {}
@@ -117,10 +151,52 @@ def parse(text: str, file: str) -> YamlDoc:
 
     if node is not None:
         lines[()] = node.start_mark.line + 1
-        walk(node, ())
+        try:
+            walk(node, ())
+        except RecursionError:
+            raise _too_deep(file) from None
     if dups:
         raise YamlFileError(file, dups)
     return YamlDoc(file=file, data=data, lines=lines)
+
+
+def _too_deep(file: str) -> YamlFileError:
+    return YamlFileError(file, [(None, "", "nested too deeply to read (lists or mappings inside each other hundreds "
+                                           "of levels deep)")])
+
+
+def _check_aliases(root: yaml.Node, file: str) -> None:
+    """Refuse a document whose aliases expand it by more than MAX_ALIAS_NODES nodes, or that contains itself.
+
+    Sizes are memoized per node, so this costs one visit per node as written, never per node as expanded."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    written = 0
+
+    def expanded(n: yaml.Node) -> int:
+        nonlocal written
+        key = id(n)
+        if key in size:
+            return size[key]
+        if key in on_path:
+            raise YamlFileError(file, [(n.start_mark.line + 1, "", "an alias refers to a list or mapping that "
+                                                                   "contains it (a recursive document)")])
+        on_path.add(key)
+        written += 1
+        total = 1
+        if isinstance(n, yaml.MappingNode):
+            total += sum(expanded(k) + expanded(v) for k, v in n.value)
+        elif isinstance(n, yaml.SequenceNode):
+            total += sum(expanded(item) for item in n.value)
+        on_path.discard(key)
+        size[key] = total
+        if total - written > MAX_ALIAS_NODES:
+            raise YamlFileError(file, [(n.start_mark.line + 1, "", f"aliases expand this document by more than "
+                                        f"{MAX_ALIAS_NODES} nodes (MAX_ALIAS_NODES in dflash/yamlfile.py; a "
+                                        "'billion laughs'?); write the values out or use fewer nested aliases")])
+        return total
+
+    expanded(root)
 
 
 _UNCLOSED = {"while parsing a flow sequence": "a '[' list", "while parsing a flow mapping": "a '{' mapping",

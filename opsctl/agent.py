@@ -27,6 +27,11 @@ from typing import Any
 AGENT_VERSION = "1"
 POLL_S = 0.05  # the agent's own file/process poll; the client never polls, it reads this stream
 TAIL_KEEP = 200  # log lines kept in memory for a crash report
+# What one line may cost: a longer log line is sent as its first MAX_LOG_LINE bytes and ` ... [cut 19.9 MB]`, so a
+# 20 MB line (a dumped tensor, a progress bar without newlines) can neither flood the client nor hide newer lines.
+MAX_LOG_LINE = 64 << 10
+MAX_EVENT_LINE = 1 << 20  # an events line longer than this is not an event (docs/events.md): skipped, counted
+READ_CHUNK = 4 << 20  # bytes of one file read per poll
 EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "transport": 3, "timeout": 4, "refused": 5, "taken_over": 6}
 
 BOOTSTRAP = (
@@ -486,15 +491,19 @@ class ProcWatch:
 
 # -- file following -----------------------------------------------------------------------------------------
 class Tail:
-    """Follows one append-only file by byte offset; survives truncation, rotation and deletion."""
+    """Follows one append-only file by byte offset; survives truncation, rotation and deletion.
 
-    def __init__(self, path: str, offset: int, tail_lines: int = 0) -> None:
+    A line costs at most `max_line` bytes of memory and of output, however long it is in the file (cut_line)."""
+
+    def __init__(self, path: str, offset: int, tail_lines: int = 0, max_line: int = MAX_LOG_LINE) -> None:
         self.path = path
         self.fh: Any = None
         self.sig = b""
         self.ino: tuple[int, int] | None = None
-        self.offset = max(0, offset)
-        self.buf = b""
+        self.offset = max(0, offset)  # where the line being read starts: the resume point
+        self.buf = b""  # that line's first bytes (at most max_line)
+        self.skipped = 0  # and how many bytes of it after those were read and dropped
+        self.max_line = max_line
         self.existed = False
         self._open()
         if offset < 0 and self.fh is not None:
@@ -510,29 +519,44 @@ class Tail:
         self.fh, self.ino, self.existed = fh, (st.st_dev, st.st_ino), True
         self.sig = os.pread(fh.fileno(), 64, 0)
 
+    def position(self) -> int:
+        """How far the file has been read (the resume point plus the unfinished line's bytes)."""
+        return self.offset + len(self.buf) + self.skipped
+
+    def size(self) -> int:
+        return os.fstat(self.fh.fileno()).st_size if self.fh is not None else 0
+
     def _tail_offset(self, n: int) -> int:
-        size = os.fstat(self.fh.fileno()).st_size
+        """Where the last n complete lines start: newlines counted backwards in fixed chunks, so a file whose last
+        lines are huge costs one pass over them and 64 KiB of memory."""
+        fd = self.fh.fileno()
+        size = os.fstat(fd).st_size
         if n <= 0:
             return size
-        pos, data = size, b""
-        while pos > 0 and data.count(b"\n") <= n:
+        pos, seen = size, 0
+        while pos > 0:
             step = min(65536, pos)
             pos -= step
-            self.fh.seek(pos)
-            data = self.fh.read(step) + data
-        lines = data.split(b"\n")
-        # data ends with the (maybe partial) last line; keep the last n complete lines before it
-        keep = b"\n".join(lines[-(n + 1):])
-        return size - len(keep)
+            chunk = os.pread(fd, step, pos)
+            i = len(chunk)
+            while True:
+                i = chunk.rfind(b"\n", 0, i)
+                if i < 0:
+                    break
+                seen += 1
+                if seen == n + 1:  # the newline before the n-th last complete line (the last one may be partial)
+                    return pos + i + 1
+        return 0
 
     def _reset(self, reason: str, resets: list[str]) -> None:
         resets.append(reason)
         self.offset = 0
         self.buf = b""
+        self.skipped = 0
         self.sig = os.pread(self.fh.fileno(), 64, 0) if self.fh is not None else b""
 
     def read(self, resets: list[str]) -> list[tuple[int, int, bytes]]:
-        """New complete lines as (start offset, end offset, bytes without newline)."""
+        """New complete lines as (start offset, end offset, bytes without newline, cut to max_line: cut_line)."""
         out: list[tuple[int, int, bytes]] = []
         try:
             st = os.stat(self.path)
@@ -557,14 +581,14 @@ class Tail:
             if was and not resets:
                 self._reset("rotated", resets)
         size = os.fstat(self.fh.fileno()).st_size
-        if size < self.offset + len(self.buf) or self._rewritten():
+        if size < self.position() or self._rewritten():
             self._reset("truncated", resets)
         out += self._drain()
         return out
 
     def _rewritten(self) -> bool:
         """Truncated and already grown past our offset: the first bytes differ from those we saw."""
-        if self.offset + len(self.buf) == 0:
+        if self.position() == 0:
             return False
         head = os.pread(self.fh.fileno(), 64, 0)
         if len(self.sig) < 64 and head.startswith(self.sig):
@@ -574,26 +598,77 @@ class Tail:
 
     def _drain(self) -> list[tuple[int, int, bytes]]:
         out: list[tuple[int, int, bytes]] = []
-        start = self.offset
-        self.fh.seek(start + len(self.buf))
-        data = self.fh.read(4 << 20)
+        data = os.pread(self.fh.fileno(), READ_CHUNK, self.position())
         if not data:
             return out
-        data = self.buf + data
+        base = self.position()  # file offset of data[0]
         pos = 0
         while True:
             nl = data.find(b"\n", pos)
             if nl < 0:
                 break
-            out.append((start + pos, start + nl + 1, data[pos:nl]))
+            whole = len(self.buf) + self.skipped + (nl - pos)
+            head = self.buf + data[pos:min(nl, pos + max(0, self.max_line - len(self.buf)))]
+            out.append((self.offset, base + nl + 1, cut_line(head, whole, self.max_line)))
+            self.offset, self.buf, self.skipped = base + nl + 1, b"", 0
             pos = nl + 1
-        self.buf = data[pos:]
-        self.offset = start + pos
-        if len(self.buf) > (1 << 20):  # a megabyte without a newline: hand it over rather than hold it
-            out.append((self.offset, self.offset + len(self.buf), self.buf))
-            self.offset += len(self.buf)
-            self.buf = b""
+        rest = data[pos:]  # an unfinished line: keep its head, count the rest until its newline comes
+        room = max(0, self.max_line - len(self.buf))
+        self.buf += rest[:room]
+        self.skipped += len(rest) - len(rest[:room])
         return out
+
+
+def long_lines(fh: Any, limit: int) -> Any:
+    """(first bytes, length, ended by a newline) of each line of a binary file, without its newline: at most
+    `limit + 1` bytes of a line are kept, so memory stays bounded however long a line is."""
+    while True:
+        head = fh.readline(limit + 1)
+        if not head:
+            return
+        if head.endswith(b"\n"):
+            yield head[:-1], len(head) - 1, True
+            continue
+        length, raw = len(head), head
+        while not raw.endswith(b"\n"):  # the rest of a long line, read and dropped in chunks
+            raw = fh.readline(1 << 20)
+            if not raw:
+                break
+            length += len(raw) - raw.endswith(b"\n")
+        yield head, length, raw.endswith(b"\n")
+
+
+def bounded_lines(fh: Any, limit: int) -> Any:
+    """The lines of a binary file without their newlines, each cut to `limit` bytes (cut_line)."""
+    for head, length, _ in long_lines(fh, limit):
+        yield cut_line(head, length, limit)
+
+
+def event_object(raw: bytes, length: int) -> Any:
+    """One events line as a JSON object, or why it is none (a str). The contract's types are checked by the
+    client (dflash.telemetry, through opsctl.runstate), which counts both kinds of bad line alike."""
+    if length > MAX_EVENT_LINE:
+        return f"longer than {MAX_EVENT_LINE} bytes (MAX_EVENT_LINE)"
+    try:
+        ev = json.loads(raw)
+    except ValueError:
+        return "not JSON"
+    return ev if isinstance(ev, dict) else "not a JSON object"
+
+
+def cut_line(head: bytes, whole: int, limit: int) -> bytes:
+    """A line of `whole` bytes as sent: itself when it fits in `limit`, else its first `limit` bytes and how much
+    was cut, visibly (` ... [cut 19.9 MB]`)."""
+    if whole <= limit:
+        return head
+    return head[:limit] + f" ... [cut {human_bytes(whole - limit)}]".encode()
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
 
 
 class Follower:
@@ -604,7 +679,7 @@ class Follower:
         self.run = run
         self.nvml = nvml
         self.log = Tail(run.log, log_offset, tail)
-        self.events = Tail(run.events, events_offset, tail) if run.events else None
+        self.events = Tail(run.events, events_offset, tail, MAX_EVENT_LINE) if run.events else None
         self.proc = ProcWatch(run)
         self.gpu_interval = gpu_interval
         self.next_gpu = 0.0
@@ -637,11 +712,9 @@ class Follower:
                 for r in resets:
                     emit("log_reset", reason=r, file="events")
                 resets = []
-                try:
-                    ev = json.loads(raw)
-                except ValueError:
-                    continue
-                if not isinstance(ev, dict):
+                ev = event_object(raw, end - off - 1)
+                if isinstance(ev, str):  # said, never silently dropped: the client counts it (RunState)
+                    emit("bad_event", off=off, end=end, error=ev)
                     continue
                 self._note(ev)
                 emit("event", off=off, end=end, event=ev)
@@ -676,6 +749,19 @@ class Follower:
 
     def offsets(self) -> dict[str, int]:
         return {"log_offset": self.log.offset, "events_offset": self.events.offset if self.events else 0}
+
+    def catch_up(self) -> None:
+        """Poll until the log and events are read as far as they reached now, then say so (`backlog_end`): the
+        client's `--once` ends on this, never on a quiet second, which a slow host or a huge line would break."""
+        goal = [(t, t.size()) for t in (self.log, self.events) if t is not None]
+        while True:
+            before = [t.position() for t, _ in goal]
+            self.poll()
+            behind = any(t.position() < size for t, size in goal)
+            moved = [t.position() for t, _ in goal] != before
+            if not (behind and moved):  # read to the goal, or nothing more to read (truncated meanwhile)
+                break
+        emit("backlog_end", **self.offsets())
 
     def phase_text(self) -> str:
         p = self.phase
@@ -1422,13 +1508,13 @@ def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         for i, path in enumerate(olds):
             emit("attempt", file=path, attempt=i + 1, attempts=len(olds) + 1, current=False)
             with open(path, "rb") as fh:
-                for raw in fh:
-                    emit("old_log", file=path, line=raw.rstrip(b"\n").decode("utf-8", errors="replace"))
+                for raw in bounded_lines(fh, MAX_LOG_LINE):
+                    emit("old_log", file=path, line=raw.decode("utf-8", errors="replace"))
         emit("attempt", file=run.log, attempt=len(olds) + 1, attempts=len(olds) + 1, current=True)
     follower = Follower(run, nvml, int(opts.get("log_offset", 0)), int(opts.get("events_offset", 0)),
                    int(opts.get("tail", 10)), float(opts.get("gpu_interval", 1.0)))
+    follower.catch_up()  # what is there now (from the offsets, or the last `tail` lines), then `backlog_end`
     if opts.get("once"):
-        follower.poll()  # what is there now (the last `tail` lines), then stop
         emit("verdict", ok=True, reason="snapshot", **follower.offsets())
         return EXIT_CODES["ok"]
     if not opts.get("until_exit", True):
@@ -1452,26 +1538,27 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     last: dict[str, tuple[int, int, dict[str, Any]]] = {}
     size = 0
     tau = _W["TauTrack"]()  # the run's evaluations across its attempts: the latest and the best tau so far
+    bad: list[Any] = [0, None]  # lines since the last run_start that are no event: how many, the last one's why
     if run.events and os.path.exists(run.events):
         with open(run.events, "rb") as fh:
             off = 0
-            for raw in fh:
-                start, off = off, off + len(raw)
-                if not raw.endswith(b"\n"):
+            for head, length, complete in long_lines(fh, MAX_EVENT_LINE):
+                start, off = off, off + length + complete
+                if not complete:
                     break
-                try:
-                    ev = json.loads(raw)
-                except ValueError:
+                ev = event_object(head, length)
+                if isinstance(ev, str):
+                    bad[:] = [bad[0] + 1, f"events file offset {start}: {ev}"]
                     continue
-                if isinstance(ev, dict):
-                    tau.note(ev, (start, off, ev))
-                if not isinstance(ev, dict) or (isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since):
+                tau.note(ev, (start, off, ev))
+                if isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since:
                     continue
                 kind = ev.get("kind")
                 if kind == "run_start":
                     steps.clear()
                     errors.clear()
                     last.clear()
+                    bad[:] = [0, None]
                 if kind == "step":
                     steps.append((start, off, ev))
                 elif kind == "error":
@@ -1496,7 +1583,8 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         log_size = None
     emit("status", name=run.name, proc=snap, killed_by_opsctl=killed is not None, killed=killed,
          launched_ts=launch.get("ts"), session=run.session, session_exists=sess["exists"],
-         pane_dead=sess["pane_dead"], log=run.log, log_size=log_size, events=run.events, events_size=size)
+         pane_dead=sess["pane_dead"], log=run.log, log_size=log_size, events=run.events, events_size=size,
+         bad_events=bad[0], bad_event=bad[1])
     return EXIT_CODES["ok"]
 
 

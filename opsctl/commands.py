@@ -33,6 +33,7 @@ from opsctl.transport import PermanentTransportError, PreflightRefused, Transpor
 from opsctl.watch import (
     AgentSource,
     SmoothedRunState,
+    bad_events_text,
     fmt_duration,
     follow_connection,
     reconnect_delay,
@@ -505,6 +506,9 @@ def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: b
     for r in rows:
         for e in r["errors"][-3:]:
             ctx.out.print(Text(f"{r['run']}: {e.get('class')}: {e.get('message')}", style="red"))
+        if r.get("bad_events"):  # skipped, never fatal: say so, with the last one's offset and why
+            ctx.out.print(Text(f"{r['run']}: {bad_events_text(r['bad_events'])} (last: {r.get('bad_event')})",
+                               style="yellow"))
     for name, error in unreachable.items():
         ctx.err.print(Text(f"{name}: unreachable: {error}", style="red"))
     return rc

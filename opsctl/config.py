@@ -362,6 +362,45 @@ class RunConfig(_Strict):
         return list(self.command)
 
 
+def default_tmux_session(run_name: str) -> str:
+    """The tmux session of a run that sets no `tmux_session`: `dflash-NAME`, with each '.' as '_'.
+
+    tmux reads '.' in a target as a window/pane separator, and a dotted name (`qwen3.6-27b`) is the natural name of
+    such a run; the mapping is fixed so the session is found again on every later command."""
+    return "dflash-" + run_name.replace(".", "_")
+
+
+def _session_collisions(hosts: dict[str, HostConfig], runs: dict[str, dict[str, RunConfig]], groups: dict[str, Any],
+                        file: str, lines: dict[tuple[str, ...], int]) -> list[Problem]:
+    """Two runs on one host whose sessions coincide only because a dotted name was mapped (`a.b` and `a_b`).
+
+    Each run has its own tmux server, so nothing clashes on the host, but `tmux attach -t` and every message would
+    name one session for two runs; the person who named them decides (tmux_session on one of them)."""
+    on_host: dict[str, list[tuple[tuple[str, ...], RunConfig]]] = {h: [] for h in hosts}
+    for hname, rs in runs.items():
+        for rname, r in rs.items():
+            on_host[hname].append((("hosts", hname, "runs", rname), r))
+    for gname, g in groups.items():
+        for rname, gr in g.runs.items():
+            for node in gr.nodes:
+                on_host.setdefault(node.host.name, []).append((("groups", gname, "runs", rname), node.run))
+    problems: list[Problem] = []
+    for hname, entries in on_host.items():
+        seen: dict[str, tuple[tuple[str, ...], RunConfig]] = {}
+        for loc, r in entries:
+            session = r.tmux_session or ""
+            first = seen.setdefault(session, (loc, r))
+            if first[1] is r:
+                continue
+            mapped = [x for x in (first[1], r) if "." in x.name and session == default_tmux_session(x.name)]
+            if mapped:
+                problems.append(Problem(file, _line_for(lines, loc), ".".join(loc),
+                                        f"run {r.name!r} and run {first[1].name!r} on host {hname} would share the "
+                                        f"tmux session {session!r} ('.' in a run name becomes '_'); set "
+                                        "tmux_session on one of them"))
+    return problems
+
+
 class _RunFile(RunConfig):
     name: str = ""  # taken from the mapping key
 
@@ -482,7 +521,7 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
             else posixpath.normpath(posixpath.join(base, data["model_manifest"]))
         )
     if data["tmux_session"] is None:
-        data["tmux_session"] = f"dflash-{run.name}"
+        data["tmux_session"] = default_tmux_session(run.name)
     if data["state_dir"] is None:
         data["state_dir"] = posixpath.join(workdir, ".opsctl", run.name)
     if data["inductor_cache_dir"] is None:
@@ -520,7 +559,12 @@ def _finish_run(run: RunConfig, host: HostConfig, base_dir: Path, file: str, loc
     if problems:
         raise InventoryError(problems)
     data.pop("runs", None)
-    return RunConfig.model_validate(data)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:  # a computed value broke a rule: still one FILE:LINE problem, never a traceback
+        sub = {k[len(loc):]: v for k, v in lines.items() if k[:len(loc)] == loc}
+        raise InventoryError([p._replace(field=".".join((*loc, p.field)), line=p.line or _line_for(lines, loc))
+                              for p in _problems_from(e, sub, file)]) from None
 
 
 def _finish_host(h: _HostFile, file: str, base_dir: Path) -> HostConfig:
@@ -598,6 +642,9 @@ def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | P
         groups = parse_groups(groups_raw, hosts, _group_checks(file, base, lines))
     except GroupProblems as e:
         raise InventoryError(e.problems) from None
+    problems = _session_collisions(hosts, runs, groups, file, lines)
+    if problems:
+        raise InventoryError(problems)
     return Inventory(path=None, hosts=hosts, runs=runs, groups=groups)
 
 
@@ -643,9 +690,11 @@ def load_inventory(path: str | Path | None = None) -> Inventory:
         return inv
     shown = str(path) if path is not None else str(p)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = yamlfile.read_bytes(p, shown).decode("utf-8")  # refused past yamlfile.MAX_CONFIG_BYTES
     except FileNotFoundError:
         raise InventoryError([Problem(shown, None, "", "file not found")]) from None
+    except yamlfile.YamlFileError as e:
+        raise InventoryError([Problem(shown, *pr) for pr in e.problems]) from None
     except (OSError, UnicodeDecodeError) as e:
         raise InventoryError([Problem(shown, None, "", f"cannot read: {e}")]) from None
     inv = parse_inventory(text, file=shown, base_dir=p.resolve().parent)

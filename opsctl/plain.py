@@ -23,42 +23,44 @@ from opsctl.watch import (
     SmoothedRunState,
     SourceWorker,
     WatchSource,
+    bad_events_text,
     ending_text,
     fold,
+    link_msg,
     stall_after_of,
     tau_drop_of,
     tau_text,
 )
 from opsctl.widgets import fmt_duration, fmt_num, spark, state_badge
 
-SETTLE_S = 1.0  # --once: a stream quiet this long has sent its backlog
-ONCE_TIMEOUT_S = 10.0
+ONCE_TIMEOUT_S = 10.0  # --once: a source silent this long (no answer, or a stream that stopped) is given up
 PLAIN_HZ = 4.0
 PRINT_EVERY_S = 5.0  # --plain into a pipe or file: at most one snapshot this often
 
 
-def snapshot_once(sources: Sequence[WatchSource], settle_s: float = SETTLE_S, timeout_s: float = ONCE_TIMEOUT_S,
+def snapshot_once(sources: Sequence[WatchSource], timeout_s: float = ONCE_TIMEOUT_S,
                   clock: Callable[[], float] | None = None) -> list[dict[str, Any]]:
-    """Follow every source until each has ended or gone quiet for `settle_s` (at most `timeout_s`); one dict per run.
+    """Follow every source until its backlog is in (the agent's `backlog_end`) or its stream ended; one dict per run.
 
-    The agent's `follow` never ends by itself, so "quiet" is how we know the backlog (tail, state, a GPU sample) is in.
-    """
-    if settle_s <= 0 or timeout_s <= 0:
-        raise ValueError("settle_s and timeout_s must be > 0")
+    Never a quiet spell as the end: a host busy reading a huge log says nothing for seconds and is not done. A source
+    silent for `timeout_s` is given up: unreachable when it never answered, or when its stream stopped short."""
+    if timeout_s <= 0:
+        raise ValueError("timeout_s must be > 0")
     models = [RunModel(s.label, clock=clock, stall_after_s=stall_after_of(s), tau_drop=tau_drop_of(s)) for s in sources]
     workers = [SourceWorker(s) for s in sources]
     for w in workers:
         w.start()
-    deadline = time.monotonic() + timeout_s
-    last_news = [time.monotonic()] * len(workers)
+    start = time.monotonic()
+    given_up = [False] * len(workers)
     try:
-        while time.monotonic() < deadline:
+        while True:
             now = time.monotonic()
-            for i, got in enumerate(fold(workers, models)):
-                if got:
-                    last_news[i] = now
-            settled = [w.ended.is_set() or (w.received and now - last_news[i] >= settle_s)
-                       for i, w in enumerate(workers)]
+            fold(workers, models)
+            for i, w in enumerate(workers):
+                done = w.ended.is_set() or w.caught_up.is_set()
+                heard = w.last_agent_msg or start  # the watcher's own link messages (retries) are no answer
+                given_up[i] = not done and now - heard >= timeout_s
+            settled = [w.ended.is_set() or w.caught_up.is_set() or g for w, g in zip(workers, given_up, strict=True)]
             if all(settled) and not any(w.pending() for w in workers):
                 break
             time.sleep(0.02)
@@ -66,9 +68,12 @@ def snapshot_once(sources: Sequence[WatchSource], settle_s: float = SETTLE_S, ti
     finally:
         for w in workers:
             w.stop()
-    for w, m in zip(workers, models, strict=True):
+    for w, m, g in zip(workers, models, given_up, strict=True):
         if not w.received or not m.heard:
             m.mark_unreachable(f"no answer within {timeout_s:g} s ({m.link})")
+        elif g:
+            m.ingest(link_msg("lost", f"the stream stopped before its backlog was complete (nothing for "
+                                      f"{timeout_s:g} s)"))
     return [m.snapshot(log=getattr(getattr(s, "run", None), "log", None)) for m, s in zip(models, sources, strict=True)]
 
 
@@ -90,7 +95,8 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
                 f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(rate if rate is not None else view.tokens_per_s, 0)}"
                 f"  ETA {fmt_duration(view.eta_s)}  heartbeat "
                 f"{'-' if view.heartbeat_age_s is None else fmt_duration(view.heartbeat_age_s) + ' ago'}"
-                f"  link {model.link}  log {model.lines_total:,} lines, {model.dropped:,} dropped")
+                f"  link {model.link}  log {model.lines_total:,} lines, {model.dropped:,} dropped"
+                + (f"; {bad_events_text(view.bad_events)}" if view.bad_events else ""))
     tau = tau_text(view)
     if tau is not None:
         head.append(f"  τ {tau}")

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash.telemetry import PHASES
+from dflash.telemetry import PHASES, EventError, parse_event
 from opsctl.agent_wrapper import (  # the wrapper's notifications use the same rule
     STALL_FACTOR,
     STALL_FLOOR_S,
@@ -102,6 +102,8 @@ class RunView:
     nvml: str | None = None
     exception: str | None = None  # the exception line of the last traceback of an attempt that exited non-zero
     leftover_pids: list[int] = field(default_factory=list)  # processes an exited run left alive
+    bad_events: int = 0  # events lines skipped because they break the contract (docs/events.md)
+    bad_event: str | None = None  # why the last one was skipped, and where it is in the events file
     link_error: str | None = None  # why the host could not be reached (state `unreachable`)
     reason: str | None = None  # one line saying why the state is what it is: `RuntimeError: boom (exit 1)`
     attempt: int | None = None  # the current attempt's id (opsctl history HOST RUN lists them all)
@@ -156,12 +158,16 @@ class RunState:
         self.tau = TauTrack()
 
     # -- input ---------------------------------------------------------------------------
-    def apply(self, msg: dict[str, Any]) -> None:
+    def apply(self, msg: dict[str, Any]) -> bool:
+        """Fold one message in; False when it was an events line skipped for breaking the contract."""
         t = msg.get("t")
         if isinstance(msg.get("ts"), (int, float)):
             self._clock_skew = float(msg["ts"]) - time.time()
-        if t == "event":
-            self.apply_event(msg["event"])
+        ev = self.checked_event(msg) if t in ("event", "bad_event", "status") else None  # None: not one, or bad
+        if ev is not None:
+            self.apply_event(ev)
+        elif t in ("event", "bad_event"):
+            return False
         elif t == "proc":
             v = self._v
             v.proc_state = msg.get("state")
@@ -192,6 +198,30 @@ class RunState:
             self._v.nvml = msg.get("nvml")
         elif t == "killed" or (t == "status" and msg.get("killed_by_opsctl")):
             self.killed_by_us = True
+        return True
+
+    def checked_event(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """The event of an `event` message if it is the contract (dflash.telemetry's own check), else None, counted
+        in the view: one line of the wrong types (`"ts": "yesterday"`) must not take down every verb reading it.
+        The lines the agent could not read as an object at all come as `bad_event` (or counted in `status`)."""
+        if msg.get("t") == "status":
+            if isinstance(msg.get("bad_events"), int) and msg["bad_events"] > 0:
+                self._v.bad_events += msg["bad_events"]
+                self._v.bad_event = msg.get("bad_event")
+            return None
+        if msg.get("t") == "bad_event":
+            self._v.bad_events += 1
+            self._v.bad_event = f"events file offset {msg.get('off')}: {msg.get('error')}"
+            return None
+        ev = msg.get("event")
+        try:
+            # the reader's check (types of the keys present); a copy: "nan" words stay as the writer put them
+            parse_event(dict(ev) if isinstance(ev, dict) else ev, complete=False)
+        except EventError as exc:
+            self._v.bad_events += 1
+            self._v.bad_event = f"events file offset {msg.get('off')}: {exc}"
+            return None
+        return ev
 
     def apply_event(self, ev: dict[str, Any]) -> None:
         v = self._v

@@ -32,7 +32,7 @@ DEFAULT_INBOX_LINES = 50_000  # log lines a worker may queue before the UI drain
 DEFAULT_INBOX_OTHER = 20_000  # non-log messages likewise
 HISTORY = 120  # points kept per GPU sparkline (the charts keep the whole run: RunSeries)
 UNREACHABLE_AFTER_S = 20.0  # a host that has not answered a connect this long is shown unreachable
-STATE_TYPES = frozenset({"event", "proc", "gpu", "hello", "killed"})
+STATE_TYPES = frozenset({"event", "bad_event", "proc", "gpu", "hello", "killed"})
 RECONNECT_BASE_S = 0.2  # first wait before reconnecting a lost link (doubling, with jitter)
 RECONNECT_CAP_S = 10.0  # the longest wait between two reconnect attempts
 SEV_INFO, SEV_WARNING, SEV_ERROR = 0, 1, 2
@@ -99,6 +99,11 @@ def state_label(view: RunView | dict[str, Any]) -> str:
         return state
     n, most = d.get("restart_n"), d.get("restart_max")
     return f"restarting ({n}/{most})" if n is not None and most is not None else state
+
+
+def bad_events_text(n: int) -> str:
+    """`2 bad event lines skipped`: events lines that break the contract (RunState counts them), said by every view."""
+    return f"{n} bad event line{'' if n == 1 else 's'} skipped"
 
 
 def ending_text(view: RunView) -> str | None:
@@ -222,7 +227,7 @@ def advance_offsets(offsets: dict[str, Any], msg: dict[str, Any]) -> None:
     kind = msg.get("t")
     if kind == "log":
         offsets["log_offset"] = msg["end"]
-    elif kind == "event":
+    elif kind in ("event", "bad_event"):
         offsets["events_offset"] = msg["end"]
     elif kind == "log_reset":
         offsets["events_offset" if msg.get("file") == "events" else "log_offset"] = 0
@@ -469,6 +474,8 @@ class SourceWorker:
         self.received = 0
         self.ended = threading.Event()  # set while the stream has ended normally (until a reconnect)
         self.connected_once = False  # an agent message ever came through this worker's link
+        self.caught_up = threading.Event()  # the agent said `backlog_end`: all it had at connect time is queued
+        self.last_agent_msg: float | None = None  # monotonic time of the last message from the host (not `link`)
         self._thread = threading.Thread(target=self._run, name=f"watch:{source.label}", daemon=True)
 
     def start(self) -> SourceWorker:
@@ -489,6 +496,10 @@ class SourceWorker:
                 self._dropped += 1
             box.append(msg)
             self.received += 1
+        if msg.get("t") != "link":
+            self.last_agent_msg = time.monotonic()
+        if msg.get("t") == "backlog_end":
+            self.caught_up.set()
 
     def drain(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
         """(non-log messages, log messages, drops since the last drain), emptying the inbox."""
@@ -652,8 +663,8 @@ class RunModel:
             return
         if t != "link":
             self.heard = self.state_seen = True
-        if t in STATE_TYPES:
-            self.state.apply(msg)
+        if t in STATE_TYPES and not self.state.apply(msg):
+            return  # an events line that breaks the contract: counted by the state, seen by nothing else
         self.tracker.observe(msg)
         if t == "event":
             ev = msg.get("event") or {}

@@ -35,6 +35,7 @@ from opsctl.watch import (  # noqa: F401 - re-exported
     RunSeries,
     SeverityClassifier,
     SmoothedRunState,
+    bad_events_text,
     ending_text,
     fmt_duration,
     fmt_num,
@@ -161,6 +162,8 @@ class RunSummary(_Quiet):
         heartbeat = "-" if view.heartbeat_age_s is None else f"{fmt_duration(view.heartbeat_age_s)} ago"
         lines, dropped = model.lines_total, model.dropped
         log = f"{lines:,} lines, {dropped:,} dropped" + (f", {shown:,} shown" if shown != lines else "")
+        if view.bad_events:
+            log += f"; {bad_events_text(view.bad_events)}"
         ended = ending_text(view)
         if self.compact:  # the runs bar above already names the run: two lines, cut at the edge, never wrapped
             rate = model.state.tokens_rate.value if isinstance(model.state, SmoothedRunState) else None
@@ -201,7 +204,7 @@ class RunSummary(_Quiet):
             rows.insert(rows.index(("loss", fmt_num(view.loss, 4))) + 1, ("τ", tau))
         for key, value in rows:
             t.append(f"\n{key:>10} ", style="dim")
-            style = "bold red" if key == "log" and dropped else ""
+            style = "bold red" if key == "log" and (dropped or view.bad_events) else ""
             t.append(value, style=style)
         if group is not None:  # this run is one node of a group run: the group's own state, and why
             t.append(f"\n{'group':>10} {group['name']}/{group['run']} ")

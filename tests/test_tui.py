@@ -583,7 +583,7 @@ def test_record_saves_a_stream_that_replays_identically(tmp_path: Path) -> None:
 
 
 def test_once_json_snapshot_of_every_run() -> None:
-    snaps = snapshot_once([recorded("crashed"), recorded("training")], settle_s=0.3, timeout_s=10,
+    snaps = snapshot_once([recorded("crashed"), recorded("training")], timeout_s=10,
                           clock=lambda: last_ts("training") + 2)
     by = {f'{s["host"]}:{s["run"]}': s for s in snaps}
     crashed, training = by["h200:crashed"], by["h200:training"]
@@ -598,7 +598,7 @@ def test_once_json_snapshot_of_every_run() -> None:
 def test_once_json_gives_up_on_a_hanging_host_within_the_timeout() -> None:
     hanging = HangingSource("dead:run")
     start = time.monotonic()
-    snaps = snapshot_once([hanging, recorded("loading")], settle_s=0.2, timeout_s=1.0)
+    snaps = snapshot_once([hanging, recorded("loading")], timeout_s=1.0)
     assert time.monotonic() - start < 3
     # never `absent` (that says the host answered and has no such run): it is unreachable, and says why
     assert snaps[0]["link"] == "unreachable" and snaps[0]["state"] == "unreachable"
@@ -993,7 +993,7 @@ def test_plain_and_once_json_show_tau() -> None:
     text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out.getvalue()).split())  # the panel's lines wrap at 80 columns
     assert "τ 3.40 at step 60 (best 3.90 at step 40; n-gram 1.85)" in text, text
     assert "τ fell below its best" in text
-    (snap,) = snapshot_once([recorded("evaluating")], settle_s=0.3, timeout_s=10)
+    (snap,) = snapshot_once([recorded("evaluating")], timeout_s=10)
     assert (snap["tau"], snap["tau_step"], snap["tau_best"], snap["tau_best_step"], snap["ngram_tau"]) == (
         3.4, 60, 3.9, 40, 1.85), snap
     assert snap["tau_ci95"] == [3.28, 3.52] and snap["state"] in ("training", "stalled")
