@@ -159,7 +159,15 @@ def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps
         t0 = time.perf_counter()
         log(f"eval: making the held-out set ({len(prompts)} prompts, {settings.new_tokens} new tokens each, "
             f"{desc}) with the target; cached as {d}")
-        target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=tok.vocab_size)
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # the log shows the training target's load; this one is said above
+        try:
+            target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=tok.vocab_size)
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
         use_sdpa_for_decoding(target.model)  # cached decoding needs transformers' own masks
         n_new = continuation_length(settings.new_tokens, block_size)
         cap = cuda_rows_cap(target.model.config) if device.type == "cuda" else 64
