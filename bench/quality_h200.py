@@ -847,7 +847,7 @@ class Bench:
                 lm = TargetLM(target.model, ck.tap_layers)
                 if seqs is None:  # one batched greedy continuation per target, long enough for the largest block
                     t1 = time.perf_counter()
-                    seqs = greedy_sequences(lm, prompts, continuation_length(self.n_new, max(self.blocks)))
+                    seqs = greedy_sequences(lm.model, lm.device, prompts, continuation_length(self.n_new, max(self.blocks)))
                     continuation_s[f"target{t}"] = round(time.perf_counter() - t1, 2)
                 per_seed[str(k)], full[str(k)] = {}, {}
                 for b in self.blocks:
@@ -996,7 +996,7 @@ class Bench:
         rc = 0 if dec["lossless"] else 1
         if self.args.compare_methods:
             t6 = time.perf_counter()
-            seqs = greedy_sequences(lm, prompts, continuation_length(self.n_new, self.b_train))
+            seqs = greedy_sequences(lm.model, lm.device, prompts, continuation_length(self.n_new, self.b_train))
             t7 = time.perf_counter()
             tf = evaluate_teacher_forced(lm, ck.drafter, prompts, self.n_new, stop, baseline_ngram=True,
                                          sequences=seqs)

@@ -624,15 +624,15 @@ def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequenc
     return result
 
 
-def greedy_sequences(target: TargetLM, prompts: Sequence[Sequence[int]], new_tokens: int,
+def greedy_sequences(model: torch.nn.Module, device: torch.device, prompts: Sequence[Sequence[int]], new_tokens: int,
                      batch_size: int = 64) -> list[list[int]]:
     """prompt + the target's greedy continuation of `new_tokens` tokens (no stop: the walk decides where the output
     ends), for every prompt. Equally long prompts decode together (no padding, so every row is exactly the target's
-    own continuation); a batch is what regen decodes with."""
+    own continuation); a batch is what regen decodes with. `model`: a HF causal LM on sdpa (cached decoding)."""
     from dflash.regen import cuda_rows_cap, generate_batch
 
-    if target.device.type == "cuda":
-        batch_size = min(batch_size, cuda_rows_cap(target.model.config))
+    if device.type == "cuda":
+        batch_size = min(batch_size, cuda_rows_cap(model.config))
     order = sorted(range(len(prompts)), key=lambda j: (-len(prompts[j]), j))
     out: list[list[int] | None] = [None] * len(prompts)
     i = 0
@@ -641,7 +641,7 @@ def greedy_sequences(target: TargetLM, prompts: Sequence[Sequence[int]], new_tok
         while (i + len(group) < len(order) and len(group) < batch_size
                and len(prompts[order[i + len(group)]]) == len(prompts[group[0]])):
             group.append(order[i + len(group)])
-        rows = generate_batch(target.model, [list(prompts[j]) for j in group], new_tokens, 0.0, [], target.device)
+        rows = generate_batch(model, [list(prompts[j]) for j in group], new_tokens, 0.0, [], device)
         for j, (gen, _why) in zip(group, rows, strict=True):
             out[j] = [*prompts[j], *gen]
         i += len(group)
@@ -661,7 +661,7 @@ def evaluate_teacher_forced(target: TargetLM, drafter: DFlashDrafter, prompts: S
     b = drafter.cfg.block_size
     t0 = time.perf_counter()
     seqs = list(sequences) if sequences is not None else \
-        greedy_sequences(target, prompts, continuation_length(max_new_tokens, b))
+        greedy_sequences(target.model, target.device, prompts, continuation_length(max_new_tokens, b))
     t_gen = time.perf_counter() - t0
     plens = [len(p) for p in prompts]
 

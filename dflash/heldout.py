@@ -143,14 +143,12 @@ def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps
     """Load the run's held-out set from the cache, or make it with the target (first use) and cache it.
 
     Raises dflash.eval.EvalError when the corpus has no held-out document."""
-    from dflash.regen import cuda_rows_cap, generate_batch
+    from dflash.eval import EvalError, greedy_sequences
     from dflash.target import Target, use_sdpa_for_decoding
-    from dflash.tau import continuation_length
+    from dflash.tau import continuation_length, walk
 
     settings = EvalSettings.of(cfg)
     prompts, desc = heldout_prompts(cfg, tok, settings, total_steps, n_drafters, run_dir)
-    from dflash.eval import EvalError
-
     if not prompts:
         raise EvalError(f"no held-out prompt of more than {settings.prompt_tokens} tokens ({desc})")
     d = cache_dir_of(cfg) / f"heldout-{_key(cfg, tok, prompts, settings, block_size, device)}"
@@ -169,26 +167,12 @@ def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps
             if bar:
                 hf_logging.enable_progress_bar()
         use_sdpa_for_decoding(target.model)  # cached decoding needs transformers' own masks
-        n_new = continuation_length(settings.new_tokens, block_size)
-        cap = cuda_rows_cap(target.model.config) if device.type == "cuda" else 64
-        seqs: list[list[int]] = [[] for _ in prompts]
-        order = sorted(range(len(prompts)), key=lambda j: (-len(prompts[j]), j))
-        groups: list[list[int]] = []
-        for j in order:
-            if groups and len(groups[-1]) < cap and len(prompts[groups[-1][0]]) == len(prompts[j]):
-                groups[-1].append(j)
-            else:
-                groups.append([j])
-        taps: list[Tensor] = [torch.empty(0) for _ in prompts]
-        for g in groups:
-            rows = generate_batch(target.model, [prompts[j] for j in g], n_new, 0.0, [], device)
-            for j, (gen, _why) in zip(g, rows, strict=True):
-                seqs[j] = [*prompts[j], *gen]
-            ids = torch.tensor([seqs[j] for j in g], dtype=torch.long)
+        seqs = greedy_sequences(target.model, device, prompts, continuation_length(settings.new_tokens, block_size))
+        taps: list[Tensor] = []
+        for seq in seqs:  # one forward per sequence, as `dflash eval --method teacher-forced` runs it
+            ids = torch.tensor([seq], dtype=torch.long)
             with torch.no_grad():
-                hs = target.hidden_states(ids, torch.ones_like(ids))
-            for r, j in enumerate(g):
-                taps[j] = hs[r].to("cpu").clone()
+                taps.append(target.hidden_states(ids, torch.ones_like(ids))[0].to("cpu").clone())
         del target
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -211,8 +195,6 @@ def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps
     hs = HeldOutSet(sequences=meta["sequences"], prompt_lens=meta["prompt_lens"], new_tokens=settings.new_tokens,
                     block_size=block_size, stop_ids=[int(tok.eos_id)], taps=meta["taps"], path=d,
                     source=meta["source"])
-    from dflash.tau import walk
-
     b = block_size
     hs.ngram = [walk(s, p, lambda a, s=s: NgramProposer().propose(s[:a + 1], b - 1), hs.new_tokens, b, hs.stop_ids)
                 for s, p in zip(hs.sequences, hs.prompt_lens, strict=True)]
