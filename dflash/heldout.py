@@ -83,33 +83,38 @@ def cache_dir_of(cfg: RunConfig) -> Path:
 
 
 def heldout_prompts(cfg: RunConfig, tok: TokenizerAdapter, settings: EvalSettings, total_steps: int,
-                    n_drafters: int, run_dir: Path) -> tuple[list[list[int]], str]:
+                    n_drafters: int, run_dir: Path, docs: Sequence[Any] | None = None) -> tuple[list[list[int]], str]:
     """The prompts `dflash eval --num-prompts N --prompt-tokens P` picks for this run's checkpoints (same held-out
-    documents, same order)."""
+    documents, same order). `docs`: the corpus as configured (read when not given), not the records trained on."""
     from dflash.data import read_documents
     from dflash.eval import heldout_documents_of, prompts_from_documents
 
-    docs = read_documents(cfg.data)  # the corpus as configured (not the regenerated records trained on)
+    docs = read_documents(cfg.data) if docs is None else docs
     pipeline = {"total_steps": total_steps, "feeds": [None] * n_drafters}
     held, desc = heldout_documents_of(cfg, docs, tok, pipeline, run_dir)
     prompts = prompts_from_documents(held, tok, settings.prompt_tokens, cfg.data.max_len, settings.prompts)
     return prompts, desc
 
 
-def _key(cfg: RunConfig, tok: TokenizerAdapter, prompts: Sequence[Sequence[int]], settings: EvalSettings,
+def _key(cfg: RunConfig, tok: TokenizerAdapter, basis: dict[str, Any], settings: EvalSettings,
          block: int, device: torch.device) -> str:
+    """`basis` names the prompts: their hash, or (configured data) what decides them, so that a cached set is found
+    without tokenizing the corpus and building its schedule again at every start."""
     from dflash.pretrain import as_dict
     from dflash.regen import _target_identity
 
     blob = json.dumps({"format": FORMAT, "target": _target_identity(cfg), "tokenizer": tok.content_hash,
-                       "prompts": hashlib.sha256(json.dumps(list(map(list, prompts))).encode()).hexdigest(),
-                       "new_tokens": settings.new_tokens, "block_size": block,
+                       "prompts": basis, "settings": dataclasses.asdict(settings), "block_size": block,
                        "taps": {"tap_layers": cfg.target.tap_layers, "draft_layers": cfg.drafter.num_layers},
                        "numerics": {"dtype": cfg.target.dtype, "attention": cfg.target.attention,
                                     "device": device.type},
                        "target_cfg": {k: v for k, v in as_dict(cfg.target).items() if k in ("arch", "seed", "family")}},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _prompts_hash(prompts: Sequence[Sequence[int]]) -> str:
+    return hashlib.sha256(json.dumps(list(map(list, prompts))).encode()).hexdigest()
 
 
 def _sha256(path: Path) -> str:
@@ -143,17 +148,29 @@ def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps
     """Load the run's held-out set from the cache, or make it with the target (first use) and cache it.
 
     Raises dflash.eval.EvalError when the corpus has no held-out document."""
+    from dflash.data import corpus_fingerprint, read_documents
     from dflash.eval import EvalError, greedy_sequences
+    from dflash.pretrain import as_dict
     from dflash.target import Target, use_sdpa_for_decoding
     from dflash.tau import continuation_length, walk
 
     settings = EvalSettings.of(cfg)
-    prompts, desc = heldout_prompts(cfg, tok, settings, total_steps, n_drafters, run_dir)
-    if not prompts:
-        raise EvalError(f"no held-out prompt of more than {settings.prompt_tokens} tokens ({desc})")
-    d = cache_dir_of(cfg) / f"heldout-{_key(cfg, tok, prompts, settings, block_size, device)}"
+    docs = read_documents(cfg.data)
+    prompts: list[list[int]] | None = None
+    desc = ""
+    if cfg.data.paths:  # held out = never scheduled: finding them tokenizes the corpus and builds its schedule
+        basis = {"corpus": corpus_fingerprint(docs), "data": as_dict(cfg.data), "seed": cfg.train.seed,
+                 "total_steps": total_steps, "drafters": n_drafters}
+    else:  # the stdlib files after the embedded corpus's cap: cheap to read, and they differ by Python version
+        prompts, desc = heldout_prompts(cfg, tok, settings, total_steps, n_drafters, run_dir, docs)
+        basis = {"sha256": _prompts_hash(prompts)}
+    d = cache_dir_of(cfg) / f"heldout-{_key(cfg, tok, basis, settings, block_size, device)}"
     meta = _load(d, log)
     if meta is None:
+        if prompts is None:
+            prompts, desc = heldout_prompts(cfg, tok, settings, total_steps, n_drafters, run_dir, docs)
+        if not prompts:
+            raise EvalError(f"no held-out prompt of more than {settings.prompt_tokens} tokens ({desc})")
         t0 = time.perf_counter()
         log(f"eval: making the held-out set ({len(prompts)} prompts, {settings.new_tokens} new tokens each, "
             f"{desc}) with the target; cached as {d}")

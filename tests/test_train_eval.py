@@ -81,3 +81,30 @@ def test_a_corpus_with_nothing_held_out_trains_without_eval_and_says_why(tmp_pat
     assert train(cfg, tmp_path / "run").exit_code == 0
     assert _events(tmp_path / "run", "eval") == []
     assert "eval: off for this run: no held-out documents" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_a_cached_heldout_set_of_configured_data_is_found_without_scheduling_the_corpus_again(
+        tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding configured data's held-out documents tokenizes the whole corpus and builds its schedule: a week-long
+    run's restarts must not pay that again once the set is cached (its key is what decides the prompts)."""
+    import dflash.eval
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 6})
+                                          + "\n" for i in range(60)))
+    cfg = run_config(data={"paths": [str(data)], "min_len": 4}, train={"max_steps": 2, "checkpoint_every": 0,
+                                                                         "eval_every": 2})
+    assert train(cfg, tmp_path / "a").exit_code == 0
+    first = _events(tmp_path / "a", "eval")
+    assert len(first) == 1
+
+    def schedule_again(*_a: object, **_k: object) -> None:
+        raise AssertionError("the held-out documents were looked up again")
+
+    monkeypatch.setattr(dflash.eval, "heldout_documents_of", schedule_again)
+    assert train(cfg, tmp_path / "b").exit_code == 0
+    second = _events(tmp_path / "b", "eval")
+    assert [(e["tau"], e["ngram_tau"], e["sequences"]) for e in second] == \
+        [(e["tau"], e["ngram_tau"], e["sequences"]) for e in first]
+    assert "making the held-out set" not in (tmp_path / "b" / "train.log").read_text()
