@@ -1499,9 +1499,18 @@ def follow_loop(follower: Follower, run: Run, ready_deadline: float | None, keep
         time.sleep(POLL_S)
 
 
+def never_launched(run: Run) -> bool:
+    """No launch record, no pid file, no log: nothing was ever started here under this run's name."""
+    return not any(p and os.path.exists(p) for p in (run.state_file("launch.json"), run.state_file("pid"), run.log))
+
+
 def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     if opts.get("no_events"):
         run.events = None  # `logs` wants the human log only
+        if never_launched(run):  # say so: printing nothing (or following a file that never comes) tells nothing
+            emit("verdict", ok=True, reason="never_launched", detail=f"never launched: no launch record in {run.state_dir}, no "
+                 f"log at {run.log}", log_offset=0, events_offset=0)
+            return EXIT_CODES["ok"]
     if opts.get("all_logs"):
         # `logs --all`: every earlier attempt's log (rotated at launch), oldest first, then the current one.
         olds = old_logs(run)

@@ -339,6 +339,8 @@ def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, line
                     ctx.line(m["line"])
                 elif m.get("t") == "attempt":
                     ctx.line(_attempt_header(m))
+                elif m.get("t") == "verdict" and m.get("reason") == "never_launched":
+                    return _never_launched(ctx, host, run, m)
         except ChannelLost as exc:
             raise OpsError(f"{host.name}: {exc}", EXIT_TRANSPORT) from None
         finally:
@@ -355,11 +357,21 @@ def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, line
             ctx.line(_attempt_header(m))
         elif kind == "log_reset":
             ctx.err.print(f"[yellow]-- log {m.get('reason')}; reading it again from the start --[/]")
+        elif kind == "verdict" and m.get("reason") == "never_launched":
+            return _never_launched(ctx, host, run, m)
         elif kind == "verdict":
             code = m.get("exit_code")
             ctx.err.print(f"[dim]-- run exited with status {code} --[/]")
             rc = EXIT_OK if code == 0 else EXIT_FAILED
     return rc
+
+
+def _never_launched(ctx: Ctx, host: HostConfig, run: RunConfig, m: dict[str, Any]) -> int:
+    """A run that was never launched has no log to print or follow: one line saying so, exit 0 (as `status`, which
+    shows it `absent`)."""
+    ctx.err.print(f"{host.name}/{run.name}: no such run on {host.name}: {m.get('detail', 'never launched')}; start "
+                  f"it with: opsctl launch {host.name} {run.name}", markup=False, highlight=False)
+    return EXIT_OK
 
 
 # -- status -------------------------------------------------------------------------------------------------

@@ -213,3 +213,23 @@ def test_reconnect_delay_backs_off_with_jitter() -> None:
             assert 0.5 * base <= d <= base
     assert len({row[3] for row in delays}) > 10  # jitter: followers of one host do not retry in lockstep
     assert max(row[-1] for row in delays) <= watch.RECONNECT_CAP_S
+
+
+def test_logs_of_a_run_never_launched_says_so_and_exits_like_status(tmp_path: Path, sshd) -> None:
+    """Printing nothing (or `-f` waiting forever on a log that never comes) told a newcomer nothing: one line, exit 0
+    (as `status`, which shows the run `absent`), with or without -f, over a real sshd."""
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={
+        "chat": script_run(tmp_path, "chatty.py", "--lines", "3", ready_pattern="^line ", events=None)})
+    for extra in ([], ["-f"], ["--all"]):
+        t0 = time.monotonic()
+        r = opsctl(hosts, "logs", "box", "chat", *extra)
+        assert r.returncode == 0 and r.stdout == "", (extra, r.stdout, r.stderr)
+        assert "box/chat: no such run on box: never launched" in r.stderr, r.stderr
+        assert "opsctl launch box chat" in r.stderr and time.monotonic() - t0 < 60
+    r = opsctl(hosts, "launch", "box", "chat")
+    assert r.returncode == 0, r.stderr
+    try:
+        r = opsctl(hosts, "logs", "box", "chat", "-n", "2")
+        assert r.returncode == 0 and "never launched" not in r.stderr and r.stdout.strip(), r.stderr
+    finally:
+        opsctl(hosts, "kill", "box", "chat")
