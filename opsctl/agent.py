@@ -1762,17 +1762,20 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     snap = ProcWatch(run).snapshot()
     rc = EXIT_CODES["ok"]
     live = snap["state"] in ("running", "restarting")  # restarting: the wrapper starts the next attempt soon
+
+    def refuse(detail: str) -> int:
+        # A dry run changes nothing either way: it reports what a real clean would refuse (warn) and exits 0.
+        emit("check", name="inductor_cache", ok=dry, warn=dry, detail=("a real clean would refuse: " if dry else "")
+             + detail)
+        return EXIT_CODES["ok"] if dry else EXIT_CODES["refused"]
+
     left = leftovers(run) if not live else []
     if live:
-        emit("check", name="inductor_cache", ok=False,
-             detail="run is {} (pid {}): its compile cache is in use; not cleaned".format(
-                 "running" if snap["state"] == "running" else "restarting (the next attempt uses it)", snap["pid"]))
-        rc = EXIT_CODES["refused"]
+        rc = refuse("run is {} (pid {}): its compile cache is in use; not cleaned".format(
+            "running" if snap["state"] == "running" else "restarting (the next attempt uses it)", snap["pid"]))
     elif left:
-        emit("check", name="inductor_cache", ok=False,
-             detail=f"the run exited but left processes alive (pids {left}); they may use the cache and the pid "
+        rc = refuse(f"the run exited but left processes alive (pids {left}); they may use the cache and the pid "
                     f"file is how opsctl kill finds them: nothing cleaned, run opsctl kill first")
-        rc = EXIT_CODES["refused"]
     else:
         try:
             real = run.validated_cache()
@@ -1783,8 +1786,7 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
             emit("check", name="inductor_cache", ok=True,
                  detail=("would empty" if dry else "emptied") + f" {real}: {n} entries, {size / 2**20:.1f} MiB")
         except AgentError as exc:
-            emit("check", name="inductor_cache", ok=False, detail=str(exc))
-            rc = EXIT_CODES["refused"]
+            rc = refuse(str(exc))
     if opts.get("logs"):
         # Earlier attempts' logs go only when asked (clean --logs); the current attempt's log always stays.
         for old in old_logs(run):

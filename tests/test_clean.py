@@ -107,6 +107,11 @@ def test_clean_refuses_escape_and_running_run(tmp_path: Path) -> None:
         rc, msgs = drive("clean", args)
         assert rc == agent.EXIT_CODES["refused"] and "is running" in of(msgs, "check")[0]["detail"]
         assert (cache / "x").exists()
+        # A dry run on the live run reports what a real clean would refuse, as a warning, and exits 0.
+        rc, msgs = drive("clean", {**args, "options": {"dry_run": True}})
+        (check,) = of(msgs, "check")
+        assert rc == agent.EXIT_CODES["ok"] and check["ok"] and check["warn"], msgs
+        assert check["detail"].startswith("a real clean would refuse: run is running") and (cache / "x").exists()
     finally:
         cleanup(args)
 
