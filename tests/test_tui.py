@@ -712,7 +712,10 @@ def test_watch_in_tmux_over_ssh_pct_live_run_then_kill_from_the_dashboard(tmp_pa
     assert r.returncode == 0, r.stderr
     watch = WatchInTmux(tmp_path, hosts, "box:tiny")
     try:
-        screen = watch.wait("box:tiny", "TRAINING", "loss", "opsctl watch", timeout_s=60)
+        # The GPU line comes with the host's first NVML answer, which may render a frame after TRAINING: wait for it
+        # too (a screen taken on TRAINING alone raced it under load: CI-like full-suite run, 2026-12-04).
+        screen = watch.wait("box:tiny", "TRAINING", "loss", "opsctl watch", "GPUs: none reported (nvml: unavailable (",
+                            timeout_s=60)
         assert re.search(r"step [\d,]+/3,000", screen), screen
         assert re.search(r"loss \d\.\d{4}", screen), screen
         assert "no alerts" in screen  # a healthy CPU run: no slow-kernel alert (nothing faster exists on a CPU)
