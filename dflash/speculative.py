@@ -262,42 +262,19 @@ class DFlashProposer:
 
 def draft_block(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Linear, ctx: Tensor,
                 anchor: int) -> list[int]:
-    """The drafter's greedy tokens for block positions 1..B-1 after `anchor` at position a = len(ctx).
+    """The drafter's greedy tokens for block positions 1..B-1 after `anchor` at position a = len(ctx)."""
+    return [int(t) for t in draft_block_logits(drafter, embed_tokens, lm_head, ctx, anchor).argmax(-1).tolist()]
+
+
+def draft_block_logits(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Linear, ctx: Tensor,
+                       anchor: int) -> Tensor:
+    """The drafter's logits [B-1, V] for block positions 1..B-1 after `anchor` at position a = len(ctx): greedy
+    drafts are their argmax (`draft_block`), sampled ones are drawn from their softmax at a temperature.
 
     Laid out as in training (`DFlashDrafter.block_states` over a buffer holding positions 0..a): keys are the context
     slots 0..a, then the block; slot a (the anchor's own target state) is never read (`p < a` in the mask rule), so it
     holds zeros here, where that state does not exist yet.
     """
-    cfg, b = drafter.cfg, drafter.cfg.block_size
-    a = ctx.shape[0]
-    dev = ctx.device
-    with torch.no_grad():
-        block = torch.full((b,), int(cfg.mask_token_id), dtype=torch.long, device=dev)  # type: ignore[arg-type]
-        block[0] = anchor
-        dtype = drafter.fc.weight.dtype
-        x = embed_tokens(block).to(dtype)
-        slots = torch.cat([ctx.to(dtype), ctx.new_zeros((1, ctx.shape[1]), dtype=dtype)])
-        block_pos = torch.arange(a, a + b, device=dev)
-        rope_q = rope_cos_sin(block_pos, drafter.head_dim, cfg.rope_theta, x.dtype)
-        rope_kv = rope_cos_sin(torch.cat([torch.arange(a + 1, device=dev), block_pos]), drafter.head_dim,
-                               cfg.rope_theta, x.dtype)
-        anchors = torch.tensor([a], device=dev)
-        docs = torch.zeros(a + 1, dtype=torch.long, device=dev)
-        masks: dict[int | None, Tensor] = {}
-        for layer, w in zip(drafter.layers, drafter.windows, strict=True):
-            if w not in masks:
-                masks[w] = dense_mask(anchors, docs, b, w)  # [B, a + 1 + B]
-            x = layer(x, slots, rope_q, rope_kv, _dense_attend(masks[w]))
-        x = drafter.norm(x)
-        logits = F.linear(x[1:].to(lm_head.weight.dtype), lm_head.weight, lm_head.bias)
-        return [int(t) for t in logits.argmax(-1).tolist()]
-
-
-def draft_block_logits(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Linear, ctx: Tensor,
-                       anchor: int) -> Tensor:
-    """The drafter's logits [B-1, V] for block positions 1..B-1 after `anchor` at position a = len(ctx): the
-    distribution behind `draft_block`'s greedy tokens (same layout and mask; tests/test_speculative_sampling.py checks
-    that their argmax is `draft_block`'s output), for drafts sampled at a temperature."""
     cfg, b = drafter.cfg, drafter.cfg.block_size
     a = ctx.shape[0]
     dev = ctx.device

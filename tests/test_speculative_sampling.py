@@ -23,8 +23,6 @@ from dflash.speculative import (
     Generation,
     NgramProposer,
     TargetLM,
-    draft_block,
-    draft_block_logits,
     prompt_generator,
     sampled_generations,
     speculative_sample,
@@ -317,26 +315,6 @@ def test_sampled_generations_gives_each_prompt_its_own_stream() -> None:
     prop = DFlashProposer(drafter, c.target.embed_tokens, c.target.lm_head)
     again = speculative_sample(c.target, prop, prompts[1], 6, B, TEMPERATURE, prompt_generator("cpu", 5, 1))
     assert again.tokens == out["dflash"][1].tokens
-
-
-def test_draft_block_logits_is_the_distribution_behind_draft_block() -> None:
-    """The logits are computed by a copy of draft_block's body (speculative.py is extended, not restructured): their
-    argmax must stay draft_block's output, sliding-window drafter layers included."""
-    c = case("qwen3")
-    torch.manual_seed(1)
-    cfg = DrafterConfig(num_layers=2, num_heads=2, num_kv_heads=1, block_size=B, mask_token_id=VOCAB - 1,
-                        layer_sliding_windows=[3, None], attention="dense")
-    drafter = DFlashDrafter(cfg, 32, 2).eval()
-    prop = DFlashProposer(drafter, c.target.embed_tokens, c.target.lm_head)
-    _, taps = c.target.forward(c.prompt, 0, None, keep=1)
-    assert taps is not None
-    prop.start(c.prompt, taps)
-    for n in range(2, len(c.prompt) + 1):
-        ctx = prop.ctx[: n - 1]  # type: ignore[index]
-        logits = draft_block_logits(drafter, c.target.embed_tokens, c.target.lm_head, ctx, c.prompt[n - 1])
-        assert logits.shape == (B - 1, VOCAB)
-        assert logits.argmax(-1).tolist() == draft_block(drafter, c.target.embed_tokens, c.target.lm_head, ctx,
-                                                         c.prompt[n - 1])
 
 
 def test_argmax_drafts_are_the_greedy_dflash_drafts() -> None:
