@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -393,6 +393,30 @@ def speculative_generate(target: TargetLM, proposer: Proposer, prompt: Sequence[
         raise ValueError(f"block_size must be >= 2, got {block_size}")
     if not prompt:
         raise ValueError("empty prompt")
+
+    def verify(logits: Tensor, drafts: list[int], _q: Tensor | None) -> tuple[int, int]:
+        verified = [int(t) for t in logits.argmax(-1).tolist()]  # verified[j]: the target's token after the j-th block position
+        k = 0
+        while k < len(drafts) and drafts[k] == verified[k]:
+            k += 1
+        return k, verified[k]
+
+    def draft(seq: list[int]) -> tuple[list[int], Tensor | None]:
+        return [int(t) for t in proposer.propose(seq, block_size - 1)][: block_size - 1], None
+
+    return _speculative_loop(target, proposer, prompt, max_new_tokens, stop_ids,
+                             first=lambda last: int(last.argmax()), draft=draft, verify=verify)
+
+
+def _speculative_loop(target: TargetLM, proposer: Proposer, prompt: Sequence[int], max_new_tokens: int,
+                      stop_ids: Sequence[int], first: Callable[[Tensor], int],
+                      draft: Callable[[list[int]], tuple[list[int], Tensor | None]],
+                      verify: Callable[[Tensor, list[int], Tensor | None], tuple[int, int]]) -> Generation:
+    """The one verify/commit/rollback loop behind greedy decoding and sampling, so the two cannot drift apart.
+
+    `first` picks the token after the prompt from the prefill's last logits; `draft` proposes up to B-1 tokens (and,
+    when sampled, their draft probabilities q); `verify` gives (k drafts accepted, the token committed after them).
+    """
     stops = set(stop_ids)
     _sync(target.device)
     t0 = time.perf_counter()
@@ -401,12 +425,12 @@ def speculative_generate(target: TargetLM, proposer: Proposer, prompt: Sequence[
     logits, taps = target.forward(prompt, 0, cache, keep=1)
     assert taps is not None
     proposer.start(prompt, taps)
-    seq = [int(t) for t in prompt] + [int(logits[-1].argmax())]
+    seq = [int(t) for t in prompt] + [first(logits[-1])]
     gen = Generation(tokens=[seq[-1]])
     linear = TargetLM.has_linear_layers(cache)
     while len(gen.tokens) < max_new_tokens and gen.tokens[-1] not in stops:
         n = len(seq)
-        drafts = [int(t) for t in proposer.propose(seq, block_size - 1)][: block_size - 1]
+        drafts, q = draft(seq)
         feed = [seq[-1], *drafts]
         snap = target.snapshot(cache) if linear and drafts else None
         captured, hooks = target.capture_mixer_inputs() if snap is not None and target.readvance == "mixers" \
@@ -417,14 +441,11 @@ def speculative_generate(target: TargetLM, proposer: Proposer, prompt: Sequence[
             for h in hooks:
                 h.remove()
         assert taps is not None
-        verified = [int(t) for t in logits.argmax(-1).tolist()]  # verified[j]: the target's token at position n + j
-        k = 0
-        while k < len(drafts) and drafts[k] == verified[k]:
-            k += 1
+        k, nxt = verify(logits, drafts, q)
         gen.anchor_pos.append(n - 1)
         gen.drafts.append(drafts)
         gen.accepted.append(k)
-        new = [*drafts[:k], verified[k]]
+        new = [*drafts[:k], nxt]
         room = max_new_tokens - len(gen.tokens)
         cut = _stop_at(new, stops)
         new = new[: min(room, len(new) if cut is None else cut + 1)]
@@ -568,63 +589,19 @@ def speculative_sample(target: TargetLM, proposer: Proposer, prompt: Sequence[in
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if draft not in ("sample", "argmax"):
         raise ValueError(f"draft must be 'sample' or 'argmax', got {draft!r}")
-    stops = set(stop_ids)
-    _sync(target.device)
-    t0 = time.perf_counter()
-    f0 = target.forwards
-    cache = target.new_cache()
-    logits, taps = target.forward(prompt, 0, cache, keep=1)
-    assert taps is not None
-    proposer.start(prompt, taps)
-    seq = [int(t) for t in prompt] + [_draw(_probs(logits[-1], temperature), generator)]
-    gen = Generation(tokens=[seq[-1]])
-    linear = TargetLM.has_linear_layers(cache)
     sampler = getattr(proposer, "propose_sample", None) if draft == "sample" else None
-    while len(gen.tokens) < max_new_tokens and gen.tokens[-1] not in stops:
-        n = len(seq)
-        q: Tensor | None = None
-        if sampler is not None:
-            drafted, q = sampler(seq, block_size - 1, temperature, generator)
-            drafts = [int(t) for t in drafted][: block_size - 1]
-            q = q[: len(drafts)]
-        else:
-            drafts = [int(t) for t in proposer.propose(seq, block_size - 1)][: block_size - 1]
-        feed = [seq[-1], *drafts]
-        snap = target.snapshot(cache) if linear and drafts else None
-        captured, hooks = target.capture_mixer_inputs() if snap is not None and target.readvance == "mixers" \
-            else ({}, [])
-        try:
-            logits, taps = target.forward(feed, n - 1, cache, keep=len(feed))
-        finally:
-            for h in hooks:
-                h.remove()
-        assert taps is not None
-        k, nxt = verify_sampled(_probs(logits, temperature), drafts, q, generator)
-        gen.anchor_pos.append(n - 1)
-        gen.drafts.append(drafts)
-        gen.accepted.append(k)
-        new = [*drafts[:k], nxt]
-        room = max_new_tokens - len(gen.tokens)
-        cut = _stop_at(new, stops)
-        new = new[: min(room, len(new) if cut is None else cut + 1)]
-        gen.tokens += new
-        seq += new
-        if len(gen.tokens) >= max_new_tokens or gen.tokens[-1] in stops:
-            break  # the output is complete: nothing after this step reads the cache or the context
-        proposer.commit(taps[: k + 1])  # the anchor and the accepted drafts: positions n-1 .. n-1+k
-        if k < len(drafts):  # the same rollback as speculative_generate
-            if snap is not None and target.readvance == "mixers":
-                target.restore(cache, snap, attn_len=n + k)
-                target.readvance_mixers(cache, captured, k + 1)
-            elif snap is not None:
-                target.restore(cache, snap)
-                target.forward(feed[: k + 1], n - 1, cache, keep=0, taps=False)
-            else:
-                target.crop_attention(cache, n + k)
-    _sync(target.device)
-    gen.seconds = time.perf_counter() - t0
-    gen.target_forwards = target.forwards - f0
-    return gen
+
+    def draw_drafts(seq: list[int]) -> tuple[list[int], Tensor | None]:
+        if sampler is None:
+            return [int(t) for t in proposer.propose(seq, block_size - 1)][: block_size - 1], None
+        drafted, q = sampler(seq, block_size - 1, temperature, generator)
+        drafts = [int(t) for t in drafted][: block_size - 1]
+        return drafts, q[: len(drafts)]
+
+    return _speculative_loop(
+        target, proposer, prompt, max_new_tokens, stop_ids,
+        first=lambda last: _draw(_probs(last, temperature), generator), draft=draw_drafts,
+        verify=lambda logits, drafts, q: verify_sampled(_probs(logits, temperature), drafts, q, generator))
 
 
 def prompt_generator(device: torch.device | str, seed: int, prompt_index: int) -> torch.Generator:

@@ -284,6 +284,8 @@ class AlertTracker:
     def _rules(self, v: RunView) -> Iterable[Alert]:
         if v.state == "crashed":
             yield Alert("crashed", CRITICAL, "run crashed", self._crash_evidence(v))
+        if v.state == "refused":  # it will not go on by itself (never restarted): someone must change what it refused
+            yield Alert("refused", CRITICAL, "run refused to start", self._crash_evidence(v))
         # `killed` is never an alert: the state is only derived when opsctl's kill marker exists (someone asked for
         # it); the badge and the summary's `ended` line say how it ended.
         if v.state == "stalled":
@@ -296,7 +298,7 @@ class AlertTracker:
             yield Alert("link", CRITICAL, title, self.link_detail or self.link_state)
         if self.nan is not None:
             yield Alert("nan", CRITICAL, "loss is NaN/inf", self.nan)
-        if self.disk_full is not None and v.state not in ("crashed", "finished", "killed"):
+        if self.disk_full is not None and v.state not in ("crashed", "refused", "finished", "killed"):
             yield Alert("disk_full", CRITICAL, "checkpoints: disk full", self.disk_full)
         if self.slow_kernels or self.kernel_errors:
             parts = [f"{k}: {impl}" for k, impl in sorted(self.slow_kernels.items())] + self.kernel_errors

@@ -330,6 +330,14 @@ def verdict(rows: list[dict[str, Any]]) -> tuple[str, str | None, int | None]:
         if running:
             why += f"; still running: {', '.join(running)}"
         return "crashed", why, first["node"]
+    refused = [r for r in rows if r["state"] == "refused"]
+    if refused:  # a node that refused to start stops the group as a crash does, and is never restarted
+        first = refused[0]
+        running = [name(r) for r in rows if r["state"] in RUNNING]
+        why = f"{name(first)}: {first.get('reason') or 'refused'}"
+        if running:
+            why += f"; still running: {', '.join(running)}"
+        return "refused", why, first["node"]
     unreachable = [r for r in rows if r["state"] == "unreachable"]
     if unreachable:
         return "unreachable", ", ".join(name(r) for r in unreachable), unreachable[0]["node"]

@@ -313,3 +313,16 @@ def test_gpu_reserved_growth_on_another_rank_is_named() -> None:
     _beats(r, T0 + 4005, T0 + 6000, lambda t: 70000.0 + 20000.0, rank=3, key="gpu_reserved_mb")
     a = r.alerts(T0 + 6001)["memory_growth"]
     assert a.evidence == "rank 3 GPU reserved 68.4 GiB at step 600 -> 87.9 GiB at step 6000 (+19.5 GiB in 1.5 h)"
+
+
+def test_a_refused_run_raises_a_critical_alert_with_the_refusal_and_no_disk_full() -> None:
+    r = training_run(2)
+    r.feed(ev("error", T0 + 10, **{"class": "config", "message": "refusing to resume: drafter.num_layers: 3 in the "
+                                    "checkpoint, 2 in the config", "traceback": None, "fatal": True}),
+           ev("run_end", T0 + 11, reason="refused", exit_code=2, step=2))
+    alerts = r.alerts(T0 + 12)
+    assert set(alerts) == {"refused"}, alerts
+    a = alerts["refused"]
+    assert a.severity == "critical" and a.title == "run refused to start"
+    assert a.evidence.startswith("config: refusing to resume: drafter.num_layers: 3 in the checkpoint")
+    assert a.evidence.endswith("run_end refused; exit code 2")
