@@ -480,6 +480,12 @@ def pinned_origin(docs: Sequence[Document]) -> dict[str, Any] | None:
     return next(iter(origins.values())).origin if origins else None
 
 
+def tiny_tokenizer_name(cfg: DataConfig, docs: Sequence[Document]) -> str:
+    """The cache file name of the tiny BPE for this corpus and vocabulary size (content-addressed)."""
+    key = hashlib.sha256(f"{corpus_fingerprint(docs)}:{cfg.vocab_size}:{SPECIAL_TOKENS}".encode()).hexdigest()[:16]
+    return f"tiny-bpe-{key}.json"
+
+
 def load_tokenizer(cfg: DataConfig, docs: Sequence[Document], cache_dir: str | Path) -> TokenizerAdapter:
     """The configured HF tokenizer, the one regenerated records are pinned to, or the tiny BPE from cache (keyed by
     corpus and vocab size) or trained now."""
@@ -499,8 +505,7 @@ def load_tokenizer(cfg: DataConfig, docs: Sequence[Document], cache_dir: str | P
         return TokenizerAdapter(hf=hf, source=str(path))
     from tokenizers import Tokenizer
 
-    key = hashlib.sha256(f"{corpus_fingerprint(docs)}:{cfg.vocab_size}:{SPECIAL_TOKENS}".encode()).hexdigest()[:16]
-    cache = Path(cache_dir) / f"tiny-bpe-{key}.json"
+    cache = Path(cache_dir) / tiny_tokenizer_name(cfg, docs)
     if cache.is_file():
         try:
             return TokenizerAdapter(tiny=Tokenizer.from_file(str(cache)), source=str(cache))
@@ -533,6 +538,18 @@ def tokenize(docs: Sequence[Document], tok: TokenizerAdapter) -> TokenizedCorpus
 
     ids: list[torch.Tensor] = []
     masks: list[torch.Tensor] = []
+    for seq, m in token_lists(docs, tok):
+        ids.append(torch.tensor(seq, dtype=torch.long))
+        masks.append(torch.tensor(m, dtype=torch.bool))
+    h = hashlib.sha256(corpus_fingerprint(docs).encode())
+    h.update(tok.content_hash.encode())
+    h.update(str(tok.vocab_size).encode())
+    return TokenizedCorpus(ids=ids, loss_mask=masks, fingerprint=h.hexdigest())
+
+
+def token_lists(docs: Sequence[Document], tok: TokenizerAdapter) -> Iterator[tuple[list[int], list[bool]]]:
+    """(ids, loss mask) of every document as plain lists: the body of tokenize, and all `dflash data inspect`
+    needs (it counts and packs without torch)."""
     text_idx = [i for i, d in enumerate(docs) if d.text is not None]
     encoded = dict(zip(text_idx, tok.encode_batch([docs[i].text or "" for i in text_idx]), strict=True))
     for i, d in enumerate(docs):
@@ -548,12 +565,7 @@ def tokenize(docs: Sequence[Document], tok: TokenizerAdapter) -> TokenizedCorpus
             m = [True] * len(seq)
         else:
             seq, m = tok.encode_chat(d.messages or [])
-        ids.append(torch.tensor(seq, dtype=torch.long))
-        masks.append(torch.tensor(m, dtype=torch.bool))
-    h = hashlib.sha256(corpus_fingerprint(docs).encode())
-    h.update(tok.content_hash.encode())
-    h.update(str(tok.vocab_size).encode())
-    return TokenizedCorpus(ids=ids, loss_mask=masks, fingerprint=h.hexdigest())
+        yield seq, m
 
 
 # ---------------------------------------------------------------------------------------------- schedule
