@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--target", metavar="TARGET_DIR",
                    help="the target's Hugging Face directory: also check taps, vocabulary, hidden size against it")
     _eval_parser(sub)
+    _data_parser(sub)
     pt = sub.add_parser("pretrain-target", help="train target.arch as a language model on the corpus -> HF dir",
                         description="Train the config's random-init target (target.arch, target.pretrain settings) "
                                     "as a language model on the config's corpus and save a Hugging Face directory "
@@ -142,6 +143,66 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
                         "(default by the precision in effect: 1e-4 true float32, 3e-3 float32 on kernels that "
                         "multiply in TF32, 3e-2 bf16/fp16 or under bf16 autocast, as on a GPU)")
     v.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _data_parser(sub: argparse._SubParsersAction) -> None:
+    """`dflash data inspect`: the corpus as training will see it, without the target (dflash/data_inspect.py)."""
+    d = sub.add_parser("data", help="inspect training data (formats: docs/data.md)",
+                       description="Look at training data before a run spends a GPU on it (docs/data.md).")
+    dsub = d.add_subparsers(dest="data_cmd", required=True, metavar="ACTION")
+    i = dsub.add_parser("inspect", help="documents, tokens, lengths, supervised share, drops, buffer fill, a sample",
+                        description="Read and tokenize the configured data (or DATA) without loading the target: "
+                                    "documents, tokens, the length histogram against data.max_len and "
+                                    "data.token_budget, the supervised (assistant) share, what is dropped and why, "
+                                    "how full the token-budget buffers are, and the first document with its "
+                                    "supervised tokens marked. A training run logs the same summary at start.",
+                        epilog="examples:\n  dflash data inspect --config configs/tiny.yaml\n"
+                               "  dflash data inspect chats.jsonl --format sharegpt --tokenizer /models/Qwen3-8B",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    i.add_argument("data", nargs="*", metavar="DATA",
+                   help="files or directories (replace the config's data.paths; without --config: the defaults)")
+    i.add_argument("--config", help="a run config YAML: its data section and train.seed")
+    i.add_argument("--format", choices=["auto", "text", "chat", "sharegpt"], help="data.format")
+    i.add_argument("--text-field", help="data.text_field (the key/column holding text)")
+    i.add_argument("--messages-field", help="data.messages_field (the key/column holding a chat)")
+    i.add_argument("--thinking", choices=["keep", "drop"], help="data.thinking")
+    i.add_argument("--tokenizer", help="data.tokenizer: a local Hugging Face tokenizer directory")
+    i.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def _data(args: argparse.Namespace) -> int:
+    from dflash.config import ConfigError, DataConfig, load_config
+    from dflash.data import DataError
+    from dflash.data_inspect import inspect
+
+    overrides = {k: getattr(args, a) for k, a in (("format", "format"), ("text_field", "text_field"),
+                                                  ("messages_field", "messages_field"), ("thinking", "thinking"),
+                                                  ("tokenizer", "tokenizer")) if getattr(args, a) is not None}
+    if args.data:
+        overrides["paths"] = [str(Path(p).resolve()) for p in args.data]
+    if "tokenizer" in overrides:
+        overrides["tokenizer"] = str(Path(overrides["tokenizer"]).resolve())
+    if args.config is None and not args.data:
+        return _fail("data inspect needs --config CONFIG or DATA paths")
+    notes = []
+    try:
+        if args.config is not None:
+            cfg = load_config(args.config)
+            data = DataConfig(**{**cfg.data.model_dump(), **overrides})
+            seed = cfg.train.seed
+            if cfg.target.regen is not None:
+                notes.append("target.regen is set: training uses the target's own continuations of this corpus's "
+                             "prompts (made on first use), not this text itself")
+        else:
+            data, seed = DataConfig(**overrides), 0
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except ValueError as exc:  # pydantic: a bad override
+        return _fail(f"data inspect: {str(exc).splitlines()[-2].strip() if len(str(exc).splitlines()) > 1 else exc}")
+    try:
+        return inspect(data, seed, config_path=args.config, as_json=args.json, notes=notes)
+    except DataError as exc:
+        return _fail(str(exc))
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -406,7 +467,7 @@ def _export_check(where: str, target: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     rc = {"train": _train, "preflight": _preflight, "export": _export, "eval": _eval,
-          "pretrain-target": _pretrain_target, "regen": _regen}[args.cmd](args)
+          "pretrain-target": _pretrain_target, "regen": _regen, "data": _data}[args.cmd](args)
     if rc:
         _tell_torchrun(rc)
     return rc

@@ -137,7 +137,11 @@ class _Section(BaseModel):
 class DataConfig(_Section):
     # Files or directories of `.txt` / `.jsonl`; empty = the embedded default corpus (Python's own stdlib sources).
     paths: list[str] = []
-    format: str = "auto"  # auto | text | chat
+    # auto | text | chat (OpenAI `messages`, tool turns too) | sharegpt (`conversations`); docs/data.md
+    format: str = "auto"
+    text_field: str = "text"  # the record key (dataset column) holding plain text
+    messages_field: str | None = None  # the key holding a chat; None: `messages`, then `conversations`
+    thinking: str = "drop"  # keep | drop: Qwen3-style <think>...</think> / reasoning_content of assistant turns
     # A local Hugging Face tokenizer directory, or None for the tiny byte-level BPE trained on the corpus.
     tokenizer: str | None = None
     vocab_size: int = 2048  # only for the tiny BPE
@@ -149,7 +153,15 @@ class DataConfig(_Section):
     reservoir: int = 4  # drafter-side buffers mixed at random
     max_chars: int = 1_500_000  # cap of the embedded corpus (keeps the tiny run fast)
 
-    _format = _v(_one_of("auto", "text", "chat"), "format")
+    _format = _v(_one_of("auto", "text", "chat", "sharegpt"), "format")
+    _thinking = _v(_one_of("keep", "drop"), "thinking")
+
+    @field_validator("text_field", "messages_field")
+    @classmethod
+    def _field_name(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must name a record key (column), got an empty string")
+        return v
     _max_len = _v(_at_least(2), "max_len")
     _counts = _v(_at_least(1), "reservoir", "num_buckets")
 

@@ -17,11 +17,14 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from dflash import data_formats as fmt
 
-from dflash.config import DataConfig
+if TYPE_CHECKING:  # torch and the config (which imports torch) only where used: `dflash data inspect` stays light
+    import torch
+
+    from dflash.config import DataConfig
 
 # Special tokens of the tiny BPE. The mask token is what the drafter fills its blocks with.
 PAD, EOS, MASK = "<|pad|>", "<|endoftext|>", "<|mask|>"
@@ -48,7 +51,7 @@ class Document:
     with their loss mask (regenerated data: the target's own tokens supervised, the prompt not)."""
 
     text: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None  # role, content (+ tool_calls / tool_call_id / name)
     source: str = ""
     ids: list[int] | None = None
     mask: list[bool] | None = None
@@ -84,7 +87,9 @@ def embedded_corpus(max_chars: int) -> list[Document]:
 def _iter_files(paths: Sequence[str]) -> Iterator[Path]:
     for raw in paths:
         p = Path(raw)
-        if p.is_dir():
+        if fmt.is_hf_dataset_dir(p):
+            yield p
+        elif p.is_dir():
             files = sorted(q for q in p.rglob("*") if q.suffix in (".txt", ".jsonl") and q.is_file())
             if not files:
                 raise DataError(f"{p}: no .txt or .jsonl files in this directory")
@@ -93,19 +98,6 @@ def _iter_files(paths: Sequence[str]) -> Iterator[Path]:
             yield p
         else:
             raise DataError(f"{p}: data file does not exist")
-
-
-def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
-    if not isinstance(msgs, list) or not msgs:
-        raise DataError(f"{where}: 'messages' must be a non-empty list")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
-        if m["role"] not in ROLE_TOKENS:
-            raise DataError(f"{where}: messages[{i}].role {m['role']!r} is not one of {', '.join(ROLE_TOKENS)}")
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
 
 
 def _token_record(obj: dict[str, Any], where: str, origin: dict[str, Any] | None) -> Document:
@@ -145,6 +137,9 @@ def read_documents(cfg: DataConfig) -> list[Document]:
     docs: list[Document] = []
     manifests: dict[Path, dict[str, Any] | None] = {}
     for path in _iter_files(cfg.paths):
+        if path.is_dir() or path.suffix in (".json", *fmt.DATASET_SUFFIXES):
+            docs.extend(read_records(path, cfg))
+            continue
         if path.suffix == ".txt" and cfg.format in ("auto", "text"):
             try:
                 docs.append(Document(text=path.read_text(encoding="utf-8"), source=str(path)))
@@ -171,17 +166,42 @@ def read_documents(cfg: DataConfig) -> list[Document]:
                 if path.parent not in manifests:
                     manifests[path.parent] = read_regen_manifest(path.parent)
                 docs.append(_token_record(obj, where, manifests[path.parent]))
-            elif "messages" in obj and cfg.format in ("auto", "chat"):
-                docs.append(Document(messages=_check_messages(obj["messages"], where), source=where))
-            elif "text" in obj and cfg.format in ("auto", "text"):
-                if not isinstance(obj["text"], str):
-                    raise DataError(f"{where}: 'text' must be a string")
-                docs.append(Document(text=obj["text"], source=where))
             else:
-                want = {"auto": "'text' or 'messages'", "text": "'text'", "chat": "'messages'"}[cfg.format]
-                raise DataError(f"{where}: expected a {want} key")
+                docs.append(record_document(obj, where, cfg))
     if not docs:
         raise DataError(f"{', '.join(cfg.paths)}: no documents")
+    return docs
+
+
+def record_document(obj: Any, where: str, cfg: DataConfig) -> Document:
+    """One text or chat record (any shape dflash/data_formats.py reads) as a Document; DataError names the place."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object")
+    found = fmt.record_content(obj, cfg)
+    if found is None:
+        raise DataError(f"{where}: expected a {fmt.expected_keys(cfg)} key")
+    kind, value = found
+    if kind == "text":
+        if not isinstance(value, str):
+            raise DataError(f"{where}: '{cfg.text_field}' must be a string")
+        return Document(text=value, source=where)
+    key, turns = value
+    try:
+        return Document(messages=fmt.parse_turns(turns, key, cfg.thinking), source=where)
+    except fmt.RecordError as exc:
+        raise DataError(f"{where}: {exc}") from None
+
+
+def read_records(path: Path, cfg: DataConfig) -> list[Document]:
+    """Documents of a .json file or a Hugging Face dataset (`save_to_disk` directory, .parquet, .arrow)."""
+    it = fmt.iter_json_array(path) if path.suffix == ".json" else fmt.iter_hf_dataset(path)
+    docs = []
+    try:
+        for where, rec in it:
+            docs.append(record_document(rec, where, cfg))
+    except fmt.RecordError as exc:
+        msg = str(exc)
+        raise DataError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
     return docs
 
 
@@ -287,22 +307,31 @@ class TokenizerAdapter:
             mask: list[bool] = []
             end = int(self._tiny.token_to_id(END_OF_TURN))
             for m in messages:
-                body = [int(self._tiny.token_to_id(ROLE_TOKENS[m["role"]])), *self.encode(m["content"])]
+                body = [int(self._tiny.token_to_id(ROLE_TOKENS[m["role"]])), *self.encode(flat_content(m))]
                 supervised = m["role"] == "assistant"
                 ids += [*body, end]
                 mask += [False] + [supervised] * (len(body) - 1) + [supervised]
             return ids, mask
+        messages = self._template_messages(messages)
+        try:
+            return self._encode_chat_prefixes(messages)
+        except _PrefixUnstable:
+            # Templates that render a turn differently once more turns follow (Qwen3's drops earlier thinking and
+            # closes tool results by what comes next): the whole chat rendered once, assistant turns found in it.
+            return self._encode_chat_spans(messages)
+
+    def _encode_chat_prefixes(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
         # HF: render growing prefixes with the model's own chat template; the tokens a message adds belong to it.
         # Before an assistant turn the prefix is rendered with the generation prompt, so the assistant header the
         # template adds is context (unsupervised) and only what the assistant wrote is supervised.
-        ids = []
-        mask = []
+        ids: list[int] = []
+        mask: list[bool] = []
         prev: list[int] = []
 
         def extend(cur: list[int], supervised: bool) -> None:
             nonlocal prev
             if cur[: len(prev)] != prev:
-                raise DataError(f"{self.source}: the chat template is not prefix-stable (an earlier turn renders "
+                raise _PrefixUnstable(f"{self.source}: the chat template is not prefix-stable (an earlier turn renders "
                                 "differently once more turns follow); cannot mask assistant turns")
             new = cur[len(prev):]
             ids.extend(new)
@@ -315,10 +344,87 @@ class TokenizerAdapter:
             extend(self._render(messages[: i + 1], generation_prompt=False), m["role"] == "assistant")
         return ids, mask
 
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
         out = self._hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
                                            return_dict=False)
         return [int(x) for x in out]
+
+    def _render_text(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        try:
+            return str(self._hf.apply_chat_template(messages, tokenize=False,
+                                                    add_generation_prompt=generation_prompt))
+        except Exception as exc:  # noqa: BLE001 - jinja raises what the template raises (unknown role, ...)
+            raise DataError(f"{self.source}: the chat template cannot render this chat: {exc}") from None
+
+    def _template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages as this template takes them: tool calls stay structured where the template renders them (its
+        own tool-call format is what the target saw), else they are written into the content as text."""
+        if not any(m.get("tool_calls") for m in messages) or self._renders_tool_calls():
+            return messages
+        return [{"role": m["role"], "content": flat_content(m)} for m in messages]
+
+    def _renders_tool_calls(self) -> bool:
+        if not hasattr(self, "_tools_ok"):
+            probe = [{"role": "user", "content": "x"},
+                     {"role": "assistant", "content": "",
+                      "tool_calls": [{"type": "function", "function": {"name": "dflash_probe_fn", "arguments": {}}}]}]
+            try:
+                self._tools_ok = "dflash_probe_fn" in str(self._hf.apply_chat_template(probe, tokenize=False))
+            except Exception:  # noqa: BLE001 - a template that refuses tool calls does not render them
+                self._tools_ok = False
+        return self._tools_ok
+
+    def _assistant_markers(self) -> tuple[str, str]:
+        """The text this template puts before an assistant turn's content (its generation prompt) and right after it
+        (its end of turn), found by rendering a probe chat."""
+        if not hasattr(self, "_markers"):
+            user = [{"role": "user", "content": "dflash probe question"}]
+            bare, prompt = self._render_text(user, False), self._render_text(user, True)
+            full = self._render_text([*user, {"role": "assistant", "content": "dflash probe answer"}], False)
+            at = full.find("dflash probe answer")
+            header = prompt[len(bare):] if prompt.startswith(bare) else ""
+            end = full[at + len("dflash probe answer"):].rstrip() if at >= 0 else ""
+            if not header.strip() or not end:
+                raise DataError(f"{self.source}: the chat template is not prefix-stable and its assistant turns "
+                                "cannot be located (no generation prompt or end-of-turn text); cannot mask them")
+            self._markers = (header, end)
+        return self._markers
+
+    def _encode_chat_spans(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
+        """The chat rendered once; supervised: each assistant turn from after its header through its end of turn
+        (its content, thinking and own tool calls), never a tool result or a user turn."""
+        header, end = self._assistant_markers()
+        text = self._render_text(messages, False)
+        spans, pos = [], 0
+        while (i := text.find(header, pos)) >= 0:
+            s = i + len(header)
+            e = text.find(end, s)
+            e = len(text) if e < 0 else e + len(end)
+            spans.append((s, e))
+            pos = e
+        want = sum(m["role"] == "assistant" for m in messages)
+        if len(spans) != want:
+            raise DataError(f"{self.source}: found {len(spans)} assistant turns in the rendered chat, expected {want} "
+                            "(the chat template marks them in a way dflash cannot locate); cannot mask them")
+        enc = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = [int(x) for x in enc["input_ids"]]
+        mask = [any(a <= start < b for a, b in spans) for start, _ in enc["offset_mapping"]]
+        return ids, mask
+
+
+class _PrefixUnstable(DataError):
+    """The chat template renders an earlier turn differently once more turns follow."""
+
+
+def flat_content(m: dict[str, Any]) -> str:
+    """A message's content with its tool calls written out as text (`<tool_call>` JSON, the Hermes/Qwen form): how
+    the tiny BPE and templates without tool support see an assistant's tool call."""
+    calls = m.get("tool_calls") or []
+    if not calls:
+        return str(m["content"])
+    parts = [str(m["content"])] if m["content"] else []
+    parts += [f"<tool_call>\n{json.dumps(c['function'], ensure_ascii=False)}\n</tool_call>" for c in calls]
+    return "\n".join(parts)
 
 
 def train_tiny_tokenizer(docs: Sequence[Document], vocab_size: int) -> Any:
@@ -340,7 +446,7 @@ def train_tiny_tokenizer(docs: Sequence[Document], vocab_size: int) -> Any:
             if d.text is not None:
                 yield d.text
             else:
-                yield from (m["content"] for m in d.messages or [])
+                yield from (flat_content(m) for m in d.messages or [])
 
     tok.train_from_iterator(texts(), trainer)
     return tok
@@ -374,6 +480,12 @@ def pinned_origin(docs: Sequence[Document]) -> dict[str, Any] | None:
     return next(iter(origins.values())).origin if origins else None
 
 
+def tiny_tokenizer_name(cfg: DataConfig, docs: Sequence[Document]) -> str:
+    """The cache file name of the tiny BPE for this corpus and vocabulary size (content-addressed)."""
+    key = hashlib.sha256(f"{corpus_fingerprint(docs)}:{cfg.vocab_size}:{SPECIAL_TOKENS}".encode()).hexdigest()[:16]
+    return f"tiny-bpe-{key}.json"
+
+
 def load_tokenizer(cfg: DataConfig, docs: Sequence[Document], cache_dir: str | Path) -> TokenizerAdapter:
     """The configured HF tokenizer, the one regenerated records are pinned to, or the tiny BPE from cache (keyed by
     corpus and vocab size) or trained now."""
@@ -393,8 +505,7 @@ def load_tokenizer(cfg: DataConfig, docs: Sequence[Document], cache_dir: str | P
         return TokenizerAdapter(hf=hf, source=str(path))
     from tokenizers import Tokenizer
 
-    key = hashlib.sha256(f"{corpus_fingerprint(docs)}:{cfg.vocab_size}:{SPECIAL_TOKENS}".encode()).hexdigest()[:16]
-    cache = Path(cache_dir) / f"tiny-bpe-{key}.json"
+    cache = Path(cache_dir) / tiny_tokenizer_name(cfg, docs)
     if cache.is_file():
         try:
             return TokenizerAdapter(tiny=Tokenizer.from_file(str(cache)), source=str(cache))
@@ -423,8 +534,22 @@ class TokenizedCorpus:
 
 def tokenize(docs: Sequence[Document], tok: TokenizerAdapter) -> TokenizedCorpus:
     """Text documents end with EOS and are fully supervised; chats are supervised on assistant tokens only."""
+    import torch
+
     ids: list[torch.Tensor] = []
     masks: list[torch.Tensor] = []
+    for seq, m in token_lists(docs, tok):
+        ids.append(torch.tensor(seq, dtype=torch.long))
+        masks.append(torch.tensor(m, dtype=torch.bool))
+    h = hashlib.sha256(corpus_fingerprint(docs).encode())
+    h.update(tok.content_hash.encode())
+    h.update(str(tok.vocab_size).encode())
+    return TokenizedCorpus(ids=ids, loss_mask=masks, fingerprint=h.hexdigest())
+
+
+def token_lists(docs: Sequence[Document], tok: TokenizerAdapter) -> Iterator[tuple[list[int], list[bool]]]:
+    """(ids, loss mask) of every document as plain lists: the body of tokenize, and all `dflash data inspect`
+    needs (it counts and packs without torch)."""
     text_idx = [i for i, d in enumerate(docs) if d.text is not None]
     encoded = dict(zip(text_idx, tok.encode_batch([docs[i].text or "" for i in text_idx]), strict=True))
     for i, d in enumerate(docs):
@@ -440,12 +565,7 @@ def tokenize(docs: Sequence[Document], tok: TokenizerAdapter) -> TokenizedCorpus
             m = [True] * len(seq)
         else:
             seq, m = tok.encode_chat(d.messages or [])
-        ids.append(torch.tensor(seq, dtype=torch.long))
-        masks.append(torch.tensor(m, dtype=torch.bool))
-    h = hashlib.sha256(corpus_fingerprint(docs).encode())
-    h.update(tok.content_hash.encode())
-    h.update(str(tok.vocab_size).encode())
-    return TokenizedCorpus(ids=ids, loss_mask=masks, fingerprint=h.hexdigest())
+        yield seq, m
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -592,6 +712,8 @@ def load_or_build_schedule(corpus: TokenizedCorpus, cfg: DataConfig, seed: int, 
 
 def buffer_arrays(corpus: TokenizedCorpus, pieces: Sequence[Piece], token_budget: int) -> dict[str, torch.Tensor]:
     """The packed token view of one buffer (fixed length token_budget): ids, loss mask, positions, doc ids (-1 = pad)."""
+    import torch
+
     ids = torch.zeros(token_budget, dtype=torch.long)
     mask = torch.zeros(token_budget, dtype=torch.bool)
     pos = torch.zeros(token_budget, dtype=torch.long)
@@ -610,6 +732,8 @@ def buffer_arrays(corpus: TokenizedCorpus, pieces: Sequence[Piece], token_budget
 
 def buffer_rows(corpus: TokenizedCorpus, pieces: Sequence[Piece], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The padded view of one buffer for a target without varlen: [R, T] right-padded ids and attention mask."""
+    import torch
+
     t = max(n for _, _, n in pieces)
     ids = torch.full((len(pieces), t), pad_id, dtype=torch.long)
     att = torch.zeros((len(pieces), t), dtype=torch.long)

@@ -419,6 +419,11 @@ class Trainer:
             if roles.rank != 0:
                 tok = load_tokenizer(cfg.data, self.docs, tok_cache)
         self.corpus = tokenize(self.docs, tok)
+        if roles.rank == 0:  # what `dflash data inspect` shows, once, in the log
+            from dflash.data_inspect import training_summary_lines
+
+            for line in training_summary_lines(self.docs, self.corpus, tok, cfg.data, cfg.train.seed):
+                self.log.info("%s", line)
         self.start = select_start(self.run_dir.out, cfg, roles, self.corpus, resume=resume, max_steps=max_steps)
         self.total = self.start.total
         self.global_step = self.start.start_step

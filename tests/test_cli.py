@@ -64,7 +64,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     ({"train": {"lr": "fast"}}, "train.lr: expected a number, got 'fast'"),
     ({"train": {"learning_rate": 1e-3}}, "train.learning_rate: unknown field"),
     ({"drafter": {"block_size": 2.5}}, "drafter.block_size: expected an integer, got 2.5"),
-    ({"data": {"format": "csv"}}, "data.format: expected one of auto, text, chat, got 'csv'"),
+    ({"data": {"format": "csv"}}, "data.format: expected one of auto, text, chat, sharegpt, got 'csv'"),
     ({"target": {"tap_layers": ["x"]}}, "target.tap_layers[0]: expected an integer, got 'x'"),
     ({"data": {"token_budget": 4}}, "data.token_budget: must be at least data.max_len (48), got 4"),
     ({"bogus": {}}, "bogus: unknown field"),

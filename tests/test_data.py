@@ -63,7 +63,7 @@ def test_chat_loss_mask_covers_assistant_tokens_only(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("content", "needle"), [
     ('{"messages": [{"role": "robot", "content": "x"}]}', "role 'robot'"),
     ("{not json", "not valid JSON"),
-    ('{"prompt": "x"}', "expected a 'text' or 'messages' key"),
+    ('{"prompt": "x"}', "expected a 'text', 'messages' or 'conversations' key"),
 ])
 def test_bad_data_names_file_and_line(tmp_path: Path, content: str, needle: str) -> None:
     f = tmp_path / "d.jsonl"

@@ -1,0 +1,231 @@
+"""Record shapes users hold, turned into the corpus's one chat form (docs/data.md).
+
+Accepted, besides plain text: OpenAI-style `messages` (with `tool_calls` on assistant turns and `tool` turns),
+ShareGPT `conversations` (`from`/`value`, roles human/gpt/system, also user/assistant/tool, function_call and
+observation), in JSONL, a JSON array, or a Hugging Face dataset (`save_to_disk` directory, .parquet, .arrow) read
+through `datasets`, imported only when such a file is named (it is an optional extra: `pip install
+dflash-ops[data]`).
+
+Every chat becomes a list of messages `{"role", "content"}` (plus `tool_calls`, `tool_call_id`, `name` where given),
+the shape the tokenizer's chat template takes. A plain chat normalises to exactly what it was before, so corpus
+fingerprints (and the schedules keyed by them) of existing data do not change. A bad record is refused in one line
+naming the file, the record and the field, like the rest of dflash/data.py: training on silently thinned data
+would hide the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflash.config import DataConfig
+
+# Chat roles of the corpus (the tiny BPE has one special token per role: dflash/data.py ROLE_TOKENS).
+ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT speaker names -> roles. function_call/observation are the tool-call variant (LLaMA-Factory's).
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant",
+                  "tool": "tool", "function_call": "assistant", "observation": "tool"}
+THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+DATASET_SUFFIXES = (".parquet", ".arrow")
+
+
+class RecordError(ValueError):
+    """A malformed record; the message is the text after `FILE:RECORD: ` (dflash/data.py adds the place)."""
+
+
+def is_hf_dataset_dir(path: Path) -> bool:
+    """A `Dataset.save_to_disk` / `DatasetDict.save_to_disk` directory."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+# ---------------------------------------------------------------------------------------------- records
+def chat_keys(cfg: DataConfig) -> list[str]:
+    """The record keys that hold a chat, in the order they are looked for."""
+    if cfg.messages_field:
+        return [cfg.messages_field]
+    return {"auto": ["messages", "conversations"], "chat": ["messages"], "sharegpt": ["conversations"],
+            "text": []}[cfg.format]
+
+
+def expected_keys(cfg: DataConfig) -> str:
+    keys = [f"'{k}'" for k in chat_keys(cfg)]
+    if cfg.format in ("auto", "text"):
+        keys.insert(0, f"'{cfg.text_field}'")
+    return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} or {keys[-1]}"
+
+
+def record_content(obj: dict[str, Any], cfg: DataConfig) -> tuple[str, Any] | None:
+    """(`text`, value) or (`chat`, (key, turns)) for a record, or None when it has none of the configured keys."""
+    for key in chat_keys(cfg):
+        if key in obj:
+            return "chat", (key, obj[key])
+    if cfg.format in ("auto", "text") and cfg.text_field in obj:
+        return "text", obj[cfg.text_field]
+    return None
+
+
+def _text(value: Any, field: str) -> str:
+    """A message's content: a string, nothing (an assistant turn that only calls tools), or a list of text parts."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    raise RecordError(f"{field} must be a string or a list of text parts, got {type(value).__name__}")
+
+
+def _tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise RecordError(f"{field} must be a list, got {type(value).__name__}")
+    out = []
+    for j, call in enumerate(value):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RecordError(f"{field}[{j}] must be an object with function.name (a string)")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise RecordError(f"{field}[{j}].function.arguments is not valid JSON") from None
+        if not isinstance(args, dict):
+            raise RecordError(f"{field}[{j}].function.arguments must be a JSON object")
+        entry: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call, dict) and isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def apply_thinking(content: str, reasoning: Any, mode: str) -> str:
+    """Qwen3-style thinking of an assistant turn: `<think>...</think>` in the content or a `reasoning_content`
+    field. drop: removed. keep: kept in the content as `<think>\\n...\\n</think>\\n\\n` (the form Qwen3's template
+    parses back, and plain text for templates that know no thinking)."""
+    if mode == "drop":
+        return THINK.sub("", content) if "<think>" in content else content
+    if isinstance(reasoning, str) and reasoning.strip() and "<think>" not in content:
+        return f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
+    return content
+
+
+def parse_turns(turns: Any, key: str, thinking: str) -> list[dict[str, Any]]:
+    """One chat (`messages` or `conversations`) in the corpus's message form; RecordError names the field."""
+    if not isinstance(turns, list) or not turns:
+        raise RecordError(f"'{key}' must be a non-empty list")
+    out: list[dict[str, Any]] = []
+    for i, t in enumerate(turns):
+        at = f"{key}[{i}]"
+        if not isinstance(t, dict):
+            raise RecordError(f"{at} must be an object")
+        extra: dict[str, Any] = {}
+        if "role" in t:  # OpenAI style
+            role = t["role"]
+            if role not in ROLES:
+                raise RecordError(f"{at}.role {role!r} is not one of {'/'.join(ROLES)}")
+            if "content" not in t and not t.get("tool_calls"):
+                raise RecordError(f"{at} has no 'content'")
+            content = _text(t.get("content"), f"{at}.content")
+            if t.get("tool_calls"):
+                if role != "assistant":
+                    raise RecordError(f"{at}.tool_calls: only assistant turns call tools (role is {role!r})")
+                extra["tool_calls"] = _tool_calls(t["tool_calls"], f"{at}.tool_calls")
+            if role == "tool":
+                for k in ("tool_call_id", "name"):
+                    if isinstance(t.get(k), str):
+                        extra[k] = t[k]
+        elif "from" in t:  # ShareGPT
+            who = t["from"]
+            if who not in SHAREGPT_ROLES:
+                raise RecordError(f"{at}.from {who!r} is not one of {'/'.join(SHAREGPT_ROLES)}")
+            role = SHAREGPT_ROLES[who]
+            if not isinstance(t.get("value"), str):
+                raise RecordError(f"{at}.value must be a string")
+            content = t["value"]
+            if who == "function_call":
+                try:
+                    call = json.loads(content)
+                except json.JSONDecodeError:
+                    raise RecordError(f"{at}.value: a function_call turn must hold a JSON tool call") from None
+                extra["tool_calls"] = _tool_calls(call if isinstance(call, list) else [call], f"{at}.value")
+                content = ""
+        else:
+            raise RecordError(f"{at} must have 'role' and 'content' (OpenAI) or 'from' and 'value' (ShareGPT)")
+        if role == "assistant":
+            content = apply_thinking(content, t.get("reasoning_content"), thinking)
+        out.append({"role": role, "content": content, **extra})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- containers
+def iter_json_array(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, record) of a .json file: a JSON array of records (ShareGPT dumps), or JSON lines named .json."""
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecordError(f"cannot read: {exc}") from None
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError:
+        obj = None
+        if "\n" not in raw.strip():
+            raise RecordError("not valid JSON") from None
+    if obj is None:  # JSON lines in a file named .json
+        for n, line in enumerate(raw.splitlines(), 1):
+            if line.strip():
+                yield f"{path}:{n}", _json_line(line, f"{path}:{n}")
+        return
+    if isinstance(obj, dict):
+        obj = [obj]
+    if not isinstance(obj, list):
+        raise RecordError("expected a JSON array of records")
+    for n, rec in enumerate(obj, 1):
+        yield f"{path}: record {n}", rec
+
+
+def _json_line(line: str, where: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise RecordError(f"{where}: not valid JSON ({exc.msg})") from None
+
+
+def iter_hf_dataset(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, row) of a Hugging Face dataset on disk: a `save_to_disk` directory (its `train` split when it holds
+    several), a .parquet file or a .arrow file. Rows are numbered from 1, like lines."""
+    try:
+        import datasets
+    except ImportError:
+        raise RecordError("reading Hugging Face datasets needs the `datasets` package: "
+                          "pip install 'dflash-ops[data]' (or pip install datasets)") from None
+    datasets.disable_progress_bars()
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                splits = list(ds)
+                if "train" in ds:
+                    ds = ds["train"]
+                elif len(splits) == 1:
+                    ds = ds[splits[0]]
+                else:
+                    raise RecordError(f"a dataset with splits {', '.join(splits)} and no 'train': "
+                                      "name one split's directory in data.paths")
+        elif path.suffix == ".parquet":
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="dflash-parquet-") as tmp:  # no cache left in ~/.cache
+                ds = datasets.Dataset.from_parquet(str(path), cache_dir=tmp, keep_in_memory=True)
+        else:
+            ds = datasets.Dataset.from_file(str(path), in_memory=True)
+    except RecordError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to open is one line naming the file
+        raise RecordError(f"cannot read as a Hugging Face dataset: {type(exc).__name__}: {exc}") from None
+    for n, row in enumerate(ds, 1):
+        yield f"{path}: record {n}", row

@@ -1,0 +1,95 @@
+"""`dflash data inspect` as a real process: what it counts, drops and packs, and the one line bad data gets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash_fixtures import data_cfg, tiny_corpus
+
+from dflash.data import make_pieces, pack_epoch, read_documents, token_lists
+from dflash.data_inspect import summarize
+
+DFLASH = str(Path(sys.executable).with_name("dflash"))
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DFLASH_CACHE": str(tmp_path / "cache")}
+    return subprocess.run([DFLASH, "data", "inspect", *args], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+
+
+def _chats(tmp_path: Path) -> Path:
+    recs = [{"conversations": [{"from": "human", "value": f"question number {i}, please answer it at length"},
+                               {"from": "gpt", "value": f"answer number {i} " * 6}]} for i in range(20)]
+    recs.append({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]})  # too short
+    recs.append({"conversations": [{"from": "human", "value": "a user turn alone, long enough to be kept " * 2}]})
+    f = tmp_path / "chats.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return f
+
+
+def test_inspect_counts_drops_and_shows_the_loss_mask_in_plain_text_on_a_pipe(tmp_path: Path) -> None:
+    f = _chats(tmp_path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"target: {{arch: {{num_hidden_layers: 2}}}}\ndata: {{paths: [{f.name}], vocab_size: 300, "
+                   "max_len: 32, min_len: 12, token_budget: 128, num_buckets: 2}\n")
+    r = _run(tmp_path, "--config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "documents: 22 (22 chats)" in out
+    assert "shorter than data.min_len=12 tokens: 1 document(s)" in out  # the "hi"/"yo" chat
+    assert "1 document(s) have no supervised token" in out  # the user turn alone
+    assert "buffers (epoch 0, 128 tokens each):" in out
+    assert "supervised tokens between [[ and ]]" in out and "[[answer number 0" in out
+    assert "\033[" not in out  # not a TTY: no colour codes
+    # the JSON form carries the same numbers, and they are the training code's own
+    js = json.loads(_run(tmp_path, "--config", str(cfg), "--json").stdout)
+    dc = data_cfg(paths=[str(f)], vocab_size=300, max_len=32, min_len=12, token_budget=128, num_buckets=2)
+    docs = read_documents(dc)
+    from dflash.data import load_tokenizer
+
+    tok = load_tokenizer(dc, docs, tmp_path / "cache" / "tokenizer")
+    lists = list(token_lists(docs, tok))
+    lengths = [len(i) for i, _ in lists]
+    pieces = make_pieces(lengths, 32, 12)
+    assert js["tokens"] == sum(lengths) and js["supervised"] == sum(sum(m) for _, m in lists)
+    assert js["pieces"] == len(pieces) and js["buffers"] == len(pack_epoch(pieces, 128, 32, 2, 0, 0))
+    assert js["dropped"]["shorter than data.min_len=12 tokens"]["documents"] == 1
+
+
+def test_inspect_a_data_path_with_format_flags(tmp_path: Path) -> None:
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps([{"body": "some plain text " * 20}, {"body": "more plain text " * 30}]))
+    r = _run(tmp_path, str(f), "--format", "text", "--text-field", "body")
+    assert r.returncode == 0, r.stderr
+    assert "documents: 2 (2 text)" in r.stdout and "= 100.0 %" in r.stdout
+
+
+def test_inspect_bad_record_is_one_line_exit_2(tmp_path: Path) -> None:
+    f = tmp_path / "x.jsonl"
+    f.write_text(json.dumps({"conversations": [{"from": "bot", "value": "x"}]}) + "\n")
+    r = _run(tmp_path, str(f))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        f"dflash: {f}:1: conversations[0].from 'bot' is not one of "
+        "human/gpt/system/user/assistant/tool/function_call/observation"]
+    r = _run(tmp_path)
+    assert r.returncode == 2 and "needs --config CONFIG or DATA" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_summary_fill_and_drops_follow_the_packing() -> None:
+    docs, tok, corpus = tiny_corpus()
+    cfg = data_cfg()
+    lengths = corpus.lengths()
+    sup = [int(m.sum()) for m in corpus.loss_mask]
+    s = summarize(docs, lengths, sup, cfg, 0, lambda d, st, n: int(corpus.loss_mask[d][st:st + n].sum()))
+    bufs = pack_epoch(make_pieces(lengths, cfg.max_len, cfg.min_len), cfg.token_budget, cfg.max_len,
+                      cfg.num_buckets, 0, 0)
+    assert s.buffers == len(bufs)
+    assert abs(s.fill_mean - sum(sum(p[2] for p in b) for b in bufs) / (len(bufs) * cfg.token_budget)) < 1e-9
+    assert s.piece_tokens + sum(r["tokens"] for r in s.dropped.values()) == s.tokens == sum(lengths)
+    assert sum(c for _, c in s.length_bins) == len(docs)
