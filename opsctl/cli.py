@@ -268,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "replaced without it, once its heartbeat is stale")
     s.add_argument("--fresh-cache", action="store_true",
                    help="empty the run's inductor cache first, whatever inductor_cache_policy says")
+    s.add_argument("--progress", action="store_true",
+                   help="with --follow on a terminal: after the first step, one progress bar (step/total, loss, tau of the last "
+                        "in-training eval, tokens/s, ETA) instead of every log line; warnings, errors, evaluations "
+                        "and checkpoints still print, and the log keeps every line. Into a pipe: one line per 1/20 "
+                        "of the run")
     s.add_argument("extra_args", nargs="*", default=[], metavar="-- ARGS",
                    help="after --: arguments appended to the run's command for this attempt only (e.g. "
                         "`opsctl launch box r -- --max-steps 200`); recorded in `opsctl history`")
@@ -315,7 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-f", "--follow", action="store_true",
                    help="keep printing new lines until the run ends (reconnecting after a drop); exit 0 if it "
                         "finished with status 0, else 1")
-    s.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines of history (default 50)")
+    s.add_argument("-n", "--lines", type=int, default=None, metavar="N",
+                   help="lines of history (default 50; with --progress 0: the bar sums up what came before)")
+    s.add_argument("--progress", action="store_true", help="with -f on a terminal: after the first step, one progress bar (step/total, loss, tau of the last "
+                        "in-training eval, tokens/s, ETA) instead of every log line; warnings, errors, evaluations "
+                        "and checkpoints still print, and the log keeps every line. Into a pipe: one line per 1/20 "
+                        "of the run")
     s.add_argument("--all", action="store_true",
                    help="every kept attempt's log (LOG.N ... LOG.1, then the current LOG), each under a header")
     s.add_argument("--node", type=int, metavar="I", default=None,
@@ -461,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in given and _verb_of(given[:given.index("--")]) == "launch":
         given, extra = given[:given.index("--")], given[given.index("--") + 1:]
     args = parser.parse_args(given)
+    if args.verb == "logs" and args.lines is None:  # -f --progress: the bar sums up the backlog, no 50 lines first
+        args.lines = 0 if args.progress else 50
     ctx = commands.Ctx(hosts_file=args.hosts, accept_new_host_key=args.accept_new_host_key)
     try:
         from opsctl.group_verbs import dispatch  # HOST may name a group of hosts (hosts.yaml `groups:`)
@@ -475,8 +487,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.take_over:
                 raise commands.OpsError("--take-over is for group runs (a HOST that names a group in hosts.yaml)",
                                         commands.EXIT_USAGE)
+            if args.progress and not args.follow:
+                raise commands.OpsError("--progress draws the run's training while following it: add --follow",
+                                        commands.EXIT_USAGE)
             return commands.cmd_launch(ctx, args.host, args.run, force=args.force, follow=args.follow,
-                                       fresh_cache=args.fresh_cache, extra_args=extra)
+                                       fresh_cache=args.fresh_cache, extra_args=extra, progress=args.progress)
         if args.verb == "history":
             from opsctl.history import cmd_history
 
@@ -486,7 +501,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "logs":
             if args.lines < 0:
                 raise commands.OpsError("-n must be >= 0", commands.EXIT_USAGE)
-            return commands.cmd_logs(ctx, args.host, args.run, follow=args.follow, lines=args.lines, all_attempts=args.all)
+            if args.progress and not args.follow:
+                raise commands.OpsError("--progress draws the run's training while following it: add -f",
+                                        commands.EXIT_USAGE)
+            return commands.cmd_logs(ctx, args.host, args.run, follow=args.follow, lines=args.lines, all_attempts=args.all,
+                                     progress=args.progress)
         if args.verb == "kill":
             return commands.cmd_kill(ctx, args.host, args.run)
         if args.verb == "clean":
