@@ -137,9 +137,12 @@ def load_export(path: str | Path) -> Loaded:
     info_path = src / "dflash_export.json"
     if info_path.is_file():
         info = json.loads(info_path.read_text())
-        target_meta.update(info.get("target") or {})
-        ckpt_dir = Path(info.get("source", ""))
-        if (ckpt_dir / "meta.json").is_file():
+        target_meta.update(_export_target(info.get("target") or {}))
+        # the exporting machine's path is only a hint (dflash_export.json names it so): used when it still holds
+        # the very checkpoint (same manifest hash); an export made before the hash was recorded has `source`
+        ckpt_dir = Path(info.get("source_local_path_informational") or info.get("source") or "/nonexistent")
+        want = info.get("source_manifest_sha256")
+        if (ckpt_dir / "meta.json").is_file() and (want is None or _manifest_sha(ckpt_dir) == want):
             try:
                 run = load_checkpoint(ckpt_dir)
                 cfg, run_dir, pipeline = run.cfg, run.run_dir, run.pipeline
@@ -147,6 +150,25 @@ def load_export(path: str | Path) -> Loaded:
                 pass  # the source checkpoint moved on or was pruned: --config / --target must say
     return Loaded(drafter=drafter, tap_layers=taps, source=str(src), cfg=cfg, run_dir=run_dir, pipeline=pipeline,
                   target_meta=target_meta)
+
+
+def _export_target(t: dict[str, Any]) -> dict[str, Any]:
+    """dflash_export.json's target as load_target reads it: `path` is its hub id, else the exporter's local path
+    when it exists here (an export moved to another machine then needs --target or --config)."""
+    out = {k: v for k, v in t.items() if k not in ("hub_id", "local_path_informational")}
+    local = t.get("local_path_informational")
+    if t.get("hub_id") or local:
+        out["path"] = t.get("hub_id") or (local if Path(local).is_dir() else None)
+    return out
+
+
+def _manifest_sha(ckpt_dir: Path) -> str | None:
+    import hashlib
+
+    try:
+        return hashlib.sha256((ckpt_dir / "manifest.json").read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def load_target(loaded: Loaded, target_dir: str | None, device: torch.device) -> TargetLM:

@@ -9,8 +9,11 @@ This project's own modeling file ships alongside (`modeling_dflash.py`, register
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -139,17 +142,42 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
     facts = target_facts_from_dir(target_dir) if target_dir is not None else TargetFacts(
         num_layers=t.get("num_layers"), hidden_size=t.get("hidden_size"), vocab_size=t.get("vocab_size"),
         source=f"{src / 'meta.json'} target")
-    info = {"source": str(src.resolve()), "step": int(manifest["step"]), "run_id": meta.get("run_id"),
-            "target": t, "dtype": dtype, **provenance(src, meta, int(manifest["step"]))}
+    info = {**portable_source(src), "step": int(manifest["step"]), "run_id": meta.get("run_id"),
+            "target": portable_target(t), "dtype": dtype, **provenance(src, meta, int(manifest["step"]))}
     with atomic_directory(dst) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors writes through a private temp file (mode 0600): give the weights the mode every other file of
+        # the export got from the umask, or a serving user other than the exporter cannot read them
+        os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
         shutil.copyfile(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
         (tmp / "dflash_export.json").write_text(json.dumps(info, indent=2) + "\n")
         checked = check_export(tmp, facts)
         if checked.problems:
             raise ExportCheckFailed(dst, checked.problems)  # atomic_directory removes the temp dir
     return dst
+
+
+def portable_source(src: Path) -> dict[str, Any]:
+    """Which checkpoint the export came from, in terms that mean the same on another machine: its path inside the
+    run directory and its manifest's sha256 (the checkpoint's content). The absolute path is kept only as a hint for
+    `dflash eval --drafter` on the exporting machine, named so: elsewhere it points at nothing."""
+    inside = f"{src.parent.name}/{src.name}" if src.parent.name == "checkpoints" else src.name
+    return {"source_checkpoint": inside,
+            "source_manifest_sha256": hashlib.sha256((src / "manifest.json").read_bytes()).hexdigest(),
+            "source_local_path_informational": str(src.resolve())}
+
+
+def portable_target(t: dict[str, Any]) -> dict[str, Any]:
+    """The target's facts from the checkpoint's meta.json, its location made portable: a Hugging Face hub id stays
+    (`hub_id`, resolvable anywhere); a local directory (a pretrained target under the exporter's cache, a model dir)
+    is kept only as `local_path_informational`. What identifies the target anywhere is `target_config_sha256`."""
+    out = {k: v for k, v in t.items() if k != "path"}
+    path = t.get("path")
+    local = isinstance(path, str) and (Path(path).is_absolute() or Path(path).expanduser().exists())
+    out["hub_id"] = path if isinstance(path, str) and not local else None
+    out["local_path_informational"] = str(Path(path).expanduser().resolve()) if local else None
+    return out
 
 
 def provenance(src: Path, meta: dict[str, Any], step: int) -> dict[str, Any]:
@@ -165,8 +193,6 @@ def provenance(src: Path, meta: dict[str, Any], step: int) -> dict[str, Any]:
 
 
 def _sha(obj: Any) -> str:
-    import hashlib
-
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -18,21 +18,73 @@ from rich.text import Text
 from opsctl import commands
 from opsctl.transport import TransportError
 
-EXIT_CODES_HELP = f"""\
-exit codes:
-  {commands.EXIT_OK}  ok: the run is ready (launch), finished with status 0 (--follow, logs -f), or the verb succeeded
-  {commands.EXIT_FAILED}  the run crashed / failed before it was ready / exited non-zero; kill left survivors
-  {commands.EXIT_USAGE}  bad command line or hosts.yaml (the message names file, line and field)
-  {commands.EXIT_TRANSPORT}  host unreachable, host key unknown or changed, authentication refused, unknown host
-     (at once), or a link lost for longer than the host's reconnect_timeout (logs -f, launch --follow)
-  {commands.EXIT_TIMEOUT}  launch: not ready within ready_timeout; the message names the phase it is stuck in
-     (the run is left running: inspect with `opsctl logs`, stop with `opsctl kill`)
-  {commands.EXIT_REFUSED}  launch/clean refused: container stopped, GPUs busy, model dir != manifest, preflight
-     command failed, run already running or already finished (nothing touched), a cache dir that fails
-     validation or that another live run uses (named with its pid); launch GROUP RUN --follow: another
-     opsctl supervises the group (named with its host and pid; --take-over replaces it)
-  {commands.EXIT_TAKEN_OVER}  launch GROUP RUN --follow: another opsctl took over the group's supervision (launch
-     --take-over); this one stopped supervising, the group goes on under the other one
+# What each exit code means, per verb, for exactly the codes that verb can return: `opsctl VERB --help` prints its
+# entry and nothing else, so a code that cannot happen is never listed (tests/test_opsctl_cli.py holds each verb's
+# possible codes, read from its code paths, and checks every --help against them). Keys: commands.EXIT_CODES.
+_USAGE = "bad command line or hosts.yaml (the message names file, line and field)"
+_UNREACHABLE = "host unreachable, host key unknown or changed, authentication refused, unknown host"
+_STOPPED = "the host's Proxmox container is stopped (nothing was touched)"
+VERB_EXIT_CODES: dict[str, dict[str, str]] = {
+    "launch": {
+        "ok": "the run is ready (first `step` event or ready_pattern); with --follow: it finished with status 0",
+        "failed": "the run crashed or failed before it was ready; with --follow: it exited non-zero or was killed",
+        "usage": _USAGE,
+        "transport": _UNREACHABLE + " (at once), or with --follow the link lost for longer than the host's "
+                     "reconnect_timeout",
+        "timeout": "not ready within ready_timeout; the message names the phase it is stuck in (the run is left "
+                   "running: inspect with `opsctl logs`, stop with `opsctl kill`)",
+        "refused": "preflight refused, nothing started: container stopped, GPUs busy, model dir != manifest, the "
+                   "run's preflight command failed, run already running or finished, a cache dir that fails "
+                   "validation or that another live run uses (named with its pid); a group run that another opsctl "
+                   "supervises (named with its host and pid; --take-over replaces it)",
+        "taken_over": "launch GROUP RUN --follow: another opsctl took over the group's supervision (launch "
+                      "--take-over); this one stopped supervising, the group goes on under the other one",
+    },
+    "history": {"ok": "the attempts were printed (none yet is not an error)",
+                "failed": "the host's agent sent no history (its error is printed)", "usage": _USAGE,
+                "transport": _UNREACHABLE, "refused": _STOPPED},
+    "status": {"ok": "every host answered (whatever state its runs are in)", "usage": _USAGE,
+               "transport": "a host could not be reached (it is shown as unreachable; the others still answer)",
+               "refused": _STOPPED},
+    "logs": {"ok": "the lines were printed, or the run was never launched (said on stderr); -f: the run finished "
+                   "with status 0",
+             "failed": "-f: the run exited non-zero, crashed or was killed", "usage": _USAGE,
+             "transport": _UNREACHABLE + " (at once), or -f: the link lost for longer than reconnect_timeout",
+             "refused": _STOPPED},
+    "kill": {"ok": "the run is stopped (or was not running) and NVML shows none of its processes on a GPU",
+             "failed": "processes of the run survived SIGKILL or still hold GPU memory (named with their pids)",
+             "usage": _USAGE, "transport": _UNREACHABLE, "refused": _STOPPED},
+    "clean": {"ok": "cleaned (or, --dry-run, listed what a clean would remove and what it would refuse)",
+              "usage": _USAGE, "transport": _UNREACHABLE,
+              "refused": "the run is alive, or a directory failed validation (nothing deleted); " + _STOPPED},
+    "watch": {"ok": "the dashboard was closed; --once: every host answered", "usage": _USAGE,
+              "transport": "--once: a host could not be reached (its run is in the snapshot as unreachable)"},
+    "export": {"ok": "the events so far are written (or there was nothing new: no event file written); --follow: "
+                     "the run ended", "usage": _USAGE + "; DIR holds another run's export or cannot be created",
+               "transport": _UNREACHABLE + ", or --follow: the link lost for longer than reconnect_timeout",
+               "refused": _STOPPED},
+    "hosts": {"ok": "the inventory is valid", "usage": "hosts.yaml is invalid (each problem names file, line and "
+              "field)"},
+    "init": {"ok": "the file was written", "usage": "the file exists (use --force) or cannot be written"},
+    "completion": {"ok": "the script was printed", "usage": "an unknown shell"},
+}
+
+
+def exit_codes_help(verb: str) -> str:
+    """The `exit codes:` section of `opsctl VERB --help`: only the codes VERB can return (VERB_EXIT_CODES)."""
+    import textwrap
+
+    lines = ["exit codes:"]
+    for name, text in VERB_EXIT_CODES[verb].items():
+        lines += textwrap.wrap(text, 110, initial_indent=f"  {commands.EXIT_CODES[name]}  ",
+                               subsequent_indent="     ", break_on_hyphens=False)
+    return "\n".join(lines) + "\n"
+
+
+EXIT_CODES_HELP = """\
+exit codes (`opsctl VERB --help` says which of them each verb returns, and what each means for it):
+  0 ok   1 the run failed / kill left survivors   2 bad command line or hosts.yaml   3 host unreachable or link lost
+  4 launch: not ready within ready_timeout   5 refused (nothing touched)   6 launch GROUP RUN --follow: taken over
 """
 
 EXAMPLES = """\
@@ -47,6 +99,7 @@ examples:
   opsctl logs pve-box qwen27b -f             follow the log; survives SSH drops without losing a line
   opsctl kill pve-box qwen27b                SIGINT, SIGTERM, SIGKILL to the run's process tree; waits for
                                              run_end and checks through NVML that the GPUs were released
+  opsctl history pve-box qwen27b             every attempt: start, duration, how it ended, its checkpoint
   opsctl clean pve-box --dry-run             what clean would delete (inductor cache, dead tmux sessions,
                                              stale pid files) - it only ever deletes inside validated dirs
   opsctl watch                               live dashboard of every run in hosts.yaml
@@ -70,6 +123,10 @@ class Parser(argparse.ArgumentParser):
     """argparse with a suggestion for a mistyped verb (`staus` -> `status`), as git and kubectl do."""
 
     def error(self, message: str) -> NoReturn:
+        if self.prog.endswith(" launch") and message.startswith("the following arguments are required"):
+            message = ("launch needs HOST and RUN: a run defined under HOST's `runs:` in hosts.yaml, e.g. `opsctl "
+                       "launch local tiny` (`opsctl hosts` lists them; `opsctl init` writes a hosts.yaml to start "
+                       "from); arguments after -- are added to that run's command for one attempt")
         m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if m:
             choices = re.findall(r"'([^']*)'", m.group(2))
@@ -77,6 +134,14 @@ class Parser(argparse.ArgumentParser):
             hint = f"; did you mean '{close[0]}'?" if close else ""
             message = f"unknown {self._what()} '{m.group(1)}'{hint} (one of: {', '.join(choices)})"
         super().error(message)
+
+    def format_help(self) -> str:
+        """A parser may compute its epilog only when its help is asked for (watch: its keys, read from the
+        dashboard, which `opsctl --help` need not import)."""
+        fn = getattr(self, "epilog_fn", None)
+        if fn is not None:
+            self.epilog = fn()
+        return super().format_help()
 
     def _what(self) -> str:
         return "verb" if self.prog == "opsctl" else "subcommand"
@@ -117,10 +182,45 @@ def _targets(prefix: str, parsed_args: argparse.Namespace, **_: Any) -> list[str
 
 def _host_run(s: argparse.ArgumentParser, run: str = "required") -> None:
     """HOST and RUN positionals, completed from the inventory."""
-    h = s.add_argument("host", **({"nargs": "?"} if run == "none" else {}))
+    h = s.add_argument("host", metavar="HOST", help=_HOST_HELP + (" (default: every host)" if run == "none" else ""),
+                       **({"nargs": "?"} if run == "none" else {}))
     h.completer = _host_names  # type: ignore[attr-defined]
-    r = s.add_argument("run", **({"nargs": "?"} if run in ("optional", "none") else {}))
+    r = s.add_argument("run", metavar="RUN", help=_RUN_HELP + (" (default: every run of HOST)" if run != "required" else ""),
+                       **({"nargs": "?"} if run in ("optional", "none") else {}))
     r.completer = _run_names  # type: ignore[attr-defined]
+
+
+# `opsctl watch --help`: what each key does, by the action it is bound to (the keys themselves are read from the
+# dashboard's BINDINGS, so a key added there shows up in --help with at least its footer label).
+WATCH_KEY_HELP = {
+    "kill": "kill the selected run (asks first)", "clean": "clean the selected run (asks first)",
+    "reconnect": "reconnect its link now", "next_run": "next run", "search": "search the log (enter: next match)",
+    "charts": "show / hide the charts", "metric": "next metric in the right chart",
+    "smoothing": "smoothing of the charts on / off", "gpu_history": "GPU columns: now (bars) / history (sparklines)",
+    "screenshot": "SVG screenshot (the notification says where)", "quit": "quit (the runs go on)",
+    "severity": "log: show only warnings / errors and up", "next_match": "log: older search match",
+    "prev_match": "log: newer search match", "follow": "log: follow its end again",
+}
+_KEY_NAMES = {"slash": "/", "escape": "esc"}
+
+
+def watch_keys_help() -> str:
+    """Every key of the dashboard (WatchApp and its log pane), from their BINDINGS, one per line."""
+    from opsctl.tui import WatchApp
+    from opsctl.widgets import LogPane
+
+    seen: dict[str, list[str]] = {}
+    for binding in [*WatchApp.BINDINGS, *LogPane.BINDINGS]:
+        keys = [_KEY_NAMES.get(k.strip(), k.strip()) for k in binding.key.split(",")]  # type: ignore[union-attr]
+        what = WATCH_KEY_HELP.get(binding.action, binding.description)  # type: ignore[union-attr]
+        seen.setdefault(what, [])
+        seen[what] += [k for k in keys if k not in seen[what]]
+    width = max(len(" ".join(k)) for k in seen.values())
+    return "keys:\n" + "".join(f"  {' '.join(k):<{width}}  {what}\n" for what, k in seen.items())
+
+
+_RUN_HELP = "a run of HOST's `runs:` in hosts.yaml (`opsctl hosts` lists them)"
+_HOST_HELP = "a host of hosts.yaml, or a group (`groups:`) to act on every node of a group run"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,7 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "captured, log teed, pid and process group recorded), then stream its log until it "
                        "reports ready (first `step` event or ready_pattern). Exits non-zero within 1 s if it "
                        "dies first, printing the traceback; after ready_timeout it names the phase it is stuck "
-                       "in and leaves it running.", epilog=EXIT_CODES_HELP)
+                       "in and leaves it running.", epilog="""examples:
+  opsctl launch local tiny --follow          start, stream until ready, keep following until it ends
+  opsctl launch box r -- --max-steps 200     one attempt with extra arguments for the run's command
+  opsctl launch box r --follow --progress    follow as one progress bar (step, loss, tau, tokens/s)
+""" + "\n" + exit_codes_help("launch"))
     _host_run(s)
     s.add_argument("--force", action="store_true", help="start even if other processes hold the GPUs")
     s.add_argument("--follow", action="store_true",
@@ -164,7 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "replaced without it, once its heartbeat is stale")
     s.add_argument("--fresh-cache", action="store_true",
                    help="empty the run's inductor cache first, whatever inductor_cache_policy says")
-    s.add_argument("extra_args", nargs="*", metavar="-- ARGS",
+    s.add_argument("--progress", action="store_true",
+                   help="with --follow on a terminal: after the first step, one progress bar (step/total, loss, tau of the last "
+                        "in-training eval, tokens/s, ETA) instead of every log line; warnings, errors, evaluations "
+                        "and checkpoints still print, and the log keeps every line. Into a pipe: one line per 1/20 "
+                        "of the run")
+    s.add_argument("extra_args", nargs="*", default=[], metavar="-- ARGS",
                    help="after --: arguments appended to the run's command for this attempt only (e.g. "
                         "`opsctl launch box r -- --max-steps 200`); recorded in `opsctl history`")
 
@@ -179,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="""examples:
   opsctl history pve-box qwen27b          one row per attempt
   opsctl history pve-box qwen27b --json   the same as a JSON list (one object per attempt)
-  opsctl history pair qwen27b             a group run: one row per attempt of the group, a line per node""")
+  opsctl history pair qwen27b             a group run: one row per attempt of the group, a line per node
+
+""" + exit_codes_help("history"))
     _host_run(s)
     s.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
 
@@ -190,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "inventory (an unreachable host is shown as such, the others still answer). --json prints a "
                        "list with one object per run, whatever the arguments: the schema `watch --once --json` "
                        "prints too (docs/cli-json.md). Exit 3 when a host could not be reached.",
-                       epilog=EXIT_CODES_HELP)
+                       epilog=exit_codes_help("status"))
     _host_run(s, run="none")
     s.add_argument("--json", action="store_true", help="print JSON (a list of runs) instead of a table")
 
@@ -200,10 +311,21 @@ def build_parser() -> argparse.ArgumentParser:
                        "reconnect_timeout (default 300 s, 0 = forever), and resumes at the last byte offset, so "
                        "no line is lost or repeated; a host key, authentication or unknown-host error exits 3 at "
                        "once. -f ends when the run ends, with exit 0 if its status was 0. Shows the current "
-                       "attempt; --all every kept attempt.")
+                       "attempt; --all every kept attempt.", epilog="""examples:
+  opsctl logs box r -n 100                   the last 100 lines
+  opsctl logs box r -f                       follow until the run ends; exit with its status
+  opsctl logs box r -f --progress            follow as one progress bar (the log keeps every line)
+""" + "\n" + exit_codes_help("logs"))
     _host_run(s)
-    s.add_argument("-f", "--follow", action="store_true")
-    s.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines of history (default 50)")
+    s.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing new lines until the run ends (reconnecting after a drop); exit 0 if it "
+                        "finished with status 0, else 1")
+    s.add_argument("-n", "--lines", type=int, default=None, metavar="N",
+                   help="lines of history (default 50; with --progress 0: the bar sums up what came before)")
+    s.add_argument("--progress", action="store_true", help="with -f on a terminal: after the first step, one progress bar (step/total, loss, tau of the last "
+                        "in-training eval, tokens/s, ETA) instead of every log line; warnings, errors, evaluations "
+                        "and checkpoints still print, and the log keeps every line. Into a pipe: one line per 1/20 "
+                        "of the run")
     s.add_argument("--all", action="store_true",
                    help="every kept attempt's log (LOG.N ... LOG.1, then the current LOG), each under a header")
     s.add_argument("--node", type=int, metavar="I", default=None,
@@ -213,29 +335,36 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Signal the recorded process group and every descendant (also those that "
                        "left the group): SIGINT, wait kill_grace[0]; SIGTERM, wait kill_grace[1]; SIGKILL. "
                        "Reports the training core's run_end and checkpoint, and whether NVML still shows a "
-                       "process of the run holding GPU memory. Processes are never matched by name.")
+                       "process of the run holding GPU memory. Processes are never matched by name.",
+                       epilog=exit_codes_help("kill"))
     _host_run(s)
 
     s = sub.add_parser("clean", formatter_class=fmt, help="inductor cache, dead tmux sessions, stale pid files",
                        description="Empty the run's inductor cache dir (only after validation: absolute, not "
                        "/, ~ or a system dir, inside clean_roots, symlinks resolved), remove dead tmux sessions "
                        "of our runs and stale pid files. Refuses while the run is alive. Without RUN: every "
-                       "run of HOST.")
+                       "run of HOST.", epilog=exit_codes_help("clean"))
     _host_run(s, run="optional")
     s.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     s.add_argument("--logs", action="store_true",
                    help="also remove earlier attempts' logs (LOG.1 ... LOG.N); the current log always stays")
 
-    s = sub.add_parser("watch", formatter_class=fmt, help="live dashboard (Textual) of one or many runs",
-                       epilog="""examples:
-  opsctl watch                         every run in hosts.yaml, one worker per run (a dead host never
-                                       freezes the others); keys: k kill, c clean, r reconnect, tab next
-                                       run, / search the log, s severity filter, f follow, q quit
+    watch_examples = """examples:
+  opsctl watch                         every run in hosts.yaml
   opsctl watch pve-box:qwen27b local   one run of pve-box and every run of local
   opsctl watch --plain                 the same numbers as a scrolling rich view (no full-screen terminal)
   opsctl watch --once                  one JSON snapshot of every run (state, step, loss, GPUs, alerts):
                                        the schema of `status --json` (docs/cli-json.md); exit 0 when every
-                                       host answered, 3 when one could not be reached""")
+                                       host answered, 3 when one could not be reached
+"""
+    s = sub.add_parser("watch", formatter_class=fmt, help="live dashboard (Textual) of one or many runs",
+                       description="A full-screen dashboard of every run you name (default: every run in "
+                       "hosts.yaml): state, step, loss, tokens/s, ETA, tau, GPUs, alerts, charts and the log, "
+                       "one worker per run, so a dead host never freezes the others. Kill, clean and reconnect "
+                       "from the keyboard. --plain for terminals without full-screen support, --once for scripts.",
+                       epilog=watch_examples)
+    s.epilog_fn = lambda: (watch_examples + "\n" + watch_keys_help()  # type: ignore[attr-defined]
+                           + "\n" + exit_codes_help("watch"))
     t = s.add_argument("targets", nargs="*", metavar="HOST[:RUN]", help="runs to watch (default: all in hosts.yaml)")
     t.completer = _targets  # type: ignore[attr-defined]
     s.add_argument("--plain", action="store_true", help="rich Live output instead of the full-screen app")
@@ -250,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "files into DIR (with tensorboard's own writer): loss, per-position accuracy, lr, grad norm, "
                        "tokens/s, step time, queue depth and wait, recompiles, and per rank the heartbeat's memory. "
                        "A resumed attempt starts a new TensorBoard session at its step, so TensorBoard drops the "
-                       "steps the crash lost. Export again into the same DIR and only new events are added. "
+                       "steps the crash lost. Export again into the same DIR and only new events are added (none new: no event file, said in one line). "
                        "--follow keeps adding steps and NVML samples (GPU util, memory, power, temperature) "
                        "until the run ends. W&B reads DIR with `wandb sync --sync-tensorboard DIR`. Tags: train/*, "
                        "acc/*, perf/*, queue/*, compile/*, checkpoint/*, rank{R}/rss_mb, gpu_mem_mb and gpu_reserved_mb, "
@@ -262,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
   opsctl export pve-box qwen27b --tensorboard tb/qwen27b     then: tensorboard --logdir tb
   opsctl export local tiny --tensorboard tb/tiny --follow   keep adding steps and GPU samples
   opsctl export pair qwen27b --tensorboard tb/pair-qwen27b  a group run: node 0's steps, node{N}/ per node
-""" + "\n" + EXIT_CODES_HELP)
+""" + "\n" + exit_codes_help("export"))
     _host_run(s)
     s.add_argument("--tensorboard", metavar="DIR", required=True, help="directory for the TensorBoard event files")
     s.add_argument("--follow", "-f", action="store_true",
@@ -272,13 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Without a subcommand: every host of the inventory (how it is reached, its "
                        "GPUs and runs), every group (its members in node order, the head first, the rendezvous "
                        "and each run's nodes x ranks) and which file it came from. `hosts check` validates the file without "
-                       "connecting anywhere.")
+                       "connecting anywhere.", epilog=exit_codes_help("hosts"))
     hs = s.add_subparsers(dest="hosts_verb", metavar="check", parser_class=Parser)
     hs.add_parser("check", help="validate hosts.yaml without connecting")
 
     s = sub.add_parser("init", formatter_class=fmt, help="write a commented hosts.yaml to start from",
                        description="Write a commented inventory: the local host with the tiny run, and an SSH and a "
-                       "Proxmox (pct) example to uncomment. An existing file is never overwritten without --force.")
+                       "Proxmox (pct) example to uncomment. An existing file is never overwritten without --force.",
+                       epilog=exit_codes_help("init"))
     s.add_argument("path", nargs="?", default="hosts.yaml", help="where to write it (default ./hosts.yaml)")
     s.add_argument("--force", action="store_true", help="replace an existing file")
 
@@ -288,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="""examples:
   echo 'eval "$(opsctl completion bash)"' >> ~/.bashrc
   echo 'eval "$(opsctl completion zsh)"' >> ~/.zshrc
-""")
+
+""" + exit_codes_help("completion"))
     s.add_argument("shell", choices=["bash", "zsh"])
     for verb_parser in _subparsers(p):
         _add_global_options(verb_parser)
@@ -340,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in given and _verb_of(given[:given.index("--")]) == "launch":
         given, extra = given[:given.index("--")], given[given.index("--") + 1:]
     args = parser.parse_args(given)
+    if args.verb == "logs" and args.lines is None:  # -f --progress: the bar sums up the backlog, no 50 lines first
+        args.lines = 0 if args.progress else 50
     ctx = commands.Ctx(hosts_file=args.hosts, accept_new_host_key=args.accept_new_host_key)
     try:
         from opsctl.group_verbs import dispatch  # HOST may name a group of hosts (hosts.yaml `groups:`)
@@ -354,8 +487,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.take_over:
                 raise commands.OpsError("--take-over is for group runs (a HOST that names a group in hosts.yaml)",
                                         commands.EXIT_USAGE)
+            if args.progress and not args.follow:
+                raise commands.OpsError("--progress draws the run's training while following it: add --follow",
+                                        commands.EXIT_USAGE)
             return commands.cmd_launch(ctx, args.host, args.run, force=args.force, follow=args.follow,
-                                       fresh_cache=args.fresh_cache, extra_args=extra)
+                                       fresh_cache=args.fresh_cache, extra_args=extra, progress=args.progress)
         if args.verb == "history":
             from opsctl.history import cmd_history
 
@@ -365,7 +501,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "logs":
             if args.lines < 0:
                 raise commands.OpsError("-n must be >= 0", commands.EXIT_USAGE)
-            return commands.cmd_logs(ctx, args.host, args.run, follow=args.follow, lines=args.lines, all_attempts=args.all)
+            if args.progress and not args.follow:
+                raise commands.OpsError("--progress draws the run's training while following it: add -f",
+                                        commands.EXIT_USAGE)
+            return commands.cmd_logs(ctx, args.host, args.run, follow=args.follow, lines=args.lines, all_attempts=args.all,
+                                     progress=args.progress)
         if args.verb == "kill":
             return commands.cmd_kill(ctx, args.host, args.run)
         if args.verb == "clean":

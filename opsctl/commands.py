@@ -162,7 +162,7 @@ def _print_verdict_failure(ctx: Ctx, m: dict[str, Any]) -> None:
 
 # -- launch -------------------------------------------------------------------------------------------------
 def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, follow: bool = False,
-               fresh_cache: bool = False, extra_args: list[str] | None = None) -> int:
+               fresh_cache: bool = False, extra_args: list[str] | None = None, progress: bool = False) -> int:
     host, run = ctx.resolve(host_name, run_name)
     assert run is not None
     t = ctx.transport(host)
@@ -171,6 +171,7 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
         t0 = time.monotonic()
         preflight(ctx, host, t)
         state = SmoothedRunState(stall_after_s=run.stall_after)
+        train = _train_progress(ctx, state, host, run) if progress else None  # --follow --progress: one bar
         rc: int | None = None
         launched_at: float | None = None
         offsets = {"log_offset": 0, "events_offset": 0}
@@ -189,18 +190,26 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
                                   + (f", extra args {' '.join(extra_args)}".replace("[", r"\[") if extra_args else "")
                                   + f"  [{launched_at - t0:.2f} s]")
                 elif kind == "log":
-                    if not (ctx.raw.isatty() and phases.line(m["line"])):  # above the bars on a terminal
+                    if train is not None and not train.log_line(m["line"]):
+                        pass  # a step line, in the bar (the log keeps it)
+                    elif not (ctx.raw.isatty() and phases.line(m["line"])):  # above the bars on a terminal
                         ctx.line(m["line"])
                     offsets["log_offset"] = m["end"]
                 elif kind == "event":
                     offsets["events_offset"] = m["end"]
                     ev = m["event"]
-                    if ev.get("kind") == "phase" and ev.get("phase") != "training":
+                    if train is not None and train.active:
+                        pass  # saving / evaluating inside training: the training bar says it
+                    elif ev.get("kind") == "phase" and ev.get("phase") != "training":
                         phases.update(ev.get("phase"), ev.get("i"), ev.get("n"), ev.get("detail"))
                     elif ev.get("kind") in ("step", "run_end") or ev.get("phase") == "training":
                         phases.stop()
+                    if train is not None:
+                        train.event(ev)
                 elif kind == "verdict":
                     phases.stop()
+                    if train is not None and m.get("reason") != "ready":
+                        train.stop()
                     _launch_verdict(ctx, m, state, run, t0)
                 elif kind == "error":
                     ctx.err.print(f"[red]agent: {m.get('message')}[/]")
@@ -213,10 +222,14 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
             ctx.err.print(f"[yellow]{exc}; the run keeps going: reconnecting to follow it[/]")
             if not follow:
                 return _resume_until_ready(ctx, host, run, t, offsets, state, t0)
-            return cmd_logs(ctx, host_name, run_name, follow=True, _offsets=offsets)
+            if train is not None:
+                train.stop()
+            return cmd_logs(ctx, host_name, run_name, follow=True, _offsets=offsets, progress=progress)
         return EXIT_FAILED if rc is None else rc
     finally:
         phases.stop()  # Ctrl-C included: leave the terminal's cursor and bars as they are
+        if train is not None:
+            train.stop()
         t.close()
 
 
@@ -323,7 +336,7 @@ def _attempt_header(m: dict[str, Any]) -> str:
 
 
 def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, lines: int = 50,
-             _offsets: dict[str, int] | None = None, all_attempts: bool = False) -> int:
+             _offsets: dict[str, int] | None = None, all_attempts: bool = False, progress: bool = False) -> int:
     """The current attempt's log (last `lines`, or follow); `all_attempts`: every kept attempt, oldest first."""
     host, run = ctx.resolve(host_name, run_name)
     assert run is not None
@@ -348,11 +361,35 @@ def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, line
         return EXIT_OK
     offsets: dict[str, Any] = _offsets or ({"log_offset": 0, "events_offset": 0, "all_logs": True} if all_attempts
                                            else {"log_offset": -1, "events_offset": 0, "tail": lines})
+    state = SmoothedRunState(stall_after_s=run.stall_after)
+    train = _train_progress(ctx, state, host, run) if progress else None  # -f --progress: one bar, not every line
+    try:
+        return _follow_log(ctx, host, run, offsets, train, state)
+    finally:
+        if train is not None:
+            train.stop()
+
+
+def _train_progress(ctx: Ctx, state: SmoothedRunState, host: HostConfig, run: RunConfig) -> Any:
+    from opsctl.train_progress import TrainProgress
+
+    return TrainProgress(ctx.err, ctx.out, state, f"opsctl logs {host.name} {run.name}, or {run.log}")
+
+
+def _follow_log(ctx: Ctx, host: HostConfig, run: RunConfig, offsets: dict[str, Any], train: Any,
+                state: SmoothedRunState) -> int:
+    """`logs -f`: print the log as it grows (with `train`, a TrainProgress: its bar, from the events, instead of
+    every step line) until the run ends; exit 0 when it ended with status 0."""
     rc = EXIT_OK
-    for m in _follow_reconnecting(ctx, host, run, offsets, events=False):
+    for m in _follow_reconnecting(ctx, host, run, offsets, events=train is not None):
         kind = m.get("t")
+        if train is not None:
+            state.apply(m)
+            if kind == "event":
+                train.event(m["event"])
         if kind in ("log", "old_log"):
-            ctx.line(m["line"])
+            if train is None or train.log_line(m["line"]):
+                ctx.line(m["line"])
         elif kind == "attempt":
             ctx.line(_attempt_header(m))
         elif kind == "log_reset":

@@ -52,12 +52,25 @@ class TensorBoardExport:
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
-        self._writer = EventFileWriter(str(logdir), flush_secs=5, filename_suffix=".opsctl")
+        self._logdir = logdir
+        self._file_writer = EventFileWriter
+        self._opened: Any = None  # the event file is made at the first scalar: an export with nothing new makes none
         self.step = last_step  # the x of samples that carry no step of their own (heartbeats, GPU samples)
         self.scalars = 0
         self.steps = 0
         self.restarts = 0
         self.evals = 0
+
+    @property
+    def _writer(self) -> Any:
+        if self._opened is None:
+            self._opened = self._file_writer(str(self._logdir), flush_secs=5, filename_suffix=".opsctl")
+        return self._opened
+
+    @property
+    def wrote(self) -> bool:
+        """Whether this export made an event file (it does only once there is something to put in it)."""
+        return self._opened is not None
 
     def _scalar(self, tag: str, value: float, step: int, wall_time: float) -> None:
         summary = self._summary_pb2.Summary(value=[self._summary_pb2.Summary.Value(tag=tag, simple_value=value)])
@@ -139,10 +152,12 @@ class TensorBoardExport:
                     self._scalar(f"{prefix}gpu{idx}/{name}", value, self.step, ts)
 
     def flush(self) -> None:
-        self._writer.flush()
+        if self._opened is not None:
+            self._opened.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._opened is not None:
+            self._opened.close()
 
 
 @dataclass
@@ -337,6 +352,10 @@ def export_sources(ctx: Ctx, sources: list[Source], logdir: str, ident: dict[str
     finally:
         save()
         tb.close()
+    if not tb.wrote:
+        ctx.err.print(f"nothing new to export from {what} since the last export into {out.resolve()}: no event file "
+                      "written", soft_wrap=True)
+        return EXIT_OK
     ctx.err.print(f"exported {what}: {tb.steps} steps, " + (f"{tb.evals} evaluations, " if tb.evals else "")
                   + f"{tb.scalars} scalars"
                   + (f", {tb.restarts} resumed attempt(s)" if tb.restarts else "")

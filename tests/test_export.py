@@ -119,3 +119,56 @@ def test_automodel_with_remote_code_loads_the_drafter_and_matches_dflash_model(t
             got = hf(position_ids=torch.arange(0, a - start + b)[None], noise_embedding=emb(block)[None],
                      target_hidden=batch.hidden[start:a][None])
             torch.testing.assert_close(head(got[0]), want[j], rtol=1e-5, atol=1e-5)
+
+
+def test_export_files_share_one_mode_from_the_umask_weights_included(trained: Path, tmp_path: Path) -> None:
+    """safetensors writes through a 0600 temp file: the weights must be as readable as config.json (a serving user
+    other than the exporter reads them)."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        dst = export_checkpoint(trained, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in dst.iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, {k: oct(v) for k, v in modes.items()}
+    old = os.umask(0o077)  # a private umask stays private, for the weights too
+    try:
+        dst = export_checkpoint(trained, tmp_path / "private")
+    finally:
+        os.umask(old)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in dst.iterdir()} == {0o600}
+
+
+def test_export_info_is_portable_absolute_paths_only_as_informational_fields(trained: Path, tmp_path: Path) -> None:
+    import hashlib
+
+    dst = export_checkpoint(trained, tmp_path / "hf")
+    info = json.loads((dst / "dflash_export.json").read_text())
+    assert "source" not in info and "path" not in info["target"]
+    assert info["source_checkpoint"] == "checkpoints/step-2"
+    assert info["source_manifest_sha256"] == hashlib.sha256((trained / "manifest.json").read_bytes()).hexdigest()
+    assert info["source_local_path_informational"] == str(trained.resolve())
+    assert info["target"]["hub_id"] is None and info["target"]["local_path_informational"] is None  # random init
+    # every other absolute path lives under a key that says it is informational
+    def paths(obj: object, key: str = "") -> list[str]:
+        if isinstance(obj, dict):
+            return [p for k, v in obj.items() for p in paths(v, k)]
+        if isinstance(obj, list):
+            return [p for v in obj for p in paths(v, key)]
+        return [key] if isinstance(obj, str) and obj.startswith("/") else []
+    assert set(paths(info)) == {"source_local_path_informational"}, info
+
+
+def test_portable_target_keeps_a_hub_id_and_marks_a_local_dir_informational(tmp_path: Path) -> None:
+    from dflash.export import portable_target
+
+    facts = {"num_layers": 4, "vocab_size": 10}
+    local = tmp_path / "targets" / "abc"
+    local.mkdir(parents=True)
+    assert portable_target({**facts, "path": str(local)}) == {
+        **facts, "hub_id": None, "local_path_informational": str(local.resolve())}
+    assert portable_target({**facts, "path": "Qwen/Qwen3-8B"}) == {
+        **facts, "hub_id": "Qwen/Qwen3-8B", "local_path_informational": None}

@@ -196,3 +196,79 @@ def test_help_teaches_the_new_verbs(argv: list[str]) -> None:
     if argv == ["--help"]:
         assert "opsctl completion" in r.stdout and "~/.config/opsctl/hosts.yaml" in r.stdout
         assert "opsctl export" in r.stdout and "opsctl init" in r.stdout
+
+
+# Every exit code each verb can return, read from its code paths (commands.py, history.py, export.py, group_verbs.py,
+# the agent's verbs): a verb's --help may list only these. Kept here, apart from cli.VERB_EXIT_CODES, so a code
+# added to a verb's help that the verb cannot return fails this test.
+VERB_CODES = {
+    "launch": {0, 1, 2, 3, 4, 5, 6}, "history": {0, 1, 2, 3, 5}, "status": {0, 2, 3, 5}, "logs": {0, 1, 2, 3, 5},
+    "kill": {0, 1, 2, 3, 5}, "clean": {0, 2, 3, 5}, "watch": {0, 2, 3}, "export": {0, 2, 3, 5}, "hosts": {0, 2},
+    "init": {0, 2}, "completion": {0, 2},
+}
+
+
+def _listed_codes(help_text: str) -> list[int]:
+    """The codes of the `exit codes:` section (each line `  N  meaning`; continuation lines are indented more)."""
+    section = help_text.split("\nexit codes:\n", 1)[1]
+    return [int(m.group(1)) for m in re.finditer(r"^  (\d+)  \S", section, re.M)]
+
+
+@pytest.mark.parametrize("verb", sorted(VERB_CODES))
+def test_each_verbs_help_lists_only_the_exit_codes_it_can_return(verb: str) -> None:
+    r = cli(verb, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "\nexit codes:\n" in r.stdout, f"opsctl {verb} --help has no exit-code section"
+    codes = _listed_codes(r.stdout)
+    assert codes and set(codes) <= VERB_CODES[verb] and 0 in codes and 2 in codes, (verb, codes)
+    assert len(codes) == len(set(codes))
+    if verb not in ("launch",):  # the group supervision codes belong to launch alone
+        assert 4 not in codes and 6 not in codes, (verb, codes)
+    assert r.stdout.count("exit codes") == 1  # one section, not the old 17-line block pasted in
+
+
+def test_logs_help_has_an_exit_code_section_with_follows_failure() -> None:
+    codes = _listed_codes(cli("logs", "--help").stdout)
+    assert 1 in codes and 3 in codes  # -f: the run failed; the link lost for good
+
+
+def test_watch_help_describes_the_dashboard_and_lists_every_key_binding() -> None:
+    from opsctl.tui import WatchApp
+    from opsctl.widgets import LogPane
+
+    r = cli("watch", "--help")
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.split("positional arguments:")[0]
+    assert "dashboard" in head  # a description, not only the usage line
+    keys = r.stdout.split("\nkeys:\n", 1)[1].split("\n\n", 1)[0]
+    listed = {k for line in keys.splitlines() for k in line.split("  ", 2)[1].split()}
+    names = {"slash": "/", "escape": "esc"}
+    for b in [*WatchApp.BINDINGS, *LogPane.BINDINGS]:
+        for k in b.key.split(","):
+            assert names.get(k, k) in listed, (k, keys)
+    assert {"m", "e", "g", "v", "ctrl+s", "q"} <= listed
+
+
+def test_positionals_and_follow_are_documented() -> None:
+    for verb in ("launch", "logs", "kill", "history", "export", "clean", "status"):
+        out = cli(verb, "--help").stdout
+        args = out.split("positional arguments:\n", 1)[1].split("\n\n", 1)[0]
+        assert re.search(r"^  HOST +\S", args, re.M) and re.search(r"^  RUN +\S", args, re.M), (verb, args)
+    logs = cli("logs", "--help").stdout
+    assert re.search(r"-f, --follow +\S", logs), logs
+
+
+def test_launch_without_arguments_says_what_launch_needs() -> None:
+    r = cli("launch")
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()[-1]
+    assert "launch needs HOST and RUN" in err and "hosts.yaml" in err and "opsctl launch local tiny" in err, err
+    assert "-- ARGS" not in err and "required" not in err
+    assert "Traceback" not in r.stderr
+
+
+def test_top_level_help_has_one_example_per_verb() -> None:
+    out = cli("--help").stdout
+    examples = out.split("examples:\n", 1)[1].split("\n\n", 1)[0]
+    for verb in ("launch", "status", "logs", "kill", "clean", "history", "watch", "export", "hosts", "init"):
+        assert re.search(rf"^  opsctl {verb}\b", examples, re.M), verb

@@ -143,3 +143,28 @@ def test_export_writes_eval_tau_ngram_and_acceptance_per_position_at_the_evaluat
     assert [s for s, _ in _scalars(out, "eval/accept_pos2")] == [5, 12]
     assert "eval/accept_pos3" not in EventAccumulator(str(out)).Reload().Tags()["scalars"]  # null: no point
     assert _scalars(out, "eval/seconds")[-1] == (12, 2.5)
+
+
+def test_reexport_with_nothing_new_writes_no_event_file_and_says_so(tmp_path: Path, sshd) -> None:
+    events = tmp_path / "events.jsonl"
+    w = EventWriter(events, run_id="r1", truncate=True)
+    _attempt(w, 1, 3, None, 5.0)
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={"r": script_run(tmp_path, "ok_run.py")})
+    out = tmp_path / "tb"
+    r = opsctl(hosts, "export", "box", "r", "--tensorboard", str(out))
+    assert r.returncode == 0 and "3 steps" in r.stderr, r.stderr
+    files = sorted(p.name for p in out.iterdir() if p.name.startswith("events.out.tfevents"))
+    assert len(files) == 1, files
+    for _ in range(2):  # nothing new: no (empty) event file per call, and one line saying why
+        r = opsctl(hosts, "export", "box", "r", "--tensorboard", str(out))
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("nothing new to export from box:r"), r.stderr
+        assert "no event file written" in r.stderr
+        assert sorted(p.name for p in out.iterdir() if p.name.startswith("events.out.tfevents")) == files
+    w.emit("step", step=4, epoch=0, loss=1.0, acc=[0.5], lr=1e-3, grad_norm=1.0, tokens=100, tokens_per_s=500.0,
+           step_time_s=0.25, queue_depth=3, queue_wait_s=0.0, recompiles=0, total_steps=20)
+    w.close()
+    r = opsctl(hosts, "export", "box", "r", "--tensorboard", str(out))  # something new: a new file with it
+    assert r.returncode == 0 and "1 steps" in r.stderr, r.stderr
+    assert len([p for p in out.iterdir() if p.name.startswith("events.out.tfevents")]) == 2
+    assert [s for s, _ in _scalars(out, "train/loss")] == [1, 2, 3, 4]
