@@ -44,6 +44,7 @@ exit codes: 0 ok (also after SIGTERM/SIGINT: the step finishes and is checkpoint
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash", description="Train DFlash speculative-decoding drafters.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     t = sub.add_parser("train", help="train (or resume) a drafter", epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -214,7 +215,8 @@ def _eval(args: argparse.Namespace) -> int:
 def _fail(msg: str) -> int:
     from dflash.telemetry import stderr_line
 
-    stderr_line(f"dflash: {msg}")
+    for line in msg.splitlines() or [msg]:  # a config with several problems: one `dflash: ...` line each
+        stderr_line(f"dflash: {line}")
     return 2
 
 
@@ -465,12 +467,75 @@ def _export_check(where: str, target: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    rc = _unknown_command(parser, sys.argv[1:] if argv is None else argv)
+    if rc is not None:
+        return rc
+    args = parser.parse_args(argv)
+    rc = _check_config_first(args)
+    if rc is not None:
+        return rc
     rc = {"train": _train, "preflight": _preflight, "export": _export, "eval": _eval,
           "pretrain-target": _pretrain_target, "regen": _regen, "data": _data}[args.cmd](args)
     if rc:
         _tell_torchrun(rc)
     return rc
+
+
+def _unknown_command(parser: argparse.ArgumentParser, argv: list[str]) -> int | None:
+    """`dflash trian`: one line with the nearest command (argparse lists every choice and no suggestion), exit 2."""
+    import difflib
+
+    word = next((a for a in argv if not a.startswith("-")), None)  # the top level takes no option with a value
+    commands = next((list(a.choices) for a in parser._actions if isinstance(a, argparse._SubParsersAction)), [])
+    if word is None or word in commands:
+        return None
+    close = difflib.get_close_matches(word, commands, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else f" (commands: {', '.join(commands)})"
+    return _fail(f"unknown command '{word}'{hint}")
+
+
+def _check_config_first(args: argparse.Namespace) -> int | None:
+    """Check --config completely (unknown keys, types, ranges; every problem, one line each) before the command
+    imports torch, so a typo costs a fraction of a second instead of several seconds and one round per mistake.
+    target.arch's key names need transformers (which imports torch): the command's own full load checks those."""
+    path = getattr(args, "config", None)
+    if path is None:
+        return None
+    from dflash.config import ConfigError, load_config
+
+    try:
+        load_config(path, quick=True)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    return None
+
+
+class _Version(argparse.Action):
+    """`dflash --version`: this package's version and the torch and transformers it would run with, read from the
+    installed packages' metadata (importing torch to ask it would take seconds)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the dflash-ops, torch and transformers versions and exit", **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(version_line())
+        parser.exit(0)
+
+
+def version_line() -> str:
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (f"dflash {version('dflash-ops')} (torch {version('torch')}, transformers {version('transformers')}, "
+            f"python {sys.version.split()[0]})")
 
 
 def _tell_torchrun(rc: int) -> None:

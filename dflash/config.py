@@ -5,6 +5,8 @@ A typo or a wrong value fails at once with `ConfigError` (`FILE:LINE: field.path
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import types
 import typing
 from pathlib import Path
@@ -22,26 +24,31 @@ from pydantic import (
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from dflash import yamlfile
-from dflash.model import DrafterConfig
-from dflash.target import (
+from dflash.drafter_config import DrafterConfig
+from dflash.target_config import (
     ATTENTIONS,
     DEFAULT_FAMILY,
-    DTYPES,
+    DTYPE_NAMES,
     FAMILIES,
     PACKINGS,
     TargetConfig,
     check_arch,
-    check_vocab_rows,
-    resolve_tap_layers,
-    target_shape,
 )
+
+# Nothing here imports torch (dflash/drafter_config.py, dflash/target_config.py): the CLI checks a config file in
+# well under a second, before it imports torch; check_run imports dflash.target when it needs the target's shape.
 
 EMPTY_HINT = "empty config (see configs/tiny.yaml for a complete one)"
 _ATTENTION = ("auto", "flex", "dense", "flex-eager")
 
 
 class ConfigError(ValueError):
-    """A config problem, already phrased as the one line the CLI prints (`FILE:LINE: a.b: what is wrong`)."""
+    """A config problem, already phrased as the one line the CLI prints (`FILE:LINE: a.b: what is wrong`); a file
+    with several problems gives one such line each (`problems`; the message is those lines)."""
+
+    def __init__(self, msg: str, problems: list[str] | None = None) -> None:
+        super().__init__(msg)
+        self.problems = problems or [msg]
 
 
 class FieldProblem(ValueError):
@@ -251,7 +258,7 @@ class TargetSection(TargetConfig):
     """target.* as loaded from YAML; a TargetConfig, so dflash/target.py takes it as it is."""
 
     _strict = _STRICT
-    _dtype = _v(_one_of("auto", *DTYPES), "dtype")
+    _dtype = _v(_one_of("auto", *DTYPE_NAMES), "dtype")
     _packing = _v(_one_of(*PACKINGS), "packing")
     _attention = _v(_one_of(*ATTENTIONS), "attention")
 
@@ -261,7 +268,7 @@ class TargetSection(TargetConfig):
     @classmethod
     def _arch(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         try:
-            check_arch(info.data.get("family", DEFAULT_FAMILY), v)
+            check_arch(info.data.get("family", DEFAULT_FAMILY), v, keys=not (info.context or {}).get("quick"))
         except ValueError as exc:  # `target.arch.KEY: what`
             path, _, msg = str(exc).partition(": ")
             raise FieldProblem(path, msg) from None
@@ -351,10 +358,13 @@ class RunConfig(BaseModel):
             ConfigError(f"{self.source or '<config>'}: {msg}")
 
 
-def _error(source: str, lines: dict[tuple[str, ...], int], path: str, msg: str) -> ConfigError:
+def _line(lines: dict[tuple[str, ...], int], path: str) -> int | None:
     loc = tuple(p for p in path.replace("[", ".").replace("]", "").split(".") if p)
-    line = yamlfile.line_for(lines, loc) if loc else None
-    return ConfigError(yamlfile.format_problem(source, line, path, msg))
+    return yamlfile.line_for(lines, loc) if loc else None
+
+
+def _error(source: str, lines: dict[tuple[str, ...], int], path: str, msg: str) -> ConfigError:
+    return ConfigError(yamlfile.format_problem(source, _line(lines, path), path, msg))
 
 
 _TYPE_MESSAGES = {"int": "expected an integer", "float": "expected a number", "bool": "expected true or false",
@@ -362,9 +372,8 @@ _TYPE_MESSAGES = {"int": "expected an integer", "float": "expected a number", "b
                   "model": "expected a mapping", "dataclass": "expected a mapping"}
 
 
-def _first_problem(err: ValidationError) -> tuple[str, str]:
-    """(dotted field path, message) of the first pydantic error, phrased as the rest of this module phrases them."""
-    e = err.errors()[0]
+def _problem(e: Any) -> tuple[str, str]:
+    """(dotted field path, message) of one pydantic error, phrased as the rest of this module phrases them."""
     loc = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
     path = ""
     for p in loc:
@@ -373,7 +382,7 @@ def _first_problem(err: ValidationError) -> tuple[str, str]:
     if isinstance(cause, FieldProblem):
         return cause.path, str(cause)
     if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-        return path, "unknown field"
+        return path, "unknown field" + _unknown_hint(path)
     if e["type"] == "value_error":
         return path, str(cause) if cause is not None else e["msg"]
     kind = e["type"].split("_")[0]
@@ -382,30 +391,70 @@ def _first_problem(err: ValidationError) -> tuple[str, str]:
     return path, e["msg"]
 
 
-def _known_fields(path: str) -> str:
+def _first_problem(err: ValidationError) -> tuple[str, str]:
+    return _problem(err.errors()[0])
+
+
+def field_names(cls: Any) -> list[str]:
+    """The keys a config section accepts, read from its class (pydantic model, pydantic or plain dataclass), so a
+    field added to a section is known here without a list to keep in step."""
+    if hasattr(cls, "__pydantic_fields__"):
+        return list(cls.__pydantic_fields__)
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+    return []
+
+
+def _section_class(parts: list[str]) -> Any:
+    """The class that validates the mapping at `parts` (`[]`: the whole file, `["target", "pretrain"]`, ...)."""
+    cls: Any = RunConfig
+    for name in parts:
+        if hasattr(cls, "__pydantic_fields__"):
+            field = cls.__pydantic_fields__.get(name)
+            annotation = field.annotation if field is not None else None
+        else:
+            annotation = typing.get_type_hints(cls).get(name) if dataclasses.is_dataclass(cls) else None
+        sections = [k for k in _kinds(annotation) if isinstance(k, type) and field_names(k)]
+        if not sections:
+            return None
+        cls = sections[0]
+    return cls
+
+
+def _unknown_hint(path: str) -> str:
+    """` (did you mean 'max_steps'?)` for a near miss, else the section's known keys."""
     parts = path.split(".")
-    section = RunConfig if len(parts) == 1 else {
-        "target": TargetSection, "drafter": DrafterSection, "data": DataConfig, "train": TrainConfig,
-        "dist": DistConfig}.get(parts[0]) if len(parts) == 2 else None
-    names = sorted(section.__pydantic_fields__) if section is not None else []
+    section = _section_class(parts[:-1])
+    names = sorted(field_names(section)) if section is not None else []
+    close = difflib.get_close_matches(parts[-1], names, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean '{close[0]}'?)"
     return f" (known: {', '.join(names)})" if names else ""
 
 
 def config_from_dict(data: Any, source: str = "<dict>",
-                     lines: dict[tuple[str, ...], int] | None = None) -> RunConfig:
-    """Build and check a RunConfig; errors name `source`, the field's line (when `lines` is given) and the field."""
+                     lines: dict[tuple[str, ...], int] | None = None, quick: bool = False) -> RunConfig:
+    """Build and check a RunConfig; errors name `source`, the field's line (when `lines` is given) and the field.
+
+    Every field problem is reported, one line each in file order (`ConfigError.problems`), not just the first:
+    a user fixes them in one pass. Rules between two fields are checked once the fields themselves are valid.
+    `quick`: leave out the one check that imports torch (target.arch's key names, read from transformers), for the
+    CLI's check before it imports torch; the full load that follows makes it.
+    """
     lines = dict(lines or {})
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise _error(source, lines, "", f"expected a mapping of sections, got {_describe(data)}")
     try:
-        cfg = RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data, context={"quick": quick})
     except ValidationError as err:
-        path, msg = _first_problem(err)
-        if msg == "unknown field":
-            msg += _known_fields(path)
-        raise _error(source, lines, path, msg) from None
+        found: dict[str, tuple[int, int]] = {}  # each problem once, in file order
+        for i, (path, msg) in enumerate(_problem(e) for e in err.errors()):
+            line = _line(lines, path)
+            found.setdefault(yamlfile.format_problem(source, line, path, msg), (line or 0, i))
+        problems = sorted(found, key=found.__getitem__)
+        raise ConfigError("\n".join(problems), problems) from None
     except FieldProblem as exc:  # pragma: no cover - pydantic wraps ValueErrors; kept for direct raises
         raise _error(source, lines, exc.path, str(exc)) from None
     cfg._source = source
@@ -413,8 +462,9 @@ def config_from_dict(data: Any, source: str = "<dict>",
     return cfg
 
 
-def load_config(path: str | Path) -> RunConfig:
-    """Load a YAML run config. Relative data/tokenizer paths are resolved against the config file's directory."""
+def load_config(path: str | Path, quick: bool = False) -> RunConfig:
+    """Load a YAML run config. Relative data/tokenizer paths are resolved against the config file's directory.
+    `quick`: without the check that imports torch (config_from_dict), for the CLI's check before torch."""
     p = Path(path)
     try:
         raw = yamlfile.read_bytes(p, str(path))  # refused past yamlfile.MAX_CONFIG_BYTES
@@ -429,7 +479,7 @@ def load_config(path: str | Path) -> RunConfig:
     if doc.data is None or doc.data == {}:
         # every field has a default, so an empty file would silently train the defaults
         raise ConfigError(f"{path}: {EMPTY_HINT}")
-    cfg = config_from_dict(doc.data, str(path), doc.lines)
+    cfg = config_from_dict(doc.data, str(path), doc.lines, quick=quick)
     base = p.resolve().parent
     cfg.data.paths = [str(_resolve(base, x)) for x in cfg.data.paths]
     if cfg.data.tokenizer is not None:
@@ -459,6 +509,8 @@ def check_run(cfg: RunConfig, device_type: str, vocab: int | None = None) -> Non
     These would otherwise fail only when the target or drafter is built, after `--fresh` has deleted checkpoints and
     events.jsonl has been truncated. `vocab` is the tokenizer's size when already known. Raises ConfigError.
     """
+    from dflash.target import check_vocab_rows, resolve_tap_layers, target_shape
+
     key = repr((cfg.to_dict(), device_type, vocab))
     if cfg._checked == key:
         return  # the CLI checked it before its own steps (target.pretrain); train() would check it again

@@ -15,7 +15,7 @@ import json
 import random
 import sys
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ import torch
 
 from dflash.config import ConfigError, RunConfig, config_from_dict, load_config
 from dflash.data import DataError, Document, TokenizerAdapter
+from dflash.evalprogress import EvalProgress
 from dflash.kernels import float32_is_exact
 from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig
 from dflash.speculative import (
@@ -384,7 +385,8 @@ def read_prompts(path: str | Path, tok: TokenizerAdapter) -> list[list[int]]:
 
 def teacher_forced_accuracy(drafter: DFlashDrafter, target: TargetLM, sequences: Sequence[Sequence[int]],
                             prompt_lens: Sequence[int],
-                            serve_anchors: Sequence[Sequence[int]] | None = None) -> dict[str, list[Any]]:
+                            serve_anchors: Sequence[Sequence[int]] | None = None,
+                            progress: Callable[[int, int], None] | None = None) -> dict[str, list[Any]]:
     """The training path's per-position accuracy (block positions 1..B-1) on `sequences`: target taps of the whole
     sequence, `DFlashDrafter.block_states` (the training forward's states) at anchors on every generated position,
     labels = the sequence itself (the target's greedy tokens after each prompt). What the step event's `acc` would say
@@ -401,6 +403,8 @@ def teacher_forced_accuracy(drafter: DFlashDrafter, target: TargetLM, sequences:
     dev = target.device
     for idx, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
         n = len(seq)
+        if progress is not None:
+            progress(1, n)
         if n - 1 <= p:
             continue
         _, taps = target.forward(seq, 0, None, keep=1)
@@ -544,16 +548,24 @@ def tie_margin(target: TargetLM, prefix: Sequence[int], expected: int | None, go
 
 
 def reference_generations(target: TargetLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                          stop_ids: Sequence[int] = ()) -> list[Generation]:
+                          stop_ids: Sequence[int] = (), progress: EvalProgress | None = None) -> list[Generation]:
     """The target's own greedy decoding of every prompt (after one untimed warm-up): the lossless reference and the
     baseline speed. Computed once, it serves evaluations at several block sizes (`evaluate(references=...)`)."""
     target_greedy(target, prompts[0], min(4, max_new_tokens), stop_ids)
-    return [target_greedy(target, prompt, max_new_tokens, stop_ids) for prompt in prompts]
+    out = []
+    if progress is not None:
+        progress.phase("target greedy (reference)", len(prompts))
+    for prompt in prompts:
+        out.append(target_greedy(target, prompt, max_new_tokens, stop_ids))
+        if progress is not None:
+            progress.advance(1, len(out[-1].tokens))
+    return out
 
 
 def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              stop_ids: Sequence[int] = (), baseline_ngram: bool = False, train_acc: bool = True,
-             tie_tol: float | None = None, references: Sequence[Generation] | None = None) -> dict[str, Any]:
+             tie_tol: float | None = None, references: Sequence[Generation] | None = None,
+             progress: EvalProgress | None = None) -> dict[str, Any]:
     """Decode every prompt with the target alone, with DFlash (and prompt lookup); check each output lossless.
 
     Lossless means token-identical to the target's own greedy decoding, except where the two diverge at a numerical
@@ -568,19 +580,23 @@ def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequenc
     if references is not None and len(references) != len(prompts):
         raise ValueError(f"{len(references)} references for {len(prompts)} prompts")
     refs = list(references) if references is not None else \
-        reference_generations(target, prompts, max_new_tokens, stop_ids)
+        reference_generations(target, prompts, max_new_tokens, stop_ids, progress)
     # Warm-up (allocator, kernel selection) so the first timed prompt is not charged for it.
     speculative_generate(target, dflash, prompts[0], min(2 * b, max_new_tokens), b, stop_ids)
     gens: list[Generation] = []
     ngram: list[Generation] = []
     errors: list[str] = []
     ties: list[dict[str, Any]] = []
+    if progress is not None:
+        progress.phase("decode: dflash" + (" + n-gram" if baseline_ngram else ""), len(prompts))
     for i, prompt in enumerate(prompts):
         ref = refs[i]
         runs = [("dflash", dflash, gens)] + ([("ngram", NgramProposer(), ngram)] if baseline_ngram else [])
         for name, proposer, sink in runs:
             g = speculative_generate(target, proposer, prompt, max_new_tokens, b, stop_ids)
             sink.append(g)
+            if progress is not None:
+                progress.advance(int(name == runs[-1][0]), len(g.tokens))
             d = first_difference(ref.tokens, g.tokens)
             if d is None:
                 continue
@@ -626,7 +642,10 @@ def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequenc
     }
     if train_acc:
         seqs = [[*p, *g.tokens] for p, g in zip(prompts, gens, strict=True)]
-        tf = teacher_forced_accuracy(drafter, target, seqs, plens, [g.anchor_pos for g in gens])
+        if progress is not None:
+            progress.phase("training-path accuracy", len(seqs))
+        tf = teacher_forced_accuracy(drafter, target, seqs, plens, [g.anchor_pos for g in gens],
+                                     progress.advance if progress is not None else None)
         result["train_acc_by_position"] = tf["all"]
         result["train_acc_counts"] = tf["counts"]
         result["train_acc_at_serve_anchors"] = tf["at_serve_anchors"]
@@ -647,7 +666,7 @@ def evaluate(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequenc
 
 
 def greedy_sequences(model: torch.nn.Module, device: torch.device, prompts: Sequence[Sequence[int]], new_tokens: int,
-                     batch_size: int = 64) -> list[list[int]]:
+                     batch_size: int = 64, progress: Callable[[int, int], None] | None = None) -> list[list[int]]:
     """prompt + the target's greedy continuation of `new_tokens` tokens (no stop: the walk decides where the output
     ends), for every prompt. Equally long prompts decode together (no padding, so every row is exactly the target's
     own continuation); a batch is what regen decodes with. `model`: a HF causal LM on sdpa (cached decoding)."""
@@ -667,12 +686,15 @@ def greedy_sequences(model: torch.nn.Module, device: torch.device, prompts: Sequ
         for j, (gen, _why) in zip(group, rows, strict=True):
             out[j] = [*prompts[j], *gen]
         i += len(group)
+        if progress is not None:  # `progress(prompts, tokens)` after each batch
+            progress(len(group), sum(len(out[j] or []) - len(prompts[j]) for j in group))
     return [s for s in out if s is not None]
 
 
 def evaluate_teacher_forced(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]],
                             max_new_tokens: int, stop_ids: Sequence[int] = (), baseline_ngram: bool = False,
-                            sequences: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+                            sequences: Sequence[Sequence[int]] | None = None,
+                            progress: EvalProgress | None = None) -> dict[str, Any]:
     """tau and acceptance exactly as `evaluate` (the decode loop) would measure them, from the target's greedy
     continuations (batched), one target forward per sequence and one drafter pass at every anchor (dflash/tau.py).
     No lossless check and no wall-clock speed: those need the decode loop (`--method decode`)."""
@@ -682,14 +704,21 @@ def evaluate_teacher_forced(target: TargetLM, drafter: DFlashDrafter, prompts: S
 
     b = drafter.cfg.block_size
     t0 = time.perf_counter()
+    if sequences is None and progress is not None:
+        progress.phase("target greedy continuations", len(prompts))
     seqs = list(sequences) if sequences is not None else \
-        greedy_sequences(target.model, target.device, prompts, continuation_length(max_new_tokens, b))
+        greedy_sequences(target.model, target.device, prompts, continuation_length(max_new_tokens, b),
+                         progress=progress.advance if progress is not None else None)
     t_gen = time.perf_counter() - t0
     plens = [len(p) for p in prompts]
+    if progress is not None:
+        progress.phase("drafter pass (teacher-forced)", len(prompts))
 
     def taps_of(i: int) -> torch.Tensor:
         _, taps = target.forward(seqs[i], 0, None, keep=1)
         assert taps is not None
+        if progress is not None:  # one target forward and one drafter pass per prompt: the batch is the prompt
+            progress.advance(1, len(seqs[i]))
         return taps
 
     gens, ngram, acc = teacher_forced(drafter, target.embed_tokens, target.lm_head, seqs, plens, taps_of,
@@ -729,15 +758,20 @@ def evaluate_teacher_forced(target: TargetLM, drafter: DFlashDrafter, prompts: S
 
 def evaluate_sampled(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]],
                      max_new_tokens: int, temperature: float, seed: int = 0, stop_ids: Sequence[int] = (),
-                     baseline_ngram: bool = False, draft: str = "sample") -> dict[str, Any]:
+                     baseline_ngram: bool = False, draft: str = "sample",
+                     progress: EvalProgress | None = None) -> dict[str, Any]:
     """Speculative sampling at `temperature` (dflash.speculative.speculative_sample): tau and speed like `evaluate`.
     No per-prompt lossless check: two correct samplers write different tokens; speculative sampling is lossless in
     distribution, which tests/test_speculative_sampling.py checks (chi-square against the target's own sampling)."""
     from dflash.speculative import sampled_generations
 
     b = drafter.cfg.block_size
+    if progress is not None:  # sampled_generations runs every prompt in one call: one line when it is done
+        progress.phase(f"speculative sampling at T={temperature:g}", len(prompts))
     gens = sampled_generations(target, drafter, prompts, max_new_tokens, temperature, seed=seed, stop_ids=stop_ids,
                                baseline_ngram=baseline_ngram, draft=draft)
+    if progress is not None:
+        progress.advance(len(prompts), sum(len(g.tokens) for run in gens.values() for g in run))
     dfl, ref = gens["dflash"], gens["target"]
     param = next(target.model.parameters())
     plens = [len(p) for p in prompts]
@@ -778,18 +812,22 @@ def evaluate_sampled(target: TargetLM, drafter: DFlashDrafter, prompts: Sequence
 
 
 def render(result: dict[str, Any]) -> None:
-    """A short rich table (acceptance, and with the decode loop its wall-clock speed and the lossless check, per
-    method) and one acceptance bar per block position."""
-    from rich.console import Console
+    """A short rich table and one acceptance bar per block position. Acceptance (tau, tokens per target verify step)
+    and wall-clock speed (tokens/s of the decode loop, `--method decode` only) are separate columns and separate
+    summary lines, each named: a method can accept more per step and still be slower per second (a drafter forward
+    costs time that prompt lookup does not), and a ratio of one must not be read as the other."""
     from rich.table import Table
 
-    con = Console()
+    con = _console()
     decode = result.get("method", "decode") == "decode"
     how = result.get("method", "decode") + (f", temperature {result['temperature']:g}" if result.get("temperature")
                                              else "")
-    table = Table(title=f"dflash eval ({how})  B={result['block_size']}  "
-                        f"{result['prompts']} prompts  {result['new_tokens']} new tokens", title_justify="left")
-    cols = ["method", "acceptance tau"] + (["tokens/s", "speed vs target", "lossless"] if decode else [])
+    # The headline on its own line: as a table title it would wrap at the (narrow) table's width.
+    con.print(f"dflash eval ({how})  B={result['block_size']}  {result['prompts']} prompts  "
+              f"{result['new_tokens']} new tokens")
+    table = Table()
+    cols = ["method", "acceptance τ (tokens/verify step)"] + \
+        (["speed (tokens/s, decode loop)", "speed vs target", "lossless"] if decode else [])
     for col in cols:
         table.add_column(col, justify="left" if col == "method" else "right")
 
@@ -813,14 +851,7 @@ def render(result: dict[str, Any]) -> None:
         if ng:
             table.add_row("n-gram (prompt lookup)", num(ng["tau"]))
     con.print(table)
-    ci = result.get("tau_ci95")
-    if ci is not None and result["prompts"] > 1:
-        line = f"tau, 95 % interval over the {result['prompts']} prompts (bootstrap): dflash {ci[0]:.2f}-{ci[1]:.2f}"
-        ratio = result.get("tau_over_ngram")
-        if ng and ng.get("tau_ci95") and ratio and ratio.get("ci95"):
-            lo, hi = ng["tau_ci95"]
-            line += (f", n-gram {lo:.2f}-{hi:.2f}; acceptance dflash / n-gram {ratio['ratio']:.2f}x "
-                     f"({ratio['ci95'][0]:.2f}-{ratio['ci95'][1]:.2f})")
+    for line in headline(result):
         con.print(line, style="dim")
     none = [None] * (result["block_size"] - 1)
     train = result.get("train_acc_by_position") or none
@@ -835,13 +866,50 @@ def render(result: dict[str, Any]) -> None:
               "decoding used, equal to match unless serving and training differ)", style="dim")
     if not decode:
         con.print(f"teacher-forced: exact greedy speculative decoding acceptance from one pass "
-                  f"({result['seconds']['total']:.1f} s); wall-clock speed and the lossless check: --method decode",
-                  style="dim")
+                  f"({result['seconds']['total']:.1f} s); wall-clock speed is not measured: --method decode measures "
+                  "it and checks lossless", style="dim")
     for e in result.get("errors", []):
         con.print(f"[red]lossless check failed: {e}[/red]")
     for t in result.get("ties", []):
         con.print(f"numerical tie: prompt {t['prompt']} ({t['method']}) diverged at new token {t['position']} "
                   f"(logit gap {t['logit_gap']:.2e}; both tokens are the target's argmax up to rounding)")
+
+
+def headline(result: dict[str, Any]) -> list[str]:
+    """The summary under the table: acceptance (tau with its interval, the dflash / n-gram tau ratio) on one line,
+    wall-clock speed (decode loop only) on another, each saying which it is."""
+    lines = []
+    ng = result.get("baseline", {}).get("ngram")
+    ci = result.get("tau_ci95")
+    if ci is not None and result["prompts"] > 1:
+        line = (f"acceptance τ (tokens per target verify step), 95 % interval over the {result['prompts']} prompts "
+                f"(bootstrap): dflash {ci[0]:.2f}-{ci[1]:.2f}")
+        ratio = result.get("tau_over_ngram")
+        if ng and ng.get("tau_ci95") and ratio and ratio.get("ci95"):
+            lo, hi = ng["tau_ci95"]
+            line += (f", n-gram {lo:.2f}-{hi:.2f}; τ ratio dflash / n-gram {ratio['ratio']:.2f}x "
+                     f"({ratio['ci95'][0]:.2f}-{ratio['ci95'][1]:.2f}): acceptance per step, not speed")
+        lines.append(line)
+    if result.get("method", "decode") == "decode":
+        tps = result["tokens_per_s"]
+        speeds = {"target greedy": tps["target"], "dflash": tps["dflash"]}
+        line = (f"wall-clock speed (tokens/s of the decode loop): target greedy {tps['target']:.1f}, dflash "
+                f"{tps['dflash']:.1f} ({result['speedup']:.2f}x target)")
+        if ng and ng.get("tokens_per_s") is not None:
+            speeds["n-gram"] = ng["tokens_per_s"]
+            line += f", n-gram {ng['tokens_per_s']:.1f} ({ng['speedup']:.2f}x target)"
+        lines.append(line + f"; fastest: {max(speeds, key=speeds.__getitem__)}")
+    return lines
+
+
+def _console() -> Any:
+    """stdout's console. A terminal gets rich's own width; a pipe or a file gets no width at all (rich would
+    otherwise wrap every line at 80 columns), so a long line stays one line for grep and for logs."""
+    from rich.console import Console
+
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=10_000, soft_wrap=True)
 
 
 def _pct(v: float | None) -> str:
@@ -898,17 +966,19 @@ def run(args: Any) -> int:
     except (EvalError, ConfigError, DataError) as exc:
         return fail(str(exc))
     stop_ids = [] if args.no_stop else [tok.eos_id]
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    # Progress on stderr (a bar on a terminal, plain lines elsewhere): stdout keeps the table or the one JSON object.
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"), EvalProgress() as progress:
         if temperature > 0:
             result = evaluate_sampled(target, loaded.drafter, prompts, args.max_new_tokens, temperature,
                                       seed=getattr(args, "seed", 0), stop_ids=stop_ids,
-                                      baseline_ngram=args.baseline == "ngram", draft=getattr(args, "draft", "sample"))
+                                      baseline_ngram=args.baseline == "ngram", draft=getattr(args, "draft", "sample"),
+                                      progress=progress)
         elif method == "decode":
             result = evaluate(target, loaded.drafter, prompts, args.max_new_tokens, stop_ids,
-                              baseline_ngram=args.baseline == "ngram", tie_tol=args.tie_tol)
+                              baseline_ngram=args.baseline == "ngram", tie_tol=args.tie_tol, progress=progress)
         else:
             result = evaluate_teacher_forced(target, loaded.drafter, prompts, args.max_new_tokens, stop_ids,
-                                             baseline_ngram=args.baseline == "ngram")
+                                             baseline_ngram=args.baseline == "ngram", progress=progress)
     result = {"source": loaded.source, "prompts_from": where, "device": str(device), **result}
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     if loaded.cfg is not None and longest > loaded.cfg.data.max_len:

@@ -16,28 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from dflash.drafter_config import DrafterConfig  # a torch-free module, so the CLI checks a config before torch
+
 # ----------------------------------------------------------------------------- config and batch types
-
-
-@dataclass
-class DrafterConfig:
-    num_layers: int = 1
-    hidden_size: int | None = None  # None -> target hidden size (must equal it: embedding and LM head are shared)
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int | None = None  # None -> hidden_size // num_heads
-    intermediate_size: int | None = None  # None -> ~3x hidden
-    block_size: int = 16  # B
-    num_anchors: int = 64  # fixed anchors per buffer
-    loss_gamma: float = 7.0
-    mask_token_id: int | None = None  # None -> caller sets (tokenizer's mask token)
-    rope_theta: float = 1e6
-    rms_norm_eps: float = 1e-6
-    sliding_window: int | None = None  # per query position: q reads keys in [q-w+1, q] (+ its block); None = all
-    attention: str = "auto"  # auto: flex on CUDA, dense on CPU | "flex" | "dense" | "flex-eager" (debug only)
-    ce_chunk: int = 1024  # rows of logits per chunk (never full fp32 logits)
-    grad_checkpoint: bool = False  # non-reentrant activation checkpointing per layer
-    layer_sliding_windows: list[int | None] | None = None  # optional per-layer window (overrides sliding_window)
 
 
 @dataclass

@@ -283,7 +283,7 @@ def test_eval_human_output_and_prompt_file(checkpoint: Path, tmp_path: Path,
     assert main(["eval", "--checkpoint", str(checkpoint), "--prompts", str(f), "--max-new-tokens", "6",
                  "--method", "decode"]) == 0
     out = capsys.readouterr().out
-    assert "dflash" in out and "tau" in out and "train@serve" in out and f"prompts: {f}" in out
+    assert "dflash" in out and "acceptance τ (tokens/verify step)" in out and "train@serve" in out and f"prompts: {f}" in out
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": 3}\n')

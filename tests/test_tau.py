@@ -128,7 +128,7 @@ def test_eval_teacher_forced_human_output_names_what_it_leaves_to_decode(checkpo
     assert main(["eval", "--checkpoint", str(checkpoint), "--num-prompts", "2", "--prompt-tokens", "12",
                  "--max-new-tokens", "8", "--baseline", "ngram"]) == 0
     out = capsys.readouterr().out
-    assert "teacher-forced" in out and "acceptance tau" in out and "--method decode" in out
+    assert "teacher-forced" in out and "acceptance τ (tokens/verify step)" in out and "--method decode" in out
     assert "speed vs target" not in out
 
 
