@@ -25,6 +25,7 @@ from dflash import yamlfile
 from dflash.model import DrafterConfig
 from dflash.target import (
     ATTENTIONS,
+    CUDA_GRAPHS,
     DEFAULT_FAMILY,
     DTYPES,
     FAMILIES,
@@ -242,6 +243,7 @@ class TargetSection(TargetConfig):
     _dtype = _v(_one_of("auto", *DTYPES), "dtype")
     _packing = _v(_one_of(*PACKINGS), "packing")
     _attention = _v(_one_of(*ATTENTIONS), "attention")
+    _cuda_graph = _v(_one_of(*CUDA_GRAPHS), "cuda_graph")
 
     _family = _v(_one_of(*FAMILIES), "family")
 

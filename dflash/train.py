@@ -495,6 +495,10 @@ class Trainer:
                 self.target = Target(cfg.target, cfg.drafter.num_layers, device, on_progress=progress, vocab=vocab)
             except ValueError as exc:  # the target names the bad field (target.arch, target.tap_layers, ...)
                 raise UsageError(str(cfg.error(exc))) from None
+            if self.target.enable_cuda_graph(cfg.data.token_budget, cfg.data.min_len, cfg.data.max_len,
+                                             lambda msg: self.log.info("%s", msg)):
+                self.log.info("target.cuda_graph: %s: the packed forward is captured per document-slot bucket %s",
+                              cfg.target.cuda_graph, self.target.graphs.buckets if self.target.graphs else [])
             info = TargetInfo.from_target(self.target)
             if self.target.vocab_size < vocab:
                 raise UsageError(f"target vocab {self.target.vocab_size} is smaller than the tokenizer's {vocab}")
