@@ -64,6 +64,7 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
 def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the config's target and drafter, run warm-up + timed steps, report every phase."""
     from dflash.kernels import FlexWarningWatch, dynamo_counts, recompile_limit_hits
+    from dflash.memory import apply_auto_checkpoint
     from dflash.model import DFlashDrafter, sample_anchors
     from dflash.target import Target
 
@@ -91,6 +92,10 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     dcfg = cfg.drafter
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg, target.hidden_size, len(target.tap_layers)).to(device)
+    apply_auto_checkpoint(drafter, cfg.data.token_budget, target.hidden_size * len(target.tap_layers), device,
+                          lambda msg: print(msg, flush=True))
+    print(f"drafter: {drafter.checkpoint_layers} of {len(drafter.layers)} layers checkpointed "
+          f"(drafter.grad_checkpoint {dcfg.grad_checkpoint}); HFU counts their recompute", flush=True)
     params = [p for p in drafter.parameters() if p.requires_grad]
     t = cfg.train
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
@@ -185,7 +190,8 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         if drafter.attention_backend != "dense":  # flex computes whole tiles: count them from its block mask
             dev_b = benchlib.host_batch({k: v.to(device) for k, v in rec["arrays"].items()})
             hw_pairs = benchlib.flex_tile_pairs(cfg, dev_b, rec["anchors"])
-        f = benchlib.buffer_flops(cfg, costs, taps, hidden, vocab, rec["pieces"], pairs, hw_pairs)
+        f = benchlib.buffer_flops(cfg, costs, taps, hidden, vocab, rec["pieces"], pairs, hw_pairs,
+                                 drafter.checkpoint_layers)
         for k in fl:
             fl[k].append(f[k])
     med = {k: benchlib.median(v) for k, v in rows_ms.items()}

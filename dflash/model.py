@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from dflash.memory import resolve_grad_checkpoint
+
 # ----------------------------------------------------------------------------- config and batch types
 
 
@@ -36,7 +38,7 @@ class DrafterConfig:
     sliding_window: int | None = None  # per query position: q reads keys in [q-w+1, q] (+ its block); None = all
     attention: str = "auto"  # auto: flex on CUDA, dense on CPU | "flex" | "dense" | "flex-eager" (debug only)
     ce_chunk: int = 1024  # rows of logits per chunk (never full fp32 logits)
-    grad_checkpoint: bool = False  # non-reentrant activation checkpointing per layer
+    grad_checkpoint: bool | str = False  # per-layer non-reentrant checkpointing: true | false | auto (dflash/memory.py)
     layer_sliding_windows: list[int | None] | None = None  # optional per-layer window (overrides sliding_window)
 
 
@@ -392,6 +394,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(num_taps * target_hidden_size, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, hidden, head_dim, intermediate) for _ in range(cfg.num_layers)])
+        # The first k layers recompute their forward in backward: true all, false none, auto all until the trainer
+        # narrows it from the memory it measures (dflash/memory.py).
+        self.checkpoint_layers: int = resolve_grad_checkpoint(cfg.grad_checkpoint, cfg.num_layers)
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.windows: list[int | None] = (
             list(cfg.layer_sliding_windows)
@@ -481,8 +486,8 @@ class DFlashDrafter(nn.Module):
         rope_q = rope_cos_sin(block_pos, self.head_dim, cfg.rope_theta, x.dtype)
         rope_kv = rope_cos_sin(torch.cat([pos, block_pos]), self.head_dim, cfg.rope_theta, x.dtype)
 
-        for layer, attend in zip(self.layers, self._attenders(anchors, docs, m), strict=True):
-            if cfg.grad_checkpoint and self.training and torch.is_grad_enabled():
+        for i, (layer, attend) in enumerate(zip(self.layers, self._attenders(anchors, docs, m), strict=True)):
+            if i < self.checkpoint_layers and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, ctx, rope_q, rope_kv, attend, use_reentrant=False)
             else:
                 x = layer(x, ctx, rope_q, rope_kv, attend)

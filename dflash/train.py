@@ -29,6 +29,7 @@ from dflash import compile_cache, locks
 from dflash.config import ConfigError, RunConfig, check_mask_token_id, check_run
 from dflash.data import DataError, Document, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
+from dflash.memory import apply_auto_checkpoint
 from dflash.model import DFlashDrafter, resolve_attention
 from dflash.pipeline import (
     Feeder,
@@ -535,6 +536,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # identical init on every drafter rank and in every layout
         try:
             self.drafter = DFlashDrafter(self.dcfg, info.hidden_size, len(info.tap_layers)).to(device)
+            apply_auto_checkpoint(self.drafter, cfg.data.token_budget, info.hidden_size * len(info.tap_layers),
+                                  device, lambda msg: self.log.info("%s", msg))
         except ValueError as exc:  # e.g. drafter.hidden_size != target hidden size
             raise UsageError(str(cfg.error(exc))) from None
         if cfg.train.init_from is not None and self.start.resume_path is None:
