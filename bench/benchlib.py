@@ -101,7 +101,7 @@ def drafter_shape(cfg: RunConfig, hidden: int, vocab: int, pairs: list[int], num
                         num_heads=r.num_heads, num_kv_heads=r.num_kv_heads, head_dim=r.head_dim or hidden // r.num_heads,
                         intermediate=r.intermediate_size or 3 * hidden, vocab=vocab, n_ctx=cfg.data.token_budget,
                         num_anchors=r.num_anchors, block_size=r.block_size, pairs=pairs,
-                        grad_checkpoint=r.grad_checkpoint)
+                        grad_checkpoint=r.grad_checkpoint is not False)
 
 
 def layer_windows(cfg: RunConfig) -> list[int | None]:
@@ -145,12 +145,14 @@ def host_batch(arrays: dict[str, torch.Tensor], hidden_dim: int = 0) -> DraftBat
 
 
 def buffer_flops(cfg: RunConfig, costs: Sequence[TargetLayerCost], taps: Sequence[int], hidden: int, vocab: int,
-                 pieces: Sequence[Piece], pairs: list[int], hw_pairs: list[int] | None = None) -> dict[str, float]:
+                 pieces: Sequence[Piece], pairs: list[int], hw_pairs: list[int] | None = None,
+                 checkpoint_layers: int | None = None) -> dict[str, float]:
     """Model FLOPs of one step on this buffer: the target forward (layers up to the deepest tap, real tokens) and
     the drafter step (model and hardware)."""
     t = target_forward_flops(costs, [n for _, _, n in pieces], layers_run=max(taps) + 1)
     shape = drafter_shape(cfg, hidden, vocab, pairs, len(taps))
     shape.flex_hw_pairs = hw_pairs
+    shape.checkpoint_layers = checkpoint_layers  # drafter.grad_checkpoint auto: what the drafter really recomputes
     dr = drafter_step_flops(shape)
     return {"target": t.total, "target_attention": t.attention, "drafter": dr.model, "drafter_hw": dr.hardware,
             "drafter_lm_head": dr.parts["lm_head"] * 2, "tokens": float(t.tokens)}

@@ -64,6 +64,7 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
 def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the config's target and drafter, run warm-up + timed steps, report every phase."""
     from dflash.kernels import FlexWarningWatch, dynamo_counts, recompile_limit_hits
+    from dflash.memory import apply_auto_checkpoint
     from dflash.model import DFlashDrafter, sample_anchors
     from dflash.target import Target
 
@@ -77,12 +78,24 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     total = args.warmup + args.steps
     corpus, buffers = benchlib.synthetic_buffers(cfg, total + args.profile_steps, args.seed)
     t0 = time.perf_counter()
-    target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=cfg.data.vocab_size)
+    if args.cuda_graph is not None:
+        cfg.target.cuda_graph = args.cuda_graph
+    try:
+        target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=cfg.data.vocab_size)
+    except ValueError as exc:  # e.g. --cuda-graph on where it cannot apply: one line, no traceback
+        raise SystemExit(f"bench/step_phases.py: {exc}") from None
+    graphs = target.enable_cuda_graph(cfg.data.token_budget, cfg.data.min_len, cfg.data.max_len,
+                                      lambda msg: print(msg, flush=True))
+    fixed_shape = args.fixed_shape and not graphs  # the graph path lays out its own fixed-shape row
     print(f"target built in {time.perf_counter() - t0:.1f} s: {target.num_layers} layers, vocab {target.vocab_size}, "
           f"packing {target.packing}, attention {target.attention}, kernels {target.kernels}", flush=True)
     dcfg = cfg.drafter
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg, target.hidden_size, len(target.tap_layers)).to(device)
+    apply_auto_checkpoint(drafter, cfg.data.token_budget, target.hidden_size * len(target.tap_layers), device,
+                          lambda msg: print(msg, flush=True))
+    print(f"drafter: {drafter.checkpoint_layers} of {len(drafter.layers)} layers checkpointed "
+          f"(drafter.grad_checkpoint {dcfg.grad_checkpoint}); HFU counts their recompute", flush=True)
     params = [p for p in drafter.parameters() if p.requires_grad]
     t = cfg.train
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
@@ -101,7 +114,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         ev = benchlib.Events(dev)
         h0 = time.perf_counter()
         with rf("phase:data"):
-            host = prepare_buffer(corpus, pieces, n, target.packing, fixed_shape=args.fixed_shape)
+            host = prepare_buffer(corpus, pieces, n, target.packing, fixed_shape=fixed_shape)
         data_s = time.perf_counter() - h0
         ev.mark("start")
         h1 = time.perf_counter()
@@ -177,7 +190,8 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         if drafter.attention_backend != "dense":  # flex computes whole tiles: count them from its block mask
             dev_b = benchlib.host_batch({k: v.to(device) for k, v in rec["arrays"].items()})
             hw_pairs = benchlib.flex_tile_pairs(cfg, dev_b, rec["anchors"])
-        f = benchlib.buffer_flops(cfg, costs, taps, hidden, vocab, rec["pieces"], pairs, hw_pairs)
+        f = benchlib.buffer_flops(cfg, costs, taps, hidden, vocab, rec["pieces"], pairs, hw_pairs,
+                                 drafter.checkpoint_layers)
         for k in fl:
             fl[k].append(f[k])
     med = {k: benchlib.median(v) for k, v in rows_ms.items()}
@@ -197,13 +211,17 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     eval_report = eval_cost(args, cfg, drafter, target, s("step")) if args.eval_every is not None else None
     syncs, where = benchlib.count_host_syncs(lambda: run_target(target, prepare_buffer(
-        corpus, buffers[-1], n, target.packing, fixed_shape=args.fixed_shape), n), dev)
+        corpus, buffers[-1], n, target.packing, fixed_shape=fixed_shape), n), dev)
+    g = target.graphs
     return {
         "config": args.config, "device": dev.name(), "torch": torch.__version__,
         "bf16_matmul_tflops": round(peak, 1), "steps_timed": len(timed), "warmup": args.warmup,
         "first_step_s": round(per_step[0]["wall_s"], 1), "real_tokens_per_step": round(mean_fl["tokens"]),
         "target": {"layers_run": max(taps) + 1, "of": target.num_layers, "vocab": vocab, "packing": target.packing,
-                   "attention": target.attention, "fixed_shape": args.fixed_shape},
+                   "attention": target.attention, "fixed_shape": args.fixed_shape,
+                   "cuda_graph": {"setting": cfg.target.cuda_graph, "active": g is not None,
+                                  "captures": g.captures if g else 0, "replays": g.replays if g else 0,
+                                  "rows_run_eagerly": g.unfit if g else 0, "capture_failed": g.failed if g else None}},
         "phases": phases, "peak_memory_gib": round(peak_mem, 1), "recompiles_after_warmup": recompiles,
         "recompile_limit_hits": limit_hits, "fallbacks": fallbacks[:5],
         "host_syncs_per_target_forward": syncs, "host_sync_sites": where,
@@ -277,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, help="override target.arch.vocab_size (e.g. 248320, the real LM-head cost)")
     p.add_argument("--attention", choices=("sdpa", "varlen"), help="override target.attention")
     p.add_argument("--fixed-shape", action="store_true", help="pad every packed target row to token_budget")
+    p.add_argument("--cuda-graph", choices=("off", "auto", "on"),
+                   help="override target.cuda_graph: capture the packed target forward as CUDA graphs (issue 24)")
     p.add_argument("--profile-steps", type=int, default=2,
                    help="extra steps under torch.profiler: GPU kernel time per phase against its event time, i.e. how "
                         "much of a phase the GPU sat waiting for the host (default 2; 0 = off)")

@@ -27,6 +27,7 @@ from dflash import yamlfile
 from dflash.drafter_config import DrafterConfig
 from dflash.target_config import (
     ATTENTIONS,
+    CUDA_GRAPHS,
     DEFAULT_FAMILY,
     DTYPE_NAMES,
     FAMILIES,
@@ -76,7 +77,10 @@ def _strict_scalar(value: Any, annotation: Any) -> Any:
     kinds = _kinds(annotation)
     if value is None:
         return value
-    if bool in kinds:
+    if bool in kinds and str in kinds:  # a switch with a word (drafter.grad_checkpoint: auto): its own validator
+        if not isinstance(value, (bool, str)):
+            raise ValueError(f"expected true, false or a word, got {_describe(value)}")
+    elif bool in kinds:
         if not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {_describe(value)}")
     elif int in kinds and float not in kinds:
@@ -261,6 +265,7 @@ class TargetSection(TargetConfig):
     _dtype = _v(_one_of("auto", *DTYPE_NAMES), "dtype")
     _packing = _v(_one_of(*PACKINGS), "packing")
     _attention = _v(_one_of(*ATTENTIONS), "attention")
+    _cuda_graph = _v(_one_of(*CUDA_GRAPHS), "cuda_graph")
 
     _family = _v(_one_of(*FAMILIES), "family")
 
@@ -285,6 +290,13 @@ class DrafterSection(DrafterConfig):
                  "intermediate_size", "sliding_window")
     _block = _v(_at_least(2, ">="), "block_size")
     _mask = _v(_at_least(0, ">="), "mask_token_id")
+
+    @field_validator("grad_checkpoint", mode="before")
+    @classmethod
+    def _grad_checkpoint(cls, v: Any) -> Any:
+        if v is True or v is False or v == "auto":
+            return v
+        raise ValueError(f"expected true, false or auto, got {_describe(v)}")
 
     @field_validator("loss_gamma")
     @classmethod

@@ -25,5 +25,5 @@ class DrafterConfig:
     sliding_window: int | None = None  # per query position: q reads keys in [q-w+1, q] (+ its block); None = all
     attention: str = "auto"  # auto: flex on CUDA, dense on CPU | "flex" | "dense" | "flex-eager" (debug only)
     ce_chunk: int = 1024  # rows of logits per chunk (never full fp32 logits)
-    grad_checkpoint: bool = False  # non-reentrant activation checkpointing per layer
+    grad_checkpoint: bool | str = False  # per-layer non-reentrant checkpointing: true | false | auto (dflash/memory.py)
     layer_sliding_windows: list[int | None] | None = None  # optional per-layer window (overrides sliding_window)

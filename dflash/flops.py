@@ -162,6 +162,7 @@ class DrafterShape:
     pairs: list[int]  # allowed (query, key) pairs per layer
     grad_checkpoint: bool = False
     flex_hw_pairs: list[int] | None = None  # pairs the kernel really computes (non-empty 128x128 tiles), if known
+    checkpoint_layers: int | None = None  # the first k layers recompute (drafter.grad_checkpoint auto); None: all/none
 
     @property
     def m(self) -> int:
@@ -200,8 +201,10 @@ def drafter_step_flops(s: DrafterShape) -> DrafterFlops:
     hardware = model + (hw_attention - fwd["attention"]) * 3.0  # fwd + 2x bwd over the tiles really computed
     hardware += 0.5 * hw_attention  # the backward recomputes QK^T (2.5x forward instead of 2x)
     hardware += fwd["lm_head"]  # chunked CE: each chunk's logits are recomputed in backward
-    if s.grad_checkpoint:
-        hardware += layer_fwd - fwd["attention"] + hw_attention  # each layer's forward again in backward
+    k = s.checkpoint_layers if s.checkpoint_layers is not None else (layers if s.grad_checkpoint else 0)
+    if k:  # each checkpointed layer's forward again in backward (dense parts are equal per layer)
+        hw_pairs = s.flex_hw_pairs or s.pairs
+        hardware += (layer_fwd - fwd["attention"]) * k / layers + sum(4.0 * q_w * p for p in hw_pairs[:k])
     return DrafterFlops(parts=fwd, model=model, hardware=hardware)
 
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash.drafter_config import DrafterConfig  # a torch-free module, so the CLI checks a config before torch
+from dflash.memory import resolve_grad_checkpoint
 
 # ----------------------------------------------------------------------------- config and batch types
 
@@ -373,6 +374,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(num_taps * target_hidden_size, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg, hidden, head_dim, intermediate) for _ in range(cfg.num_layers)])
+        # The first k layers recompute their forward in backward: true all, false none, auto all until the trainer
+        # narrows it from the memory it measures (dflash/memory.py).
+        self.checkpoint_layers: int = resolve_grad_checkpoint(cfg.grad_checkpoint, cfg.num_layers)
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.windows: list[int | None] = (
             list(cfg.layer_sliding_windows)
@@ -462,8 +466,8 @@ class DFlashDrafter(nn.Module):
         rope_q = rope_cos_sin(block_pos, self.head_dim, cfg.rope_theta, x.dtype)
         rope_kv = rope_cos_sin(torch.cat([pos, block_pos]), self.head_dim, cfg.rope_theta, x.dtype)
 
-        for layer, attend in zip(self.layers, self._attenders(anchors, docs, m), strict=True):
-            if cfg.grad_checkpoint and self.training and torch.is_grad_enabled():
+        for i, (layer, attend) in enumerate(zip(self.layers, self._attenders(anchors, docs, m), strict=True)):
+            if i < self.checkpoint_layers and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, ctx, rope_q, rope_kv, attend, use_reentrant=False)
             else:
                 x = layer(x, ctx, rope_q, rope_kv, attend)

@@ -10,6 +10,8 @@ import copy
 import importlib
 import importlib.util
 import inspect
+import itertools
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from dflash.kernels import inspect_kernels, varlen_usable
 from dflash.target_config import (  # noqa: F401 (re-exported: the config types live in a torch-free module)
     _ARCH_POSITIVE,
     ATTENTIONS,
+    CUDA_GRAPHS,
     DEFAULT_FAMILY,
     DTYPE_NAMES,
     FAMILIES,
@@ -315,6 +318,16 @@ class Target:
                                                   self.model.dtype)
         if self.attention == "varlen":
             self.model.set_attn_implementation(register_varlen_attention())
+        self.use_cuda_graph = resolve_cuda_graph(cfg.cuda_graph, self.device, self.packing)
+        self.graphs: PackedGraphs | None = None
+
+    def enable_cuda_graph(self, token_budget: int, min_doc_len: int, max_doc_len: int,
+                          log: Callable[[str], None]) -> bool:
+        """Route hidden_states_packed through captured graphs (target.cuda_graph auto/on where it applies); the
+        shapes come from the data config: token_budget, data.min_len (the document cap), data.max_len."""
+        if self.use_cuda_graph and self.graphs is None:
+            self.graphs = PackedGraphs(self, token_budget, min_doc_len, max_doc_len, log)
+        return self.graphs is not None
 
     # ---------------------------------------------------------------- loading
     @staticmethod
@@ -392,22 +405,16 @@ class Target:
             )
         if input_ids.ndim != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"packed input_ids must be [1, N], got {tuple(input_ids.shape)}")
+        if self.graphs is not None:  # target.cuda_graph: fixed-shape inputs, replayed (the tail's states are junk)
+            return self.graphs(input_ids, cu_seqlens)[:, : input_ids.shape[1]]
         idx = packed_indices(cu_seqlens, input_ids.shape[1])
-        dev = self.device
-        return self._tapped(
-            input_ids=to_device(input_ids, dev),
-            position_ids=to_device(idx.position_ids, dev).unsqueeze(0),
-            cu_seq_lens_q=(cu := to_device(idx.cu_seqlens, dev)),
-            cu_seq_lens_k=cu,
-            max_length_q=idx.max_len,
-            max_length_k=idx.max_len,
-            seq_idx=to_device(idx.seq_idx, dev).unsqueeze(0),
-            # fla's chunk op takes its chunk index as given (transformers passes the kwargs its signature names):
-            # built here, copied without a sync; left to fla it is built on the host from cu_seqlens_cpu and copied
-            # from pageable memory, which makes the host wait for the GPU once per forward.
-            cu_seqlens_cpu=idx.cu_seqlens,
-            chunk_indices=to_device(idx.chunk_indices, dev),
-        )
+        return self._tapped(**packed_forward_kwargs(idx, input_ids, self.device))
+
+    def hidden_states_fixed(self, fixed: FixedPackedInputs) -> Tensor:
+        """The eager forward over fixed-shape inputs ([1, token_budget, K*H]): what a graph captures, run directly."""
+        if self.packing != "varlen":
+            raise RuntimeError(f"hidden_states_fixed needs packing=varlen; this target uses {self.packing!r}")
+        return self._tapped(**packed_forward_kwargs(fixed, fixed.input_ids, self.device))
 
 
 @dataclass
@@ -554,3 +561,224 @@ def register_varlen_attention() -> str:
 
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
     return VARLEN_ATTENTION
+
+
+# ---------------------------------------------------------------------------------------------- fixed-shape inputs
+# Issue 24: a CUDA graph replays fixed shapes only, so every input of the packed forward gets a shape that depends on
+# the token budget and a document-slot bucket, never on the batch's document count. Padded "documents" are empty
+# (repeated final offsets): fla's kernels mask every load and store by the document's length (eos - bos = 0), the
+# conv sees no token of them, and varlen attention skips a zero-length sequence.
+FIRST_SLOT_BUCKET = 16  # smallest document-slot count; buckets double up to the cap
+
+
+def max_documents(token_budget: int, min_doc_len: int) -> int:
+    """Documents one fixed-shape row can hold: real ones (each >= min_doc_len tokens) plus the dummy tail's pieces.
+
+    Real documents r <= floor(real / min); the tail (t = token_budget - real tokens) is cut into pieces of at most
+    max_doc_len >= min tokens, ceil(t / max) <= ceil(t / min) of them; together <= ceil(budget / min), reached by
+    floor(budget / min) full documents and a short tail (tests/test_target_fixed_shape.py checks it by brute force).
+    """
+    if token_budget < 1 or min_doc_len < 1:
+        raise ValueError(f"token_budget and min_doc_len must be >= 1, got {token_budget} and {min_doc_len}")
+    return -(-token_budget // min_doc_len)
+
+
+def chunk_capacity(token_budget: int, slots: int, chunk: int = FLA_CHUNK) -> int:
+    """fla chunks a row with at most `slots - 1` documents can need: sum ceil(L_i / C) <= (N + (C - 1) D) // C, and
+    never more than N (a chunk holds at least one token)."""
+    return min(token_budget, (token_budget + (chunk - 1) * max(slots - 1, 0)) // chunk)
+
+
+def slot_buckets(token_budget: int, min_doc_len: int) -> list[int]:
+    """Document-slot counts a graph is captured for: 16, 32, ... and the cap (max documents + one always-empty slot).
+
+    One bucket for every count would pad a 12-document row to 257 slots at the 27B-like shape (min_len 64), and the
+    padded chunk entries are not free (fla's per-chunk kernels run their tiles on masked data): a bucket keeps the
+    padding within 2x of what the row needs, at the price of one capture per bucket met (at most 6 there).
+    """
+    cap = max_documents(token_budget, min_doc_len) + 1
+    out, s = [], FIRST_SLOT_BUCKET
+    while s < cap:
+        out.append(s)
+        s *= 2
+    return [*out, cap]
+
+
+@dataclass
+class FixedPackedInputs:
+    """Every input of the packed forward, each of a shape fixed by (token_budget, slots): what a graph captures."""
+
+    input_ids: Tensor  # [1, N] long, the dummy tail's ids are 0
+    position_ids: Tensor  # [N] long
+    seq_idx: Tensor  # [N] int32
+    cu_seqlens: Tensor  # [slots + 1] long; entries past the last document repeat N (empty documents)
+    chunk_indices: Tensor  # [chunk_capacity(N, slots), 2] long; padding rows point at the last (empty) slot
+    max_len: int  # the longest document a row may hold (a constant of the run, not of the batch)
+    slots: int
+    documents: int  # real documents plus the dummy tail's pieces (the rest of the slots are empty)
+
+
+def fixed_packed_inputs(input_ids: Tensor, cu_seqlens: Tensor, token_budget: int, max_doc_len: int,
+                        buckets: list[int]) -> FixedPackedInputs:
+    """The fixed-shape inputs of one packed row of n <= token_budget tokens with boundaries `cu_seqlens` (ending at n).
+
+    The row is padded to token_budget with a dummy tail cut into pieces of at most max_doc_len tokens (so the
+    attention's max length stays a run constant), then cu_seqlens to the smallest bucket that leaves one slot empty
+    (the padding chunk entries point there). Refuses a row whose documents do not fit the largest bucket or exceed
+    max_doc_len, naming the numbers.
+    """
+    n = input_ids.shape[-1]
+    if n > token_budget:
+        raise ValueError(f"packed row of {n} tokens is longer than the token budget {token_budget}")
+    idx = packed_indices(cu_seqlens, n)
+    lengths = (idx.cu_seqlens[1:] - idx.cu_seqlens[:-1]).tolist()
+    if max(lengths) > max_doc_len:
+        raise ValueError(f"a document of {max(lengths)} tokens is longer than the fixed-shape limit {max_doc_len} "
+                         "(data.max_len)")
+    tail = token_budget - n
+    lengths += [min(max_doc_len, tail - i) for i in range(0, tail, max_doc_len)]
+    docs = len(lengths)
+    fits = [s for s in buckets if s >= docs + 1]
+    if not fits:
+        raise ValueError(f"packed row has {docs} documents (with its tail's pieces); the fixed-shape inputs hold "
+                         f"{buckets[-1] - 1} (token budget / data.min_len, rounded up)")
+    slots = fits[0]
+    bounds = [0, *itertools.accumulate(lengths)]
+    cu = torch.tensor(bounds + [token_budget] * (slots + 1 - len(bounds)), dtype=torch.long)
+    full = packed_indices(torch.tensor(bounds), token_budget)
+    cap = chunk_capacity(token_budget, slots)
+    chunks = full.chunk_indices
+    pad = torch.tensor([[slots - 1, 0]], dtype=torch.long).expand(cap - chunks.shape[0], 2)
+    ids = torch.zeros(1, token_budget, dtype=input_ids.dtype)
+    ids[0, :n] = input_ids.reshape(-1).cpu()
+    return FixedPackedInputs(input_ids=ids, position_ids=full.position_ids, seq_idx=full.seq_idx, cu_seqlens=cu,
+                             chunk_indices=torch.cat([chunks, pad]), max_len=max_doc_len, slots=slots,
+                             documents=docs)
+
+
+def packed_forward_kwargs(inp: FixedPackedInputs | PackedIndices, input_ids: Tensor, device: torch.device
+                          ) -> dict[str, Any]:
+    """The decoder kwargs of a packed row (what transformers hands the varlen kernels), on `device` without a sync."""
+    if isinstance(inp, FixedPackedInputs):
+        cu, max_len, cu_cpu = to_device(inp.cu_seqlens, device), inp.max_len, None
+    else:
+        cu, max_len, cu_cpu = to_device(inp.cu_seqlens, device), inp.max_len, inp.cu_seqlens
+    kwargs: dict[str, Any] = {
+        "input_ids": to_device(input_ids, device),
+        "position_ids": to_device(inp.position_ids, device).unsqueeze(0),
+        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len,
+        "seq_idx": to_device(inp.seq_idx, device).unsqueeze(0),
+        # fla's chunk op takes its chunk index as given (transformers passes the kwargs its signature names): built
+        # here, copied without a sync; left to fla it is built on the host from cu_seqlens_cpu and copied from
+        # pageable memory, which makes the host wait for the GPU once per forward.
+        "chunk_indices": to_device(inp.chunk_indices, device),
+    }
+    if cu_cpu is not None:  # a graph must not bake a host tensor in; fla needs it only without chunk_indices
+        kwargs["cu_seqlens_cpu"] = cu_cpu
+    return kwargs
+
+
+@contextlib.contextmanager
+def fla_tensor_cache_off() -> Iterator[None]:
+    """fla memoises its index helpers (prepare_chunk_offsets, prepare_lens) by the *identity* of cu_seqlens. A graph's
+    static cu_seqlens is one object whose contents change every batch: a cached result would be baked into the
+    capture and replayed stale. With the cache off during warm-up and capture, the helpers are recorded as kernels."""
+    mod = sys.modules.get("fla.utils")
+    if mod is None or not hasattr(mod, "FLA_DISABLE_TENSOR_CACHE"):
+        yield
+        return
+    before = mod.FLA_DISABLE_TENSOR_CACHE
+    mod.FLA_DISABLE_TENSOR_CACHE = True
+    try:
+        yield
+    finally:
+        mod.FLA_DISABLE_TENSOR_CACHE = before
+
+
+def resolve_cuda_graph(choice: str, device: torch.device, packing: str) -> bool:
+    """target.cuda_graph -> whether to capture: off never; auto where it can apply (CUDA and packed varlen rows),
+    silently not elsewhere; on the same, but refused where it cannot apply (one line naming the reason)."""
+    if choice not in CUDA_GRAPHS:
+        raise ValueError(f"target.cuda_graph must be one of {', '.join(CUDA_GRAPHS)}; got {choice!r}")
+    usable = device.type == "cuda" and packing == "varlen"
+    if choice == "on" and not usable:
+        why = f"this target is on {device.type}" if device.type != "cuda" else f"packing is {packing!r}, not varlen"
+        raise ValueError(f"target.cuda_graph=on captures the packed target forward on CUDA; {why}. Use "
+                         "cuda_graph: auto or off.")
+    return choice != "off" and usable
+
+
+class PackedGraphs:
+    """The packed target forward captured as CUDA graphs, one per document-slot bucket met, sharing one memory pool.
+
+    Each call lays the row out as fixed-shape inputs, copies them into the bucket's static buffers (non-blocking, from
+    pinned memory) and replays. The result is the graph's static output: valid until the next call (run_target copies
+    it out at once, on the same stream). A capture that raises is reported once through `log` and every later call
+    runs the eager forward (`failed` holds the reason).
+    """
+
+    def __init__(self, target: Target, token_budget: int, min_doc_len: int, max_doc_len: int,
+                 log: Callable[[str], None]) -> None:
+        self.target, self.n, self.log = target, token_budget, log
+        self.max_len = min(max_doc_len, token_budget)
+        self.buckets = slot_buckets(token_budget, min_doc_len)
+        self.graphs: dict[int, tuple[Any, dict[str, Tensor], Tensor]] = {}
+        self.captures = 0
+        self.replays = 0
+        self.unfit = 0  # rows that did not fit the fixed shapes (ran eagerly)
+        self.failed: str | None = None
+        self.pool: Any = None
+
+    def __call__(self, input_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
+        try:
+            fixed = fixed_packed_inputs(input_ids, cu_seqlens, self.n, self.max_len, self.buckets)
+        except ValueError as exc:  # a row the fixed shapes cannot hold: this one runs eagerly, said once
+            if not self.unfit:
+                self.log(f"target.cuda_graph: {exc}; such rows run the eager forward")
+            self.unfit += 1
+            idx = packed_indices(cu_seqlens, input_ids.shape[1])
+            return self.target._tapped(**packed_forward_kwargs(idx, input_ids, self.target.device))
+        if self.failed is None and fixed.slots not in self.graphs:
+            try:
+                self._capture(fixed)
+            except Exception as exc:  # noqa: BLE001 - any capture failure falls back to the eager forward
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                self.failed = f"{type(exc).__name__}: {first}"
+                self.log(f"target.cuda_graph: capture failed ({self.failed}); the target forward runs eagerly")
+        if self.failed is not None:
+            return self.target._tapped(**packed_forward_kwargs(fixed, fixed.input_ids, self.target.device))
+        graph, static, out = self.graphs[fixed.slots]
+        self._fill(static, fixed)
+        graph.replay()
+        self.replays += 1
+        return out
+
+    @staticmethod
+    def _fill(static: dict[str, Tensor], fixed: FixedPackedInputs) -> None:
+        for name, src in (("input_ids", fixed.input_ids), ("position_ids", fixed.position_ids.unsqueeze(0)),
+                          ("seq_idx", fixed.seq_idx.unsqueeze(0)), ("cu_seq_lens_q", fixed.cu_seqlens),
+                          ("chunk_indices", fixed.chunk_indices)):
+            static[name].copy_(to_device(src, static[name].device), non_blocking=True)
+
+    def _capture(self, fixed: FixedPackedInputs) -> None:
+        dev = self.target.device
+        kwargs = packed_forward_kwargs(fixed, fixed.input_ids, dev)
+        kwargs = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in kwargs.items()}  # own static buffers
+        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_q"]
+        static = {k: v for k, v in kwargs.items() if isinstance(v, Tensor)}
+        with fla_tensor_cache_off():
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # Triton autotuning, lazy init and cuBLAS workspaces happen outside the capture
+                    self.target._tapped(**kwargs)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.target._tapped(**kwargs)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[fixed.slots] = (graph, static, out)
+        self.captures += 1
+        self.log(f"target.cuda_graph: captured the packed forward for {fixed.slots} document slots "
+                 f"({fixed.chunk_indices.shape[0]} chunk slots, {self.n} tokens)")

@@ -79,6 +79,7 @@ PACKINGS = ("auto", "pad", "varlen")
 # auto: varlen where the row is packed (packing varlen) and this torch has varlen_attn, else sdpa. Decoding with a
 # cache (regen, eval) always runs sdpa. (transformers' flex_attention path is not offered: Qwen3.5 models refuse it.)
 ATTENTIONS = ("auto", "sdpa", "varlen")
+CUDA_GRAPHS = ("off", "auto", "on")  # target.cuda_graph (dflash/target.py resolve_cuda_graph)
 _ARCH_POSITIVE = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "vocab_size")
 
@@ -122,6 +123,9 @@ class TargetConfig:
     seed: int = 0  # random-init seed (deterministic weights)
     allow_slow_kernels: bool = False
     attention: str = "auto"  # full-attention layers in the packed forward: auto | sdpa | varlen (see ATTENTIONS)
+    # The packed forward captured as CUDA graphs over fixed-shape inputs (issue 24): off | auto (CUDA + packing
+    # varlen, else nothing) | on (refused where it cannot apply). Off until a GPU session has measured it.
+    cuda_graph: str = "off"
 
 
 def check_arch(family: str, arch: dict[str, Any], keys: bool = True) -> None:

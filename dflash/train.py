@@ -29,6 +29,7 @@ from dflash import compile_cache, locks
 from dflash.config import ConfigError, RunConfig, check_mask_token_id, check_run
 from dflash.data import DataError, Document, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
+from dflash.memory import apply_auto_checkpoint
 from dflash.model import DFlashDrafter, resolve_attention
 from dflash.pipeline import (
     Feeder,
@@ -500,6 +501,10 @@ class Trainer:
                 self.target = Target(cfg.target, cfg.drafter.num_layers, device, on_progress=progress, vocab=vocab)
             except ValueError as exc:  # the target names the bad field (target.arch, target.tap_layers, ...)
                 raise UsageError(str(cfg.error(exc))) from None
+            if self.target.enable_cuda_graph(cfg.data.token_budget, cfg.data.min_len, cfg.data.max_len,
+                                             lambda msg: self.log.info("%s", msg)):
+                self.log.info("target.cuda_graph: %s: the packed forward is captured per document-slot bucket %s",
+                              cfg.target.cuda_graph, self.target.graphs.buckets if self.target.graphs else [])
             info = TargetInfo.from_target(self.target)
             if self.target.vocab_size < vocab:
                 raise UsageError(f"target vocab {self.target.vocab_size} is smaller than the tokenizer's {vocab}")
@@ -536,6 +541,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # identical init on every drafter rank and in every layout
         try:
             self.drafter = DFlashDrafter(self.dcfg, info.hidden_size, len(info.tap_layers)).to(device)
+            apply_auto_checkpoint(self.drafter, cfg.data.token_budget, info.hidden_size * len(info.tap_layers),
+                                  device, lambda msg: self.log.info("%s", msg))
         except ValueError as exc:  # e.g. drafter.hidden_size != target hidden size
             raise UsageError(str(cfg.error(exc))) from None
         if cfg.train.init_from is not None and self.start.resume_path is None:

@@ -234,7 +234,8 @@ def test_both_benches_run_end_to_end_in_a_cpu_smoke_run(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=300, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    steps = run("step_phases.py", "--steps", "3", "--warmup", "1", "--profile-steps", "1", "--eval-every", "50")
+    steps = run("step_phases.py", "--steps", "3", "--warmup", "1", "--profile-steps", "1", "--eval-every", "50",
+                "--cuda-graph", "auto")  # auto: nothing to capture on a CPU, and nothing said about it
     assert steps["device"].startswith("cpu (smoke run") and steps["steps_timed"] == 3
     ev = steps["eval"]  # the train.eval_every evaluation at this shape: the training loop's own call, timed
     assert (ev["sequences"], ev["block_size"], ev["every_steps"]) == (32, 4, 50)  # type: ignore[index]
@@ -248,7 +249,15 @@ def test_both_benches_run_end_to_end_in_a_cpu_smoke_run(tmp_path: Path) -> None:
                                                     abs=2e-3)
     assert phases["drafter fwd+bwd"]["hfu"] >= phases["drafter fwd+bwd"]["mfu"] > 0
     assert steps["target"] == {"layers_run": 3, "of": 4, "vocab": 512, "packing": "pad", "attention": "sdpa",
-                               "fixed_shape": False}
+                               "fixed_shape": False,
+                               "cuda_graph": {"setting": "auto", "active": False, "captures": 0, "replays": 0,
+                                              "rows_run_eagerly": 0, "capture_failed": None}}
+    refused = subprocess.run([sys.executable, str(root / "bench" / "step_phases.py"), str(path), "--cpu-smoke",
+                              "--cuda-graph", "on"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "bench/step_phases.py: target.cuda_graph=on captures the packed target forward on CUDA; this target is on "
+        "cpu. Use cuda_graph: auto or off.")
     assert steps["profile"]["steps"] == 1 and steps["recompile_limit_hits"] == 0  # type: ignore[index]
     fwd = run("target_forward.py", "--rows", "2x64", "--repeats", "2")
     rows = {r["phase"]: r for r in fwd["rows"]}  # type: ignore[union-attr]

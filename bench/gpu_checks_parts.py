@@ -1,0 +1,124 @@
+"""The GPU checks of tests/gpu split into parts that each fit one device call (at most 540 s on a fresh H200).
+
+One device call is limited to 600 s; since issue 24 the whole of tests/gpu no longer fits (16 of 18 checks ran in
+570 s). `bench/gpu_checks.sh PART` reads this table (`--ids PART`) and runs each check of the part in its own pytest
+process, so one crashed or hung check never hides the others and the part's summary line always prints.
+
+Estimates are seconds on a *fresh* machine, per check, run alone in its own process: the figure recorded in
+docs/gpu-checks.md where there is one (its run and the test's own duration), else a guess marked "guess" (those
+checks were never timed alone; the guess counts the Triton / inductor compile the check pays on a cold machine).
+A part's estimate adds PROCESS_S per check (python + torch + transformers import) and SETUP_S once (wheel install,
+device line). tests/test_gpu_checks_parts.py keeps every collected check in exactly one part and every part under
+PART_LIMIT_S; a new GPU check must be added here (the test names it otherwise).
+
+Usage: python3 bench/gpu_checks_parts.py --list | --ids PART | --parts
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+PART_LIMIT_S = 540  # one device call is 600 s; 60 s margin for start-up and copying $OUT back
+PROCESS_S = 12  # one pytest process: interpreter, torch, transformers imports (measured ~10-15 s on the H200)
+SETUP_S = 20  # pip install of the wheels into /tmp/site, nvidia-smi, version line
+
+G = "tests/gpu/test_gpu_checks.py::"
+F = "tests/gpu/test_flex_training_size.py::"
+T = "tests/gpu/test_tau_gpu.py::"
+C = "tests/gpu/test_cuda_graph_target.py::"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One pytest node id run as one process; `fla` False runs it without the fla / causal-conv1d wheels."""
+
+    node: str
+    seconds: int
+    source: str  # where the estimate comes from
+    fla: bool = True
+
+
+PARTS: dict[str, tuple[Check, ...]] = {
+    # fla bf16 target checks: they share fla's bf16 JIT (paid by the first), plus the no-wheels pass.
+    "part1": (
+        Check(G + "test_kernels_bound_match_the_installed_packages", 17, "run 1 pass 1: 17.2 s", fla=False),
+        Check(G + "test_kernels_bound_match_the_installed_packages", 16, "run 1 pass 2: 15.4 s"),
+        Check(G + "test_fla_varlen_target_equals_padded[bfloat16-0.02]", 80, "run 1: 76.7 s, run 6: 71.1 s"),
+        Check(G + "test_target_attention_options_equal_padded_per_document[sdpa]", 90, "guess"),
+        Check(G + "test_target_attention_options_equal_padded_per_document[varlen]", 60, "guess"),
+        Check(G + "test_default_attention_is_varlen_for_packed_training_and_sdpa_for_decoding", 60, "guess"),
+        Check(G + "test_regen_batch_at_the_cuda_rows_cap_decodes", 90, "guess"),
+    ),
+    # float32 kernels: fla's float32 JIT is separate from bf16's.
+    "part2": (
+        Check(G + "test_fla_varlen_target_equals_padded[float32-0.002]", 110, "run 1: 95.9 s, run 6: 106.0 s"),
+        Check(G + "test_exact_float32_kernels_make_chunked_and_recurrent_logits_agree", 110, "guess"),
+        Check(T + "test_teacher_forced_drafts_and_walk_equal_the_decode_loop_on_the_gpu[float32-exact]", 150,
+              "2026-12-04: 146.4 s alone"),
+        Check(G + "test_load_from_directory_onto_the_gpu", 60, "run 4: 68 s incl. start-up"),
+    ),
+    # flex attention and the compiled drafter: they share inductor's compiles of flex.
+    "part3": (
+        Check(G + "test_flex_equals_dense_forward_and_grads[bf16-0.02-64]", 55, "run 6: 54.8 s (compiles flex)"),
+        Check(G + "test_flex_equals_dense_forward_and_grads[bf16-0.02-256]", 30, "run 1: 25.5 s"),
+        Check(G + "test_flex_equals_dense_forward_and_grads[fp32-0.002-64]", 30, "run 1: 27.8 s"),
+        Check(G + "test_flex_equals_dense_forward_and_grads[fp32-0.002-256]", 25, "run 1: 20.0 s"),
+        Check(G + "test_compiled_flex_does_not_recompile_across_buffers", 40, "guess (0.3 s after the above)"),
+        Check(G + "test_whole_drafter_under_torch_compile_matches_and_does_not_recompile", 85, "run 2: 82.5 s"),
+        Check(G + "test_training_size_flex_equals_dense_and_step_cost", 40, "run 2: 17.3 s after the above"),
+    ),
+    "part4": (
+        Check(G + "test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_back", 150, "guess"),
+        Check(F + "test_flex_gradients_equal_dense_at_the_bench_training_shape[flex-module]", 60, "guess"),
+        Check(F + "test_flex_gradients_equal_dense_at_the_bench_training_shape[whole-step-compiled]", 120, "guess"),
+    ),
+    "part5": (
+        Check(T + "test_teacher_forced_drafts_and_walk_equal_the_decode_loop_on_the_gpu[bf16-autocast]", 200,
+              "guess (> 100 s: cut in fla's bf16 JIT on 2026-12-04)"),
+        Check(C + "test_graph_replay_equals_the_eager_forward_exactly", 120, "guess (issue 24, never run)"),
+        Check(C + "test_a_different_document_count_replays_without_recapture", 60, "guess (issue 24, never run)"),
+    ),
+}
+
+
+def part_seconds(part: str) -> int:
+    """A part's estimate on a fresh machine: its checks, one process start each, and the set-up once."""
+    return SETUP_S + sum(c.seconds + PROCESS_S for c in PARTS[part])
+
+
+def listing() -> str:
+    lines = [f"parts of bench/gpu_checks.sh (each <= {PART_LIMIT_S} s on a fresh H200; estimates in seconds)"]
+    for name, checks in PARTS.items():
+        lines.append(f"{name}  {part_seconds(name)} s  ({len(checks)} checks)")
+        for c in checks:
+            wheels = "" if c.fla else "  [without fla / causal-conv1d]"
+            lines.append(f"  {c.seconds:4d}  {c.node}{wheels}  ({c.source})")
+    total = sum(part_seconds(p) for p in PARTS)
+    lines.append(f"all  {total} s  (every part in turn: more than one device call)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--list", action="store_true", help="print every part with its checks and estimates")
+    g.add_argument("--parts", action="store_true", help="print the part names, one a line")
+    g.add_argument("--ids", metavar="PART", help="print PART's checks as 'fla|nofla SECONDS NODE', one a line")
+    args = p.parse_args(argv)
+    if args.list:
+        print(listing())
+    elif args.parts:
+        print("\n".join(PARTS))
+    else:
+        if args.ids not in PARTS:
+            print(f"gpu_checks: unknown part {args.ids!r}; the parts are {', '.join(PARTS)} (or all)", file=sys.stderr)
+            return 2
+        for c in PARTS[args.ids]:
+            print(f"{'fla' if c.fla else 'nofla'} {c.seconds} {c.node}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
