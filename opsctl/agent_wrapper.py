@@ -104,6 +104,8 @@ _LAUNCHER_ERROR = "torch.distributed.elastic."
 # The one line a dflash command prints on a bad config/data/checkpoint before exiting 2 (no traceback): `dflash: ...`
 # (train) or `dflash eval: ...`, possibly prefixed by torchrun's per-rank tag.
 _CLI_ERROR = re.compile(r"^(?:\[(?:default)?\d*\]?(?:rank\d+)?\]?:\s*)?(dflash(?: [a-z][a-z-]*)?: .+)$")
+# How many last log lines a traceback-less failure's `dflash: ...` line is looked for in.
+CLI_ERROR_TAIL = 20
 # torchrun's `Root Cause (first observed failure)` block: the failed rank, its exit code, and for a signal its name.
 _ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
 
@@ -132,7 +134,11 @@ def crash_line(log: str, window: int = 256 << 10) -> str | None:
         elif launcher is not None and (m := _CLI_ERROR.match(lines[i])):
             return m.group(1)
     if launcher is None:
-        return None
+        # No traceback: a dflash command that refused its config/data/arguments printed one `dflash: ...` line and
+        # exited 2. Only near the end (the wrapper's and the shell's lines may follow it), so an early line that
+        # merely starts with `dflash: ` is never taken for why the run ended.
+        return next((m.group(1) for line in reversed(lines[-CLI_ERROR_TAIL:]) if (m := _CLI_ERROR.match(line))),
+                    None)
     cause = torchrun_root_cause(lines[launcher[0]:])
     return f"{launcher[1].split(':')[0]}: {cause} (no traceback in the log)" if cause else launcher[1]
 
