@@ -1282,12 +1282,32 @@ def host_load_check(load1: float, cpus: int) -> tuple[bool, str]:
 
 
 # -- verbs --------------------------------------------------------------------------------------------------
+def config_arg(argv: list[str]) -> str | None:
+    """The run's config file, as the dflash CLI takes it (`--config FILE` or `--config=FILE`); None: not given."""
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     force = bool(opts.get("force"))
     extra = [str(a) for a in opts.get("extra_args") or []]  # `opsctl launch HOST RUN -- ARGS`: this attempt only
     argv = with_args(run.argv(), extra)
+    where = str(opts.get("host") or socket.gethostname())
     if not os.path.isdir(run.workdir):
-        emit("check", name="workdir", ok=False, detail=f"{run.workdir} is not a directory")
+        what = "is not a directory" if os.path.exists(run.workdir) else "does not exist"
+        emit("check", name="workdir", ok=False, detail=f"{run.workdir} {what} on host {where}: create it there, or "
+             "set the run's `workdir:` in hosts.yaml to the directory the run starts in")
+        return EXIT_CODES["refused"]
+    config = config_arg(argv)
+    if config is not None and not os.path.isfile(run.path(config)):
+        # before anything is touched: `dflash: ...: cannot read config` from the started run said it too late
+        emit("check", name="config", ok=False, detail=f"{run.path(config)} (the run's --config) does not exist on "
+             f"host {where}: copy the config there, or fix --config in the run's command in hosts.yaml (a relative "
+             f"path is read from the workdir {run.workdir})")
         return EXIT_CODES["refused"]
     os.makedirs(run.state_dir, exist_ok=True)
     failed: list[str] = []

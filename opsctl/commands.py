@@ -26,7 +26,7 @@ from opsctl.agent import EXIT_CODES
 from opsctl.alerts import AlertTracker
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
-from opsctl.inventory import BUILTIN, builtin_notice, discover, write_init
+from opsctl.inventory import BUILTIN, builtin_notice, discover, write_init, write_init_config
 from opsctl.progress import PhaseProgress
 from opsctl.runstate import RunState, RunView, attempt_clock, phase_progress, unreachable_view
 from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
@@ -668,8 +668,14 @@ def cmd_init(ctx: Ctx, path: str, force: bool = False) -> int:
     except OSError as exc:
         raise OpsError(f"cannot write {target}: {exc}", EXIT_USAGE) from None
     inv = load_inventory(target)  # the template must stay valid: a broken one fails here, not at the next verb
+    try:
+        config_note = write_init_config(target)
+    except OSError as exc:
+        raise OpsError(f"wrote {target.resolve()}, but not the sample run's config beside it: {exc}",
+                       EXIT_USAGE) from None
     ctx.err.print(f"wrote {target.resolve()}: host(s) {', '.join(inv.hosts)}; edit it, then `opsctl hosts check`",
-                  soft_wrap=True)
+                  soft_wrap=True, markup=False)
+    ctx.err.print(config_note, soft_wrap=True, markup=False)
     return EXIT_OK
 
 
