@@ -1567,6 +1567,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     last: dict[str, tuple[int, int, dict[str, Any]]] = {}
     size = 0
     tau = _W["TauTrack"]()  # the run's evaluations across its attempts: the latest and the best tau so far
+    eta = _W["EtaClock"]()  # every step of the attempt, not only the last ones sent: the ETA watch shows too
     bad: list[Any] = [0, None]  # lines since the last run_start that are no event: how many, the last one's why
     if run.events and os.path.exists(run.events):
         with open(run.events, "rb") as fh:
@@ -1583,6 +1584,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                 if isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since:
                     continue
                 kind = ev.get("kind")
+                eta.note(ev)
                 if kind == "run_start":
                     steps.clear()
                     errors.clear()
@@ -1613,7 +1615,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     emit("status", name=run.name, proc=snap, killed_by_opsctl=killed is not None, killed=killed,
          launched_ts=launch.get("ts"), session=run.session, session_exists=sess["exists"],
          pane_dead=sess["pane_dead"], log=run.log, log_size=log_size, events=run.events, events_size=size,
-         bad_events=bad[0], bad_event=bad[1])
+         bad_events=bad[0], bad_event=bad[1], eta_clock=eta.state())
     return EXIT_CODES["ok"]
 
 

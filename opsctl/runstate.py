@@ -16,6 +16,7 @@ from dflash.telemetry import PHASES, EventError, parse_event
 from opsctl.agent_wrapper import (  # the wrapper's notifications use the same rule
     STALL_FACTOR,
     STALL_FLOOR_S,
+    EtaClock,  # the ETA: the same rule as the agent's status
     TauTrack,  # the run's tau: the same rule as the agent's status and the notify
 )
 
@@ -156,6 +157,7 @@ class RunState:
         self._restart_lost: dict[str, Any] | None = None  # the restart whose wrapper died during the back-off
         self._signal: str | None = None  # the stop signal from outside opsctl that ended the attempt (the wrapper's)
         self.tau = TauTrack()
+        self.eta = EtaClock()
 
     # -- input ---------------------------------------------------------------------------
     def apply(self, msg: dict[str, Any]) -> bool:
@@ -163,6 +165,8 @@ class RunState:
         t = msg.get("t")
         if isinstance(msg.get("ts"), (int, float)):
             self._clock_skew = float(msg["ts"]) - time.time()
+        if t == "status" and isinstance(msg.get("eta_clock"), dict):
+            self.eta.load(msg["eta_clock"])  # folded over the whole attempt; the snapshot's last steps are too few
         ev = self.checked_event(msg) if t in ("event", "bad_event", "status") else None  # None: not one, or bad
         if ev is not None:
             self.apply_event(ev)
@@ -229,6 +233,7 @@ class RunState:
         ts = float(ev.get("ts", time.time()))
         if self.tau.note(ev):
             self._fold_tau()
+        self.eta.note(ev)
         if kind == "run_start":
             self._saw_run_start = True
             self._phase_events = False  # a new attempt: until its own phase events, its heartbeats say where it is
@@ -312,10 +317,7 @@ class RunState:
         v.restart_in_s = None if self._restart_at is None else max(0.0, self._restart_at - now)
         v.state = self._derive_state(v)
         v.reason = self._reason(v)
-        if v.total_steps and v.step and self._step_times and v.state == "training":
-            v.eta_s = (v.total_steps - v.step) * statistics.median(self._step_times)
-        else:
-            v.eta_s = None
+        v.eta_s = self.eta.eta(v.step, v.total_steps) if v.step and v.state == "training" else None
         return v
 
     def _reason(self, v: RunView) -> str | None:
