@@ -1533,11 +1533,14 @@ def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
             return EXIT_CODES["ok"]
     if opts.get("all_logs"):
         # `logs --all`: every earlier attempt's log (rotated at launch), oldest first, then the current one.
+        # `all_tail` N (`logs --all -n N`): the last N lines of each, the current one's through the follower's tail.
         olds = old_logs(run)
+        keep = opts.get("all_tail")
         for i, path in enumerate(olds):
             emit("attempt", file=path, attempt=i + 1, attempts=len(olds) + 1, current=False)
             with open(path, "rb") as fh:
-                for raw in bounded_lines(fh, MAX_LOG_LINE):
+                lines = bounded_lines(fh, MAX_LOG_LINE)
+                for raw in (collections.deque(lines, maxlen=int(keep)) if isinstance(keep, int) else lines):
                     emit("old_log", file=path, line=raw.decode("utf-8", errors="replace"))
         emit("attempt", file=run.log, attempt=len(olds) + 1, attempts=len(olds) + 1, current=True)
     follower = Follower(run, nvml, int(opts.get("log_offset", 0)), int(opts.get("events_offset", 0)),

@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "attempt; --all every kept attempt.")
     _host_run(s)
     s.add_argument("-f", "--follow", action="store_true")
-    s.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="lines of history (default 50)")
+    s.add_argument("-n", "--lines", type=int, default=None, metavar="N",
+                   help="lines of history (default 50); with --all: the last N of each attempt (default: all)")
     s.add_argument("--all", action="store_true",
                    help="every kept attempt's log (LOG.N ... LOG.1, then the current LOG), each under a header")
     s.add_argument("--node", type=int, metavar="I", default=None,
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "status":
             return commands.cmd_status(ctx, args.host, args.run, as_json=args.json)
         if args.verb == "logs":
-            if args.lines < 0:
+            if args.lines is not None and args.lines < 0:
                 raise commands.OpsError("-n must be >= 0", commands.EXIT_USAGE)
             return commands.cmd_logs(ctx, args.host, args.run, follow=args.follow, lines=args.lines, all_attempts=args.all)
         if args.verb == "kill":

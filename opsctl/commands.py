@@ -279,7 +279,7 @@ def _follow_reconnecting(ctx: Ctx, host: HostConfig, run: RunConfig, offsets: di
         t = ctx.transport(host)
         try:
             options = {"no_events": not events, "gpu_interval": 1.0 if events else 0,
-                       "all_logs": bool(offsets.get("all_logs"))}
+                       "all_logs": bool(offsets.get("all_logs")), "all_tail": offsets.get("all_tail")}
             for m in follow_connection(t, host, run, offsets, **options):
                 connected_once = True
                 yield m
@@ -322,16 +322,19 @@ def _attempt_header(m: dict[str, Any]) -> str:
     return f"=== attempt {m.get('attempt')} of {m.get('attempts')} ({which}): {m.get('file')} ==="
 
 
-def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, lines: int = 50,
+def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, lines: int | None = 50,
              _offsets: dict[str, int] | None = None, all_attempts: bool = False) -> int:
-    """The current attempt's log (last `lines`, or follow); `all_attempts`: every kept attempt, oldest first."""
+    """The current attempt's log (last `lines`, default 50, or follow); `all_attempts`: every kept attempt, oldest
+    first, whole or (`lines` given) the last `lines` of each."""
     host, run = ctx.resolve(host_name, run_name)
     assert run is not None
+    every = {"log_offset": 0} if lines is None else {"log_offset": -1, "tail": lines, "all_tail": lines}
+    lines = 50 if lines is None else lines
     if not follow:
         t = ctx.transport(host)
         try:
             preflight(ctx, host, t)
-            args = (run_args(run, log_offset=0, once=True, no_events=True, gpu_interval=0, all_logs=True)
+            args = (run_args(run, once=True, no_events=True, gpu_interval=0, all_logs=True, **every)
                     if all_attempts else
                     run_args(run, log_offset=-1, tail=lines, once=True, no_events=True, gpu_interval=0))
             for m in stream_agent(t, host, "follow", args):
@@ -346,7 +349,7 @@ def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, line
         finally:
             t.close()
         return EXIT_OK
-    offsets: dict[str, Any] = _offsets or ({"log_offset": 0, "events_offset": 0, "all_logs": True} if all_attempts
+    offsets: dict[str, Any] = _offsets or ({"events_offset": 0, "all_logs": True, **every} if all_attempts
                                            else {"log_offset": -1, "events_offset": 0, "tail": lines})
     rc = EXIT_OK
     for m in _follow_reconnecting(ctx, host, run, offsets, events=False):
