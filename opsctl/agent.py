@@ -433,6 +433,10 @@ class ProcWatch:
     def snapshot(self) -> dict[str, Any]:
         info = read_json(self.run.state_file("pid")) or {}
         code = read_exit_code(self.run.state_file("exit_code"))
+        cleaned = not info and code is not None
+        if cleaned:  # `clean` removed the ended run's pid file, not its attempts: still say which one it was
+            last = (read_history(self.run.state_dir, self.run.log, self.run.keep_logs) or [{}])[-1]
+            info = {"attempt": last.get("id"), "started": last.get("started")}
         pid = info.get("pid")
         pgid = info.get("pgid")
         restart = read_json(self.run.state_file(RESTARTING_FILE)) if code is None else None
@@ -477,7 +481,8 @@ class ProcWatch:
                 "restart_lost": lost, "signal": info.get("signal") if exited else None,
                 "leftovers": self.leftovers(info) if exited else [],
                 "attempt": info.get("attempt"), "started": info.get("started"), "ended": ended,
-                "restarts": info.get("restarts"), "restart_max": info.get("restart_max"), "restart": restart}
+                "restarts": info.get("restarts"), "restart_max": info.get("restart_max"), "restart": restart,
+                "cleaned": cleaned}
 
     def poll(self, force: bool = False) -> dict[str, Any]:
         snap = self.snapshot()
@@ -1860,6 +1865,8 @@ def verb_history(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         if a.get("outcome") is None:
             live = a.get("id") == snap.get("attempt") and snap["state"] in ("running", "restarting")
             a["outcome"] = ("running" if snap["state"] == "running" else "restarting") if live else "lost"
+        if isinstance(a.get("checkpoint"), str):  # keep_last deletes older checkpoints: never link one that is gone
+            a["checkpoint_exists"] = os.path.exists(run.path(a["checkpoint"]))
     emit("history", attempts=attempts, state=snap["state"], current=snap.get("attempt"))
     return EXIT_CODES["ok"]
 

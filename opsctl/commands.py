@@ -28,7 +28,7 @@ from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
 from opsctl.inventory import BUILTIN, builtin_notice, discover, write_init, write_init_config
 from opsctl.progress import PhaseProgress
-from opsctl.runstate import RunState, RunView, attempt_clock, phase_progress, unreachable_view
+from opsctl.runstate import ENDED_STATES, RunState, RunView, attempt_clock, phase_progress, unreachable_view
 from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
 from opsctl.watch import (
     AgentSource,
@@ -494,6 +494,8 @@ def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: b
         table.add_column("GPUs")
     for r in rows:
         phase = phase_progress(r["phase"] or "-", r.get("phase_i"), r.get("phase_n"))
+        if r["state"] in ENDED_STATES and r["state"] != "crashed":  # a crash's phase says where; others ended
+            phase = "ended"
         step = f"{r['step']}" + (f"/{r['total_steps']}" if r.get("total_steps") else "")
         gpus = ", ".join(f"{g['index']}: {g.get('util')}% {int(g.get('mem_used_mb') or 0)} MiB" for g in r["gpus"])
         state = Text(state_label(r), style=STATE_COLOURS.get(r["state"], "white"))
@@ -505,7 +507,8 @@ def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: b
                  "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
                  fmt_duration(r.get("eta_s")),
                  "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
-                 str(r["pid"] or "-"), "-" if r["exit_code"] is None or running else str(r["exit_code"]),
+                 str(r["pid"] or ("cleaned" if r.get("cleaned") else "-")),
+                 "-" if r["exit_code"] is None or running else str(r["exit_code"]),
                  attempt_clock(r)]  # the current attempt: #id, when it started, how long it ran
         if many_hosts:
             cells.insert(0, r["host"])

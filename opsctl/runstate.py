@@ -22,7 +22,9 @@ from opsctl.agent_wrapper import (  # the wrapper's notifications use the same r
 
 # Every phase the contract lists before `compiling` reads as loading (target, drafter, data).
 LOADING_PHASES = frozenset(PHASES[:PHASES.index("compiling")])
-__all__ = ["LOADING_PHASES", "STALL_FACTOR", "STALL_FLOOR_S", "RunState", "RunView", "attempt_clock", "fmt_span",
+# A run in one of these has ended: no heartbeat to age, its last phase is where it was when it ended.
+ENDED_STATES = frozenset({"finished", "crashed", "killed", "refused"})
+__all__ = ["ENDED_STATES", "LOADING_PHASES", "STALL_FACTOR", "STALL_FLOOR_S", "RunState", "RunView", "attempt_clock", "fmt_span",
            "fmt_when", "phase_progress", "unreachable_view"]
 
 
@@ -110,6 +112,7 @@ class RunView:
     attempt: int | None = None  # the current attempt's id (opsctl history HOST RUN lists them all)
     started_at: float | None = None  # when the current attempt started (Unix time, the host's clock)
     duration_s: float | None = None  # how long it ran (until now while it runs)
+    cleaned: bool = False  # `opsctl clean` removed the ended run's pid file (its attempts are still in history)
     restart_n: int | None = None  # state restarting: which restart comes next (RESTARTING (n/max))
     restart_max: int | None = None  # the restart policy's max (None: no policy)
     restart_in_s: float | None = None  # state restarting: seconds until the next attempt starts
@@ -193,6 +196,7 @@ class RunState:
             if isinstance(msg.get("killed_at"), (int, float)):
                 self._killed_at = float(msg["killed_at"])
             v.exception = msg.get("exception")
+            v.cleaned = bool(msg.get("cleaned"))
             v.leftover_pids = [int(p) for p in msg.get("leftovers") or []]
             self._restart_lost = msg.get("restart_lost") if isinstance(msg.get("restart_lost"), dict) else None
             self._signal = msg.get("signal") if isinstance(msg.get("signal"), str) else None
@@ -316,6 +320,8 @@ class RunState:
             v.duration_s = max(0.0, (self._ended if self._ended is not None else now) - v.started_at)
         v.restart_in_s = None if self._restart_at is None else max(0.0, self._restart_at - now)
         v.state = self._derive_state(v)
+        if v.state in ENDED_STATES:
+            v.heartbeat_age_s = None  # nothing beats after the end: an age growing for days said nothing
         v.reason = self._reason(v)
         v.eta_s = self.eta.eta(v.step, v.total_steps) if v.step and v.state == "training" else None
         return v
