@@ -433,6 +433,10 @@ class ProcWatch:
     def snapshot(self) -> dict[str, Any]:
         info = read_json(self.run.state_file("pid")) or {}
         code = read_exit_code(self.run.state_file("exit_code"))
+        cleaned = not info and code is not None
+        if cleaned:  # `clean` removed the ended run's pid file, not its attempts: still say which one it was
+            last = (read_history(self.run.state_dir, self.run.log, self.run.keep_logs) or [{}])[-1]
+            info = {"attempt": last.get("id"), "started": last.get("started")}
         pid = info.get("pid")
         pgid = info.get("pgid")
         restart = read_json(self.run.state_file(RESTARTING_FILE)) if code is None else None
@@ -477,7 +481,8 @@ class ProcWatch:
                 "restart_lost": lost, "signal": info.get("signal") if exited else None,
                 "leftovers": self.leftovers(info) if exited else [],
                 "attempt": info.get("attempt"), "started": info.get("started"), "ended": ended,
-                "restarts": info.get("restarts"), "restart_max": info.get("restart_max"), "restart": restart}
+                "restarts": info.get("restarts"), "restart_max": info.get("restart_max"), "restart": restart,
+                "cleaned": cleaned}
 
     def poll(self, force: bool = False) -> dict[str, Any]:
         snap = self.snapshot()
@@ -1282,12 +1287,32 @@ def host_load_check(load1: float, cpus: int) -> tuple[bool, str]:
 
 
 # -- verbs --------------------------------------------------------------------------------------------------
+def config_arg(argv: list[str]) -> str | None:
+    """The run's config file, as the dflash CLI takes it (`--config FILE` or `--config=FILE`); None: not given."""
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     force = bool(opts.get("force"))
     extra = [str(a) for a in opts.get("extra_args") or []]  # `opsctl launch HOST RUN -- ARGS`: this attempt only
     argv = with_args(run.argv(), extra)
+    where = str(opts.get("host") or socket.gethostname())
     if not os.path.isdir(run.workdir):
-        emit("check", name="workdir", ok=False, detail=f"{run.workdir} is not a directory")
+        what = "is not a directory" if os.path.exists(run.workdir) else "does not exist"
+        emit("check", name="workdir", ok=False, detail=f"{run.workdir} {what} on host {where}: create it there, or "
+             "set the run's `workdir:` in hosts.yaml to the directory the run starts in")
+        return EXIT_CODES["refused"]
+    config = config_arg(argv)
+    if config is not None and not os.path.isfile(run.path(config)):
+        # before anything is touched: `dflash: ...: cannot read config` from the started run said it too late
+        emit("check", name="config", ok=False, detail=f"{run.path(config)} (the run's --config) does not exist on "
+             f"host {where}: copy the config there, or fix --config in the run's command in hosts.yaml (a relative "
+             f"path is read from the workdir {run.workdir})")
         return EXIT_CODES["refused"]
     os.makedirs(run.state_dir, exist_ok=True)
     failed: list[str] = []
@@ -1513,11 +1538,14 @@ def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
             return EXIT_CODES["ok"]
     if opts.get("all_logs"):
         # `logs --all`: every earlier attempt's log (rotated at launch), oldest first, then the current one.
+        # `all_tail` N (`logs --all -n N`): the last N lines of each, the current one's through the follower's tail.
         olds = old_logs(run)
+        keep = opts.get("all_tail")
         for i, path in enumerate(olds):
             emit("attempt", file=path, attempt=i + 1, attempts=len(olds) + 1, current=False)
             with open(path, "rb") as fh:
-                for raw in bounded_lines(fh, MAX_LOG_LINE):
+                lines = bounded_lines(fh, MAX_LOG_LINE)
+                for raw in (collections.deque(lines, maxlen=int(keep)) if isinstance(keep, int) else lines):
                     emit("old_log", file=path, line=raw.decode("utf-8", errors="replace"))
         emit("attempt", file=run.log, attempt=len(olds) + 1, attempts=len(olds) + 1, current=True)
     follower = Follower(run, nvml, int(opts.get("log_offset", 0)), int(opts.get("events_offset", 0)),
@@ -1547,6 +1575,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     last: dict[str, tuple[int, int, dict[str, Any]]] = {}
     size = 0
     tau = _W["TauTrack"]()  # the run's evaluations across its attempts: the latest and the best tau so far
+    eta = _W["EtaClock"]()  # every step of the attempt, not only the last ones sent: the ETA watch shows too
     bad: list[Any] = [0, None]  # lines since the last run_start that are no event: how many, the last one's why
     if run.events and os.path.exists(run.events):
         with open(run.events, "rb") as fh:
@@ -1563,6 +1592,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                 if isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since:
                     continue
                 kind = ev.get("kind")
+                eta.note(ev)
                 if kind == "run_start":
                     steps.clear()
                     errors.clear()
@@ -1593,7 +1623,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     emit("status", name=run.name, proc=snap, killed_by_opsctl=killed is not None, killed=killed,
          launched_ts=launch.get("ts"), session=run.session, session_exists=sess["exists"],
          pane_dead=sess["pane_dead"], log=run.log, log_size=log_size, events=run.events, events_size=size,
-         bad_events=bad[0], bad_event=bad[1])
+         bad_events=bad[0], bad_event=bad[1], eta_clock=eta.state())
     return EXIT_CODES["ok"]
 
 
@@ -1835,6 +1865,8 @@ def verb_history(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         if a.get("outcome") is None:
             live = a.get("id") == snap.get("attempt") and snap["state"] in ("running", "restarting")
             a["outcome"] = ("running" if snap["state"] == "running" else "restarting") if live else "lost"
+        if isinstance(a.get("checkpoint"), str):  # keep_last deletes older checkpoints: never link one that is gone
+            a["checkpoint_exists"] = os.path.exists(run.path(a["checkpoint"]))
     emit("history", attempts=attempts, state=snap["state"], current=snap.get("attempt"))
     return EXIT_CODES["ok"]
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import fcntl
 import json
+import math
 import os
 import re
 import select
@@ -104,6 +105,8 @@ _LAUNCHER_ERROR = "torch.distributed.elastic."
 # The one line a dflash command prints on a bad config/data/checkpoint before exiting 2 (no traceback): `dflash: ...`
 # (train) or `dflash eval: ...`, possibly prefixed by torchrun's per-rank tag.
 _CLI_ERROR = re.compile(r"^(?:\[(?:default)?\d*\]?(?:rank\d+)?\]?:\s*)?(dflash(?: [a-z][a-z-]*)?: .+)$")
+# How many last log lines a traceback-less failure's `dflash: ...` line is looked for in.
+CLI_ERROR_TAIL = 20
 # torchrun's `Root Cause (first observed failure)` block: the failed rank, its exit code, and for a signal its name.
 _ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
 
@@ -132,7 +135,11 @@ def crash_line(log: str, window: int = 256 << 10) -> str | None:
         elif launcher is not None and (m := _CLI_ERROR.match(lines[i])):
             return m.group(1)
     if launcher is None:
-        return None
+        # No traceback: a dflash command that refused its config/data/arguments printed one `dflash: ...` line and
+        # exited 2. Only near the end (the wrapper's and the shell's lines may follow it), so an early line that
+        # merely starts with `dflash: ` is never taken for why the run ended.
+        return next((m.group(1) for line in reversed(lines[-CLI_ERROR_TAIL:]) if (m := _CLI_ERROR.match(line))),
+                    None)
     cause = torchrun_root_cause(lines[launcher[0]:])
     return f"{launcher[1].split(':')[0]}: {cause} (no traceback in the log)" if cause else launcher[1]
 
@@ -586,6 +593,70 @@ def _tau_num(x: Any) -> float | None:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or x != x or x in (float("inf"), float("-inf")):
         return None
     return float(x)
+
+
+class EtaClock:
+    """Wall seconds per training step of the current attempt: the one ETA rule of `status` (the agent folds every
+    step event of the attempt into it and sends its state) and of `watch`/`launch` (their RunState folds the same
+    events), so both show the same ETA at the same step.
+
+    The wall clock between step events, not their `step_time_s`: that one times a step's compute alone, so a run
+    whose data waits, evaluations and checkpoints take time finished far later than it promised. An exponential
+    moving average (alpha 0.05: about the last 40 intervals) of each interval's seconds per step, each counted as at
+    most CLIP times (at least 1/CLIP of) the average: one 10-minute checkpoint moves the ETA a few percent, a lasting
+    change of speed still wins within a few dozen steps. Until two step events came: the last `step_time_s`."""
+
+    ALPHA = 0.05
+    CLIP = 3.0
+
+    def __init__(self) -> None:
+        self.per_step: float | None = None  # the moving average, seconds per step
+        self.fallback: float | None = None  # the last step_time_s, until an interval exists
+        self.last: tuple[int, float] | None = None  # (step, ts) of the last step event
+
+    def note(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("kind")
+        if kind == "run_start":  # a new attempt (a resume, another host): its speed is its own
+            self.__init__()  # type: ignore[misc]
+            return
+        step, ts = ev.get("step"), ev.get("ts")
+        if kind != "step" or not isinstance(step, int) or not _finite(ts):
+            return
+        if _finite(ev.get("step_time_s")):
+            self.fallback = float(ev["step_time_s"])
+        if self.last is not None and step > self.last[0] and ts >= self.last[1]:
+            x = (float(ts) - self.last[1]) / (step - self.last[0])
+            if self.per_step is None:
+                self.per_step = x
+            else:
+                if self.per_step > 0:
+                    x = min(max(x, self.per_step / self.CLIP), self.per_step * self.CLIP)
+                self.per_step += self.ALPHA * (x - self.per_step)
+        self.last = (step, float(ts))
+
+    def seconds_per_step(self) -> float | None:
+        return self.per_step if self.per_step is not None else self.fallback
+
+    def eta(self, step: int, total_steps: int | None) -> float | None:
+        """Seconds until `total_steps` from `step` (None: nothing to go by)."""
+        rate = self.seconds_per_step()
+        if not total_steps or rate is None:
+            return None
+        return max(0, total_steps - step) * rate
+
+    def state(self) -> dict[str, Any]:
+        """What the agent's `status` sends (its snapshot carries only the last steps, too few to fold again)."""
+        return {"per_step": self.per_step, "fallback": self.fallback, "last": self.last}
+
+    def load(self, st: dict[str, Any]) -> None:
+        self.per_step = float(st["per_step"]) if _finite(st.get("per_step")) else None
+        self.fallback = float(st["fallback"]) if _finite(st.get("fallback")) else None
+        last = st.get("last")
+        self.last = (int(last[0]), float(last[1])) if isinstance(last, (list, tuple)) and len(last) == 2 else None
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class TauTrack:

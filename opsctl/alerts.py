@@ -332,8 +332,8 @@ class AlertTracker:
                 parts += [line, f"error class {err.get('class')}"]
             else:
                 parts.append(f"{err.get('class')}: {err.get('message')}")
-        elif self.log_exception:
-            parts.append(self.log_exception)
+        elif v.exception or self.log_exception:  # the agent's line (a `dflash: ...` refusal too) or the log's
+            parts.append(str(v.exception or self.log_exception))
         if v.end_reason:
             parts.append(f"run_end {v.end_reason}")
         if v.exit_code is not None:

@@ -321,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep printing new lines until the run ends (reconnecting after a drop); exit 0 if it "
                         "finished with status 0, else 1")
     s.add_argument("-n", "--lines", type=int, default=None, metavar="N",
-                   help="lines of history (default 50; with --progress 0: the bar sums up what came before)")
+                   help="lines of history (default 50; with --all: the last N of each attempt, default all; with --progress 0: "
+                        "the bar sums up what came before)")
     s.add_argument("--progress", action="store_true", help="with -f on a terminal: after the first step, one progress bar (step/total, loss, tau of the last "
                         "in-training eval, tokens/s, ETA) instead of every log line; warnings, errors, evaluations "
                         "and checkpoints still print, and the log keeps every line. Into a pipe: one line per 1/20 "
@@ -471,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in given and _verb_of(given[:given.index("--")]) == "launch":
         given, extra = given[:given.index("--")], given[given.index("--") + 1:]
     args = parser.parse_args(given)
-    if args.verb == "logs" and args.lines is None:  # -f --progress: the bar sums up the backlog, no 50 lines first
-        args.lines = 0 if args.progress else 50
+    if args.verb == "logs" and args.lines is None and args.progress:  # the bar sums up the backlog: no lines first
+        args.lines = 0
     ctx = commands.Ctx(hosts_file=args.hosts, accept_new_host_key=args.accept_new_host_key)
     try:
         from opsctl.group_verbs import dispatch  # HOST may name a group of hosts (hosts.yaml `groups:`)
@@ -499,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "status":
             return commands.cmd_status(ctx, args.host, args.run, as_json=args.json)
         if args.verb == "logs":
-            if args.lines < 0:
+            if args.lines is not None and args.lines < 0:
                 raise commands.OpsError("-n must be >= 0", commands.EXIT_USAGE)
             if args.progress and not args.follow:
                 raise commands.OpsError("--progress draws the run's training while following it: add -f",

@@ -26,9 +26,9 @@ from opsctl.agent import EXIT_CODES
 from opsctl.alerts import AlertTracker
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
-from opsctl.inventory import BUILTIN, builtin_notice, discover, write_init
+from opsctl.inventory import BUILTIN, builtin_notice, discover, write_init, write_init_config
 from opsctl.progress import PhaseProgress
-from opsctl.runstate import RunState, RunView, attempt_clock, phase_progress, unreachable_view
+from opsctl.runstate import ENDED_STATES, RunState, RunView, attempt_clock, phase_progress, unreachable_view
 from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
 from opsctl.watch import (
     AgentSource,
@@ -292,7 +292,7 @@ def _follow_reconnecting(ctx: Ctx, host: HostConfig, run: RunConfig, offsets: di
         t = ctx.transport(host)
         try:
             options = {"no_events": not events, "gpu_interval": 1.0 if events else 0,
-                       "all_logs": bool(offsets.get("all_logs"))}
+                       "all_logs": bool(offsets.get("all_logs")), "all_tail": offsets.get("all_tail")}
             for m in follow_connection(t, host, run, offsets, **options):
                 connected_once = True
                 yield m
@@ -335,16 +335,19 @@ def _attempt_header(m: dict[str, Any]) -> str:
     return f"=== attempt {m.get('attempt')} of {m.get('attempts')} ({which}): {m.get('file')} ==="
 
 
-def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, lines: int = 50,
+def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, lines: int | None = 50,
              _offsets: dict[str, int] | None = None, all_attempts: bool = False, progress: bool = False) -> int:
-    """The current attempt's log (last `lines`, or follow); `all_attempts`: every kept attempt, oldest first."""
+    """The current attempt's log (last `lines`, default 50, or follow); `all_attempts`: every kept attempt, oldest
+    first, whole or (`lines` given) the last `lines` of each."""
     host, run = ctx.resolve(host_name, run_name)
     assert run is not None
+    every = {"log_offset": 0} if lines is None else {"log_offset": -1, "tail": lines, "all_tail": lines}
+    lines = 50 if lines is None else lines
     if not follow:
         t = ctx.transport(host)
         try:
             preflight(ctx, host, t)
-            args = (run_args(run, log_offset=0, once=True, no_events=True, gpu_interval=0, all_logs=True)
+            args = (run_args(run, once=True, no_events=True, gpu_interval=0, all_logs=True, **every)
                     if all_attempts else
                     run_args(run, log_offset=-1, tail=lines, once=True, no_events=True, gpu_interval=0))
             for m in stream_agent(t, host, "follow", args):
@@ -359,7 +362,7 @@ def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, line
         finally:
             t.close()
         return EXIT_OK
-    offsets: dict[str, Any] = _offsets or ({"log_offset": 0, "events_offset": 0, "all_logs": True} if all_attempts
+    offsets: dict[str, Any] = _offsets or ({"events_offset": 0, "all_logs": True, **every} if all_attempts
                                            else {"log_offset": -1, "events_offset": 0, "tail": lines})
     state = SmoothedRunState(stall_after_s=run.stall_after)
     train = _train_progress(ctx, state, host, run) if progress else None  # -f --progress: one bar, not every line
@@ -528,6 +531,8 @@ def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: b
         table.add_column("GPUs")
     for r in rows:
         phase = phase_progress(r["phase"] or "-", r.get("phase_i"), r.get("phase_n"))
+        if r["state"] in ENDED_STATES and r["state"] != "crashed":  # a crash's phase says where; others ended
+            phase = "ended"
         step = f"{r['step']}" + (f"/{r['total_steps']}" if r.get("total_steps") else "")
         gpus = ", ".join(f"{g['index']}: {g.get('util')}% {int(g.get('mem_used_mb') or 0)} MiB" for g in r["gpus"])
         state = Text(state_label(r), style=STATE_COLOURS.get(r["state"], "white"))
@@ -539,7 +544,8 @@ def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: b
                  "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
                  fmt_duration(r.get("eta_s")),
                  "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
-                 str(r["pid"] or "-"), "-" if r["exit_code"] is None or running else str(r["exit_code"]),
+                 str(r["pid"] or ("cleaned" if r.get("cleaned") else "-")),
+                 "-" if r["exit_code"] is None or running else str(r["exit_code"]),
                  attempt_clock(r)]  # the current attempt: #id, when it started, how long it ran
         if many_hosts:
             cells.insert(0, r["host"])
@@ -705,8 +711,14 @@ def cmd_init(ctx: Ctx, path: str, force: bool = False) -> int:
     except OSError as exc:
         raise OpsError(f"cannot write {target}: {exc}", EXIT_USAGE) from None
     inv = load_inventory(target)  # the template must stay valid: a broken one fails here, not at the next verb
+    try:
+        config_note = write_init_config(target)
+    except OSError as exc:
+        raise OpsError(f"wrote {target.resolve()}, but not the sample run's config beside it: {exc}",
+                       EXIT_USAGE) from None
     ctx.err.print(f"wrote {target.resolve()}: host(s) {', '.join(inv.hosts)}; edit it, then `opsctl hosts check`",
-                  soft_wrap=True)
+                  soft_wrap=True, markup=False)
+    ctx.err.print(config_note, soft_wrap=True, markup=False)
     return EXIT_OK
 
 

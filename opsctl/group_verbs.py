@@ -877,7 +877,7 @@ def cmd_group_kill(ctx: Ctx, g: Group, run_name: str) -> int:
     return worst
 
 
-def cmd_group_logs(ctx: Ctx, g: Group, run_name: str, follow: bool = False, lines: int = 50,
+def cmd_group_logs(ctx: Ctx, g: Group, run_name: str, follow: bool = False, lines: int | None = 50,
                    all_attempts: bool = False, node: int | None = None) -> int:
     """Every node's log with a `[nodeI host] ` prefix (interleaved by arrival with -f), or one node's as it is."""
     gr = group_run(ctx, g, run_name)

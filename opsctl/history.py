@@ -51,13 +51,35 @@ def fetch_history(ctx: Ctx, host_name: str, run_name: str) -> list[dict[str, Any
     return out
 
 
+WHY_LINES = 2  # a refusal's advice can fill a screen; the table shows its start (history --json has all of it)
+WHY_CHARS = 160
+
+
+def short_why(why: str) -> str:
+    """The first WHY_LINES lines (at most WHY_CHARS) of why an attempt ended, `...` where cut."""
+    lines = [ln for ln in str(why).splitlines() if ln.strip()]
+    head = "\n".join(lines[:WHY_LINES])
+    cut = len(lines) > WHY_LINES or len(head) > WHY_CHARS
+    return (head[:WHY_CHARS].rstrip() + " ...") if cut else head
+
+
 def _how(a: dict[str, Any]) -> Text:
     outcome = str(a.get("outcome") or "-")
     text = Text(outcome, style=OUTCOME_STYLES.get(outcome, "white"))
     why = a.get("exception") or (f"signal {a['signal']}" if a.get("signal") else None) or a.get("reason")
     if why:
-        text.append(f" ({why})")
+        text.append(f" ({short_why(why)})")
     return text
+
+
+def _checkpoint(a: dict[str, Any]) -> Text:
+    """The attempt's last checkpoint; `(deleted)` once keep_last removed it (never a link to nothing)."""
+    path = a.get("checkpoint")
+    if not path:
+        return Text("-")
+    if a.get("checkpoint_exists") is False:
+        return Text.assemble(str(path), (" (deleted)", "dim"))
+    return Text(str(path))
 
 
 def cmd_history(ctx: Ctx, host_name: str, run_name: str, as_json: bool = False) -> int:
@@ -77,8 +99,10 @@ def cmd_history(ctx: Ctx, host_name: str, run_name: str, as_json: bool = False) 
     if show_tau:
         cols[6:6] = ["last τ (step)", "best τ (step)"]
     for col in cols:
+        # paths whole, folded onto more lines where the terminal is narrow: `/tmp/uxt/inv/ru…` named no file
         table.add_column(col, no_wrap=col in ("#", "started", "duration", "exit", "steps", "last τ (step)",
-                                              "best τ (step)"))
+                                              "best τ (step)"),
+                         overflow="fold" if col in ("log", "checkpoint") else "ellipsis")
     for a in attempts:
         first, last = a.get("first_step"), a.get("last_step")
         steps = "-" if last is None else (f"{first}-{last}" if first is not None and first != last else str(last))
@@ -88,7 +112,7 @@ def cmd_history(ctx: Ctx, host_name: str, run_name: str, as_json: bool = False) 
         extra = " ".join(a.get("extra_args") or [])
         cells: list[Any] = [str(a.get("id")), fmt_when(a.get("started")), fmt_span(a.get("duration_s")), _how(a),
                             "-" if a.get("exit_code") is None else str(a["exit_code"]), steps, a.get("log") or "-",
-                            a.get("checkpoint") or "-", how + (f" -- {extra}" if extra else "")]
+                            _checkpoint(a), how + (f" -- {extra}" if extra else "")]
         if show_tau:
             cells[6:6] = [fmt_tau(a.get("last_tau"), a.get("last_tau_step")),
                           fmt_tau(a.get("best_tau"), a.get("best_tau_step"))]

@@ -74,9 +74,10 @@ hosts:
     local: true
     runs:
       tiny:
-        # The training core's tiny CPU run; --resume auto continues after `opsctl kill local tiny`.
+        # The training core's tiny CPU run; --resume auto continues after `opsctl kill local tiny`. Its config,
+        # tiny.yaml, was written beside this file (a copy of the repository's configs/tiny.yaml).
         workdir: .
-        command: ["{python}", -m, dflash, train, --config, configs/tiny.yaml, --out, runs/tiny, --resume, auto]
+        command: ["{python}", -m, dflash, train, --config, tiny.yaml, --out, runs/tiny, --resume, auto]
         log: runs/tiny/train.log
         events: runs/tiny/events.jsonl
         tmux_session: dflash-tiny
@@ -137,6 +138,33 @@ hosts:
 #         # runs (no process on one host can restart the others), so keep that in tmux on a machine that stays up.
 #         restart: {when: on-failure, max: 3, backoff_s: 120}
 """
+
+
+# The sample run's config: the repository's configs/tiny.yaml, copied beside the written hosts.yaml so the sample
+# starts wherever `opsctl init` ran (a relative `configs/tiny.yaml` only resolved inside the repository).
+INIT_CONFIG_NAME = "tiny.yaml"
+
+
+def sample_config_source() -> Path | None:
+    """configs/tiny.yaml of the checkout opsctl runs from (None: an install without the repository's configs)."""
+    src = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+    return src if src.is_file() else None
+
+
+def write_init_config(hosts_path: Path) -> str:
+    """Put the sample run's config beside `hosts_path`; returns what was done, for the message. A file already there
+    is kept (it may be the user's edit, and `--force` is about hosts.yaml)."""
+    dest = hosts_path.parent / INIT_CONFIG_NAME
+    if dest.exists():
+        return f"kept the existing {dest.resolve()} (the sample run's config)"
+    src = sample_config_source()
+    if src is None:
+        return (f"no configs/tiny.yaml beside the opsctl package to copy: put a dflash config at {dest.resolve()} "
+                "before launching the sample run `tiny`")
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_bytes(src.read_bytes())
+    tmp.replace(dest)
+    return f"wrote {dest.resolve()} (the sample run's config, from {src})"
 
 
 def write_init(path: Path, force: bool = False) -> Path:

@@ -16,12 +16,15 @@ from dflash.telemetry import PHASES, EventError, parse_event
 from opsctl.agent_wrapper import (  # the wrapper's notifications use the same rule
     STALL_FACTOR,
     STALL_FLOOR_S,
+    EtaClock,  # the ETA: the same rule as the agent's status
     TauTrack,  # the run's tau: the same rule as the agent's status and the notify
 )
 
 # Every phase the contract lists before `compiling` reads as loading (target, drafter, data).
 LOADING_PHASES = frozenset(PHASES[:PHASES.index("compiling")])
-__all__ = ["LOADING_PHASES", "STALL_FACTOR", "STALL_FLOOR_S", "RunState", "RunView", "attempt_clock", "fmt_span",
+# A run in one of these has ended: no heartbeat to age, its last phase is where it was when it ended.
+ENDED_STATES = frozenset({"finished", "crashed", "killed", "refused"})
+__all__ = ["ENDED_STATES", "LOADING_PHASES", "STALL_FACTOR", "STALL_FLOOR_S", "RunState", "RunView", "attempt_clock", "fmt_span",
            "fmt_when", "phase_progress", "unreachable_view"]
 
 
@@ -109,6 +112,7 @@ class RunView:
     attempt: int | None = None  # the current attempt's id (opsctl history HOST RUN lists them all)
     started_at: float | None = None  # when the current attempt started (Unix time, the host's clock)
     duration_s: float | None = None  # how long it ran (until now while it runs)
+    cleaned: bool = False  # `opsctl clean` removed the ended run's pid file (its attempts are still in history)
     restart_n: int | None = None  # state restarting: which restart comes next (RESTARTING (n/max))
     restart_max: int | None = None  # the restart policy's max (None: no policy)
     restart_in_s: float | None = None  # state restarting: seconds until the next attempt starts
@@ -156,6 +160,7 @@ class RunState:
         self._restart_lost: dict[str, Any] | None = None  # the restart whose wrapper died during the back-off
         self._signal: str | None = None  # the stop signal from outside opsctl that ended the attempt (the wrapper's)
         self.tau = TauTrack()
+        self.eta = EtaClock()
 
     # -- input ---------------------------------------------------------------------------
     def apply(self, msg: dict[str, Any]) -> bool:
@@ -163,6 +168,8 @@ class RunState:
         t = msg.get("t")
         if isinstance(msg.get("ts"), (int, float)):
             self._clock_skew = float(msg["ts"]) - time.time()
+        if t == "status" and isinstance(msg.get("eta_clock"), dict):
+            self.eta.load(msg["eta_clock"])  # folded over the whole attempt; the snapshot's last steps are too few
         ev = self.checked_event(msg) if t in ("event", "bad_event", "status") else None  # None: not one, or bad
         if ev is not None:
             self.apply_event(ev)
@@ -189,6 +196,7 @@ class RunState:
             if isinstance(msg.get("killed_at"), (int, float)):
                 self._killed_at = float(msg["killed_at"])
             v.exception = msg.get("exception")
+            v.cleaned = bool(msg.get("cleaned"))
             v.leftover_pids = [int(p) for p in msg.get("leftovers") or []]
             self._restart_lost = msg.get("restart_lost") if isinstance(msg.get("restart_lost"), dict) else None
             self._signal = msg.get("signal") if isinstance(msg.get("signal"), str) else None
@@ -229,6 +237,7 @@ class RunState:
         ts = float(ev.get("ts", time.time()))
         if self.tau.note(ev):
             self._fold_tau()
+        self.eta.note(ev)
         if kind == "run_start":
             self._saw_run_start = True
             self._phase_events = False  # a new attempt: until its own phase events, its heartbeats say where it is
@@ -311,11 +320,10 @@ class RunState:
             v.duration_s = max(0.0, (self._ended if self._ended is not None else now) - v.started_at)
         v.restart_in_s = None if self._restart_at is None else max(0.0, self._restart_at - now)
         v.state = self._derive_state(v)
+        if v.state in ENDED_STATES:
+            v.heartbeat_age_s = None  # nothing beats after the end: an age growing for days said nothing
         v.reason = self._reason(v)
-        if v.total_steps and v.step and self._step_times and v.state == "training":
-            v.eta_s = (v.total_steps - v.step) * statistics.median(self._step_times)
-        else:
-            v.eta_s = None
+        v.eta_s = self.eta.eta(v.step, v.total_steps) if v.step and v.state == "training" else None
         return v
 
     def _reason(self, v: RunView) -> str | None:

@@ -185,29 +185,20 @@ class Ema:
 
 
 class SmoothedRunState(RunState):
-    """RunState whose ETA is the remaining steps times an EMA of the step time, and which keeps an EMA of tokens/s:
-    what `status`, `launch` and the dashboard show, so a checkpoint step or a slow batch does not swing them."""
+    """RunState which keeps an EMA of tokens/s: what `status`, `launch` and the dashboard show, so a slow batch does
+    not swing it. The ETA is RunState's own (opsctl.agent_wrapper.EtaClock), the one `status` shows too."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.step_time = Ema(clip=3.0)
         self.tokens_rate = Ema(clip=3.0)
 
     def apply_event(self, ev: dict[str, Any]) -> None:
         super().apply_event(ev)
         kind = ev.get("kind")
         if kind == "run_start":  # a new attempt (another host, a resume): its speed is its own
-            self.step_time.reset()
             self.tokens_rate.reset()
         elif kind == "step":
-            self.step_time.add(ev.get("step_time_s"))
             self.tokens_rate.add(ev.get("tokens_per_s"))
-
-    def view(self, now: float | None = None) -> RunView:
-        v = super().view(now)
-        if v.eta_s is not None and v.total_steps and self.step_time.value is not None:
-            v.eta_s = max(0, v.total_steps - v.step) * self.step_time.value
-        return v
 
 
 # -- following the agent across lost links ------------------------------------------------------------------

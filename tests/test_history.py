@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -161,3 +162,50 @@ def test_extra_and_resume_arguments_join_the_command() -> None:
     assert w.resume_argv(["python", "t.py"], ["--resume", "auto"]) == ["python", "t.py", "--resume", "auto"]
     assert w.resume_argv(["sh", "-c", "python t.py --resume auto"], ["--resume", "auto"]) == [
         "sh", "-c", "python t.py --resume auto"]
+
+
+def test_history_and_status_of_an_ended_and_cleaned_run(tmp_path: Path) -> None:
+    """history: whole paths (folded, never `...`), a checkpoint keep_last deleted says `(deleted)`, a refusal's
+    advice cut to its start; status of an ended run: phase `ended`, no heartbeat age; after `clean` it still names
+    the last attempt (pid `cleaned`), as history lists it."""
+    deep = tmp_path / "a-rather-long-directory-name" / "and-another-one-below-it"
+    deep.mkdir(parents=True)
+    ckpt = deep / "ckpt"
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(json.dumps({"hosts": {"local": {"local": True, "runs": {"r": script_run(
+        deep, "ok_run.py", "--steps", "1000", "--step-time", "0.05", "--checkpoint-steps", "1",
+        "--ckpt-dir", str(ckpt), tmux_session="hist-ended")}}}}))
+    try:
+        assert opsctl(hosts, "launch", "local", "r").returncode == 0
+        assert opsctl(hosts, "kill", "local", "r").returncode == 0
+        (a,) = history(hosts)
+        assert a["checkpoint"].startswith(str(ckpt)) and a["checkpoint_exists"] is True, a
+        kept = a["checkpoint"]
+        os.unlink(kept)  # as keep_last does
+        env = dict(os.environ, COLUMNS="100", NO_COLOR="1", TERM="dumb")
+        r = subprocess.run([sys.executable, "-m", "opsctl", "--hosts", str(hosts), "history", "local", "r"],
+                           capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 0 and "…" not in r.stdout, r.stdout
+        rows = [ln.split("│") for ln in r.stdout.splitlines() if ln.startswith("│")]  # the one attempt's lines
+        cells = ["".join(row[i].strip() for row in rows) for i in range(len(rows[0]))]  # each column, unfolded
+        assert kept + "(deleted)" in cells and str(deep / "run.log") in cells, (cells, r.stdout)
+        st = status(hosts)
+        assert st["state"] == "killed" and st["heartbeat_age_s"] is None and st["phase"] == "training", st
+        row = next(ln for ln in opsctl(hosts, "status", "local", "r").stdout.splitlines() if "│ r " in ln)
+        assert " ended " in row and " s ago" not in row and "#1 " in row, row
+        assert opsctl(hosts, "clean", "local", "r").returncode == 0
+        st = status(hosts)
+        assert st["cleaned"] is True and st["attempt"] == 1 and st["pid"] is None, st
+        row = next(ln for ln in opsctl(hosts, "status", "local", "r").stdout.splitlines() if "│ r " in ln)
+        assert " cleaned " in row and "#1 " in row, row
+    finally:
+        kill_tmux(deep, "r")
+
+
+def test_history_cuts_a_long_refusal_to_its_first_lines() -> None:
+    from opsctl.history import short_why
+
+    advice = "not_finished: run already finished\n" + "\n".join(f"advice line {i}" for i in range(24))
+    assert short_why(advice) == "not_finished: run already finished\nadvice line 0 ..."
+    assert short_why("RuntimeError: boom") == "RuntimeError: boom"
+    assert short_why("x" * 500).endswith(" ...") and len(short_why("x" * 500)) < 170

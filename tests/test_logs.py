@@ -233,3 +233,34 @@ def test_logs_of_a_run_never_launched_says_so_and_exits_like_status(tmp_path: Pa
         assert r.returncode == 0 and "never launched" not in r.stderr and r.stdout.strip(), r.stderr
     finally:
         opsctl(hosts, "kill", "box", "chat")
+
+
+MANY_LINES_CRASH = ("import pathlib; p = pathlib.Path('n'); n = int(p.read_text()) + 1 if p.exists() else 1; "
+                    "p.write_text(str(n)); [print(f'attempt {n} line {i}', flush=True) for i in range(30)]; "
+                    "raise SystemExit(1)")
+
+
+def test_logs_all_with_n_prints_the_last_n_lines_of_each_attempt(tmp_path: Path, sshd) -> None:
+    """`logs --all -n 5` printed every line of every attempt: -n is now the last N of each, under its header;
+    without -n, --all still prints every attempt whole."""
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={"r": {
+        "workdir": str(tmp_path), "command": ["{python}", "-c", MANY_LINES_CRASH], "log": "run.log",
+        "inductor_cache_dir": "cache", "tmux_session": "logs-all-n", "ready_timeout": 30}})
+    log = tmp_path / "run.log"
+    try:
+        for _ in range(2):
+            assert opsctl(hosts, "launch", "box", "r").returncode == 1
+        r = opsctl(hosts, "logs", "box", "r", "--all", "-n", "2")
+        assert r.returncode == 0, r.stderr
+        out = r.stdout.splitlines()
+        h1, h2 = out.index(f"=== attempt 1 of 2 (earlier attempt): {log}.1 ==="), out.index(
+            f"=== attempt 2 of 2 (current attempt): {log} ===")
+        assert h1 == 0 and h2 == 3 and len(out) == 6, out  # two lines of each attempt, whatever they are
+        assert out[1:3] == log.with_name("run.log.1").read_text().splitlines()[-2:]
+        assert out[4:6] == log.read_text().splitlines()[-2:]
+        whole = opsctl(hosts, "logs", "box", "r", "--all").stdout.splitlines()
+        assert "attempt 1 line 0" in whole and "attempt 2 line 0" in whole and len(whole) > 60
+        r = opsctl(hosts, "logs", "box", "r", "--all", "-n", "2", "-f")  # the run has ended: -f ends too
+        assert r.stdout.splitlines() == out, r.stdout
+    finally:
+        opsctl(hosts, "clean", "box", "r")

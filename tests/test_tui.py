@@ -788,8 +788,8 @@ def test_eta_is_an_ema_of_the_step_time_and_one_slow_step_barely_moves_it() -> N
     assert after is not None and after < 1.15 * before, (before, after)
     now[0] = 161.0
     for n in range(102, 262):  # the run really got slower: the ETA follows within a few dozen steps
-        model.ingest(_step(n, 160.0 + n, step_time=2.0))
-    now[0] = 160.0 + 262
+        model.ingest(_step(n, 160.0 + 2.0 * (n - 101), step_time=2.0))  # the wall clock counts (EtaClock)
+    now[0] = 160.0 + 2.0 * 161
     assert model.view().eta_s == pytest.approx((1000 - 261) * 2.0, rel=0.05)
     assert model.state.tokens_rate.value == pytest.approx(1000.0, abs=10)  # smoothed, not the last +-50
 

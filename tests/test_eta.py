@@ -1,0 +1,94 @@
+"""One ETA (opsctl.agent_wrapper.EtaClock) in `status`, `status --json`, `watch --once` and the dashboard's RunModel,
+checked against a run whose wall time per step is known (tests/runs/eta_run.py: steps 2.0 s apart, each saying a
+step_time_s of 0.5 s), over a real sshd.
+
+They disagreed (175 s vs 480 s with ~300 s left): status folded only the snapshot's last 20 step_time_s values into
+an EMA, watch the whole run's, and step_time_s leaves out everything between steps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
+
+from agentlib import opsctl, script_run  # noqa: E402
+
+from opsctl import commands  # noqa: E402
+from opsctl.agent_wrapper import EtaClock  # noqa: E402
+from opsctl.watch import RunModel, SourceWorker, fmt_duration  # noqa: E402
+
+STEPS, TOTAL, WALL, COMPUTE = 300, 1000, 2.0, 0.5
+TRUE_REMAINDER = (TOTAL - STEPS) * WALL
+
+
+def _model_view(hosts: Path) -> float | None:
+    """The dashboard's own model fed by the real AgentSource until it has the run's last step."""
+    (src,) = commands.watch_sources(commands.Ctx(hosts_file=str(hosts)), ["box:eta"])
+    model = RunModel(src.label)
+    worker = SourceWorker(src).start()
+    try:
+        deadline = time.monotonic() + 60
+        while (model.view().step != STEPS or model.view().state != "training") and time.monotonic() < deadline:
+            other, _, _ = worker.drain()
+            for m in other:
+                model.ingest(m)
+            time.sleep(0.05)
+    finally:
+        worker.stop()
+    view = model.view()
+    assert view.step == STEPS and view.state == "training", view
+    return view.eta_s
+
+
+def test_status_and_watch_show_one_eta_near_the_true_remainder(tmp_path: Path, sshd) -> None:
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={"eta": script_run(
+        tmp_path, "eta_run.py", "--steps", str(STEPS), "--total", str(TOTAL), "--wall", str(WALL),
+        "--compute", str(COMPUTE), tmux_session="st-eta")})
+    try:
+        r = opsctl(hosts, "launch", "box", "eta")
+        assert r.returncode == 0, r.stderr
+        (st,) = json.loads(opsctl(hosts, "status", "box", "eta", "--json").stdout)
+        assert st["state"] == "training" and st["step"] == STEPS, st
+        eta = st["eta_s"]
+        assert eta == pytest.approx(TRUE_REMAINDER, rel=0.05), eta  # the old rule said 700 x 0.5 s = 350 s
+        (snap,) = json.loads(opsctl(hosts, "watch", "--once", "box:eta", timeout=120).stdout)
+        assert snap["step"] == STEPS and snap["eta_s"] == pytest.approx(eta, rel=1e-9), snap
+        assert _model_view(hosts) == pytest.approx(eta, rel=1e-9)
+        table = opsctl(hosts, "status", "box", "eta").stdout
+        (row,) = [ln for ln in table.splitlines() if ln.startswith("│") and " eta " in ln]
+        assert f" {fmt_duration(eta)} " in row, (fmt_duration(eta), row)
+    finally:
+        opsctl(hosts, "kill", "box", "eta")
+        opsctl(hosts, "clean", "box", "eta")
+
+
+def _step(n: int, ts: float, step_time: float = 1.0) -> dict:
+    return {"kind": "step", "step": n, "ts": ts, "step_time_s": step_time}
+
+
+def test_eta_clock_counts_wall_time_and_one_slow_step_barely_moves_it() -> None:
+    clock = EtaClock()
+    clock.note(_step(1, 0.0, step_time=0.3))
+    assert clock.eta(1, 11) == pytest.approx(10 * 0.3)  # one step event: its step_time_s is all there is
+    for n in range(2, 101):
+        clock.note(_step(n, (n - 1) * 1.0, step_time=0.3))
+    before = clock.eta(100, 1000)
+    assert before == pytest.approx(900.0)  # the wall clock between steps, not their 0.3 s of compute
+    clock.note(_step(101, 99.0 + 600.0))  # a 10-minute checkpoint
+    assert clock.eta(101, 1000) < 1.15 * before
+    ts = 699.0
+    for n in range(102, 262):  # the run really got slower: the ETA follows within a few dozen steps
+        ts += 2.0
+        clock.note(_step(n, ts))
+    assert clock.eta(261, 1000) == pytest.approx((1000 - 261) * 2.0, rel=0.05)
+    copy = EtaClock()
+    copy.load(json.loads(json.dumps(clock.state())))  # as the agent's status sends it
+    assert copy.eta(261, 1000) == clock.eta(261, 1000)
+    clock.note({"kind": "run_start", "ts": ts})  # a resumed attempt's speed is its own
+    assert clock.eta(261, 1000) is None
