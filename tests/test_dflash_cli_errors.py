@@ -97,7 +97,7 @@ def test_every_field_of_every_section_is_a_known_key() -> None:
 @pytest.mark.parametrize(("word", "expected"), [
     ("trian", "dflash: unknown command 'trian'; did you mean 'train'?"),
     ("exprot", "dflash: unknown command 'exprot'; did you mean 'export'?"),
-    ("zzz", "dflash: unknown command 'zzz' (commands: train, preflight, export, eval, pretrain-target, regen)"),
+    ("zzz", "dflash: unknown command 'zzz' (commands: train, preflight, export, eval, data, pretrain-target, regen)"),
 ])
 def test_mistyped_command_names_the_nearest_one(tmp_path: Path, word: str, expected: str) -> None:
     r = dflash(word, "--config", "x.yaml", cwd=tmp_path)
