@@ -18,7 +18,7 @@ from textual import events, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Input, Static
 
 from opsctl.agent import EXIT_CODES
 from opsctl.alerts import CRITICAL, WARNING, Alert
@@ -45,9 +45,11 @@ from opsctl.widgets import (
     LogPane,
     RunsBar,
     RunSummary,
+    WatchFooter,
 )
 
 TICK_S = 0.1
+IDLE_REFRESH_S = 1.0  # with nothing new, redraw this often (ages and stall verdicts move by the second)
 CHART_EVERY_S = 0.5
 SCREENSHOT_ENV = "OPSCTL_SCREENSHOT_DIR"
 
@@ -85,7 +87,9 @@ class WatchApp(App[int]):
     #right { width: 1fr; height: auto; }
     Charts { height: 14; border: round $primary; }
     Charts.hidden { display: none; }
-    AlertsPanel { height: auto; max-height: 8; border: round $error; padding: 0 1; }
+    AlertsPanel { height: auto; max-height: 8; border: round $success 50%; padding: 0 1; }
+    AlertsPanel.-warning { border: round $warning; }
+    AlertsPanel.-critical { border: round $error; }
     GpuPanel { border: round $primary; padding: 0 1; }
     LogPane { height: 1fr; min-height: 5; border: round $secondary; }
     #logstatus { height: 1; background: $panel; color: $text-muted; }
@@ -97,6 +101,8 @@ class WatchApp(App[int]):
     .compact AlertsPanel { border: none; padding: 0; max-height: 3; text-wrap: nowrap; text-overflow: ellipsis; }
     .compact GpuPanel { border: none; border-top: solid $primary; padding: 0; }
     .compact LogPane { min-height: 4; }
+    .compact Charts { border: none; border-top: solid $primary; }
+    .compact #right { overflow: hidden; }
     """
     BINDINGS = [
         Binding("k", "kill", "kill"),
@@ -112,6 +118,9 @@ class WatchApp(App[int]):
         Binding("q", "quit", "quit"),
     ]
     COMPACT_BELOW = (100, 34)  # width, height: two-line summary, no charts (v shows them), so 8 GPUs + log fit 80x24
+    LOG_MIN = 5  # log lines kept on a small terminal with the charts on: the charts shrink (and the GPUs fold) first
+    CHART_MIN = 6  # rows under which a chart says nothing (its title, axis and labels take four)
+    CHART_MAX = 14
     OPENING_S = 5.0  # until then (or a key), the dashboard moves to the run that needs attention
 
     def __init__(self, sources: Sequence[WatchSource], bell: bool = False, clock: Callable[[], float] | None = None,
@@ -133,13 +142,17 @@ class WatchApp(App[int]):
         self._tick_s = tick_s
         self._alerted: list[set[str]] = [set() for _ in sources]
         self._shown: tuple[int, int, int, str | None] = (-1, -1, -1, None)
-        self.ticks = 0
+        self.ticks = 0  # batch-loop turns (the timer's, every tick_s), whether or not they redrew
+        self.redraws = 0  # turns that redrew (something arrived, or IDLE_REFRESH_S passed)
         self._logstatus = ""
         self.last_screenshot: str | None = None
         self.chose = False  # the person picked a run (tab): stop moving to the one that needs attention
         self.charts_wanted: bool | None = None  # v: None = shown unless the terminal is small
         self._opened = time.monotonic()
         self._charts_at = 0.0
+        self._full_at = 0.0  # when `tick` last redrew everything
+        self._charts_behind = False  # a chart redraw was put off while a backlog poured in
+        self._chart_rows: int | None = None  # the charts' height on a small terminal (None: the stylesheet's)
 
     def compose(self) -> ComposeResult:
         yield RunsBar(id="runs")
@@ -152,7 +165,7 @@ class WatchApp(App[int]):
         yield LogPane(id="log")
         yield Static(id="logstatus")
         yield Input(placeholder="search the log (enter: find, escape: clear)", id="search")
-        yield Footer()
+        yield WatchFooter()
 
     def on_mount(self) -> None:
         # Kept as attributes: while a dialog is open, queries would look at the dialog's screen instead.
@@ -177,7 +190,7 @@ class WatchApp(App[int]):
             worker.start()
         self._layout_for(self.size.width, self.size.height)
         self.tick()
-        self.set_interval(self._tick_s, self.tick)
+        self.set_interval(self._tick_s, self._beat)
 
     def on_resize(self, event: events.Resize) -> None:
         if hasattr(self, "w_summary"):  # a resize can arrive before on_mount
@@ -191,7 +204,31 @@ class WatchApp(App[int]):
         self.w_summary._shown = self.w_alerts._shown = None  # redraw in the new form
         show = (not compact) if self.charts_wanted is None else self.charts_wanted
         self.w_charts.set_class(not show, "hidden")
+        self.w_gpus.collapse(compact and show)  # charts on a small terminal: the GPU table folds to one line
+        self._fit_charts()
         self._shown = (-1, -1, -1, None)
+        for footer in self.main_screen.query(WatchFooter):
+            footer.call_after_refresh(footer.recompose)  # the keys that fit this width
+
+    def _fit_charts(self) -> None:
+        """On a small terminal the charts take what the log leaves (at least LOG_MIN lines of it), at most
+        CHART_MAX rows; below CHART_MIN they are hidden rather than drawn unreadable."""
+        charts = self.w_charts
+        if not self.main_screen.has_class("compact"):
+            if self._chart_rows is not None:
+                charts.styles.height = self._chart_rows = None  # the stylesheet's height again
+            return
+        if charts.has_class("hidden"):
+            return
+        others = sum(w.outer_size.height for w in (self.w_runs, self.w_summary, self.w_alerts, self.w_gpus,
+                                                    self.w_logstatus))
+        free = self.size.height - others - 1 - 2 - self.LOG_MIN  # the footer, the log's border, its lines
+        rows = min(self.CHART_MAX, free)
+        if rows < self.CHART_MIN:
+            rows = 0
+        if rows != self._chart_rows:
+            charts.styles.height = self._chart_rows = rows
+            self._shown = (-1, -1, -1, None)  # redraw at the new size
 
     def on_unmount(self) -> None:
         for worker in self.followers:
@@ -203,15 +240,24 @@ class WatchApp(App[int]):
         """Fold every queued message into its run; True when the shown run changed."""
         return fold(self.followers, self.models)[self.current]
 
-    def tick(self) -> None:
+    def _beat(self) -> None:
+        """The timer: fold what arrived; redraw when something did, a chart is owed, or IDLE_REFRESH_S passed (a
+        finished run's dashboard then costs a redraw a second, not ten)."""
         self.ticks += 1
+        changed = any(fold(self.followers, self.models))
+        if changed or self._charts_behind or time.monotonic() - self._full_at >= IDLE_REFRESH_S:
+            self.tick()
+
+    def tick(self) -> None:
+        self.redraws += 1
+        self._full_at = time.monotonic()
         self.drain()
         entries = []
         ranks = []
         for i, model in enumerate(self.models):
             view = node_view(self.tags[i], model.view())
             alerts = model.alerts(view)
-            self._maybe_bell(i, alerts)
+            self._maybe_bell(i, alerts, view.state == "unreachable")
             entries.append((model.label, view, len(alerts)))
             ranks.append(attention_rank(view, alerts))
         if not self.chose and time.monotonic() - self._opened < self.OPENING_S:
@@ -235,18 +281,23 @@ class WatchApp(App[int]):
         if self._shown[0] != self.current or (charted != model.chart_version and not pouring):
             self.w_charts.show(model)
             self._charts_at, charted = now, model.chart_version
+        self._charts_behind = charted != model.chart_version
         if self._shown[0] != self.current or self._shown[2:] != (model.gpu_version, current_view.nvml):
             self.w_gpus.show(current_view, model.gpu_hist)
         self._shown = (self.current, charted, model.gpu_version, current_view.nvml)
         self.w_summary.show(model, current_view, len(pane.lines), group=groups[self.current])
-        self.w_alerts.show(current_alerts)
+        never = current_view.state == "unreachable" and not model.state_seen
+        self.w_alerts.show(current_alerts, "nothing to check: the host was never reached" if never else "no alerts")
         status = pane.status()
         if status != self._logstatus:
             self._logstatus = status
             self.w_logstatus.update(status)
+        if self.main_screen.has_class("compact"):
+            self._fit_charts()
 
-    def _maybe_bell(self, i: int, alerts: list[Alert]) -> None:
-        keys = {a.key for a in alerts if a.severity in (CRITICAL, WARNING)}
+    def _maybe_bell(self, i: int, alerts: list[Alert], unreachable: bool = False) -> None:
+        # unreachable: a host never reached has no link alert (its state says it), yet it rings like one
+        keys = {a.key for a in alerts if a.severity in (CRITICAL, WARNING)} | ({"unreachable"} if unreachable else set())
         new = keys - self._alerted[i]
         self._alerted[i] = keys
         if new and self.bell_on:
@@ -305,8 +356,8 @@ class WatchApp(App[int]):
     def action_charts(self) -> None:
         shown = not self.w_charts.has_class("hidden")
         self.charts_wanted = not shown
-        self.w_charts.set_class(shown, "hidden")
-        self._shown = (-1, -1, -1, None)  # draw them at the next tick (a hidden chart is not drawn)
+        self._layout_for(self.size.width, self.size.height)  # also folds or unfolds the GPU table
+        # draw them at the next tick (a hidden chart is not drawn)
 
     def action_metric(self) -> None:
         self.notify(f"right chart: {self.w_charts.next_metric()}", timeout=2)

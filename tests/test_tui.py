@@ -915,7 +915,7 @@ async def test_chart_keys_cycle_the_metric_and_toggle_smoothing_and_the_queue_ch
         assert right.key == "queue_depth"
         built = re.sub(r"\x1b\[[0-9;]*m", "", right.plt.build())
         assert "queue depth 4 of 4" in built
-        ticks = [float(m) for m in re.findall(r"^\s*(\d+\.\d+)┤", built, re.M)]
+        ticks = [float(m) for m in re.findall(r"^\s*(-?\d+(?:\.\d+)?)┤", built, re.M)]
         assert max(ticks) == 4.0 and min(ticks) == 0.0, built  # the 0..capacity axis: full is a calm top line
         assert app.w_charts.smoothing > 0
         await pilot.press("e")
@@ -975,7 +975,7 @@ async def test_tau_is_drawn_next_to_loss_over_the_whole_run_and_its_fall_is_aler
         assert right.key == "tau"  # next to loss, by default, for a run that evaluates
         built = re.sub(r"\x1b\[[0-9;]*m", "", right.plt.build())
         assert "τ 3.40 at step 60" in built and "step" in built, built
-        ticks = [float(m) for m in re.findall(r"^\s*(\d+\.\d+)┤", built, re.M)]
+        ticks = [float(m) for m in re.findall(r"^\s*(-?\d+(?:\.\d+)?)┤", built, re.M)]
         assert min(ticks) < 2.1 and max(ticks) >= 3.8, built  # the whole run: every evaluation, n-gram's too
         summary = text_of(app, RunSummary)
         assert "TRAINING" in summary  # after an evaluation, the steps go on: training, never another state
