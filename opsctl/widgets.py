@@ -301,7 +301,11 @@ AXIS_UNIT = {"step_time_s": "s"}  # tokens/s and queue depth are counts (k/M suf
 
 def _y_axis(plt: Any, span: tuple[float, float], unit: str, height: int) -> None:
     """Round y ticks with short labels (`4.0k`, `250ms`) over `span`, the axis stretched to the outer ticks."""
-    ticks = nice_ticks(span[0], span[1], n=5 if height >= 10 else 3)
+    lo, hi = span
+    if hi - lo <= 1e-9 * max(abs(lo), abs(hi), 1.0):  # a flat curve (or its smoothing's rounding): centre it
+        half = abs(lo) / 2 or 1.0
+        lo, hi = lo - half, hi + half
+    ticks = nice_ticks(lo, hi, n=5 if height >= 10 else 3)
     if len(ticks) < 2:
         return
     plt.ylim(ticks[0], ticks[-1])
