@@ -94,7 +94,7 @@ def tick_labels(ticks: Sequence[float], unit: str = "") -> list[str]:
                 break
         else:
             suffix = unit
-    return [f"{_plain(t / scale, step / scale)}{suffix}" for t in ticks]
+    return ["0" if t == 0 else f"{_plain(t / scale, step / scale)}{suffix}" for t in ticks]
 
 
 def _plain(value: float, step: float) -> str:

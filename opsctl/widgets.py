@@ -225,9 +225,17 @@ class Chart(PlotextPlot):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.key = ""
+        self._again: Callable[[], None] | None = None  # the last draw, to redo at a new size
+
+    def on_resize(self) -> None:
+        # Ticks, the x label and the thinning depend on the size: a chart first drawn before the layout (or on a
+        # terminal that changed size) is drawn again, not stretched.
+        if self._again is not None:
+            self._again()
 
     def draw(self, key: str, series: RunSeries, smoothing: float, capacity: int | None,
              marks: Sequence[tuple[int, str]] = ()) -> None:
+        self._again = lambda: self.draw(key, series, smoothing, capacity, marks)
         label, colour, unit = CHART_STYLE[key]
         plt = self.plt
         plt.clear_data()
@@ -274,6 +282,7 @@ class Chart(PlotextPlot):
     def draw_tau(self, tau: RunSeries, ngram: RunSeries, view: RunView) -> None:
         """τ at each evaluation over the whole run, never smoothed (each point is exact on the same held-out set: a
         smoothed curve would hide the drop the tau_regression alert is about), prompt lookup's τ faint beside it."""
+        self._again = lambda: self.draw_tau(tau, ngram, view)
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()

@@ -1143,6 +1143,7 @@ def test_axis_ticks_are_round_and_short_with_units() -> None:
     assert tick_labels(nice_ticks(0.8, 2.4), "s") == ["0.5s", "1.0s", "1.5s", "2.0s", "2.5s"]
     assert tick_labels(nice_ticks(2.31, 7.3)) == ["2", "4", "6", "8"]
     assert tick_labels(nice_ticks(0.0, 4.0)) == ["0", "1", "2", "3", "4"]
+    assert tick_labels([0.0, 100e3, 200e3]) == ["0", "100k", "200k"]  # zero is 0, never 0k
     assert tick_labels(nice_ticks(2.0e6, 3.1e6)) == ["2.0M", "2.5M", "3.0M", "3.5M"]
     assert nice_ticks(1.0, 1.0) == [1.0] and nice_ticks(float("nan"), 1.0) == []
 
@@ -1222,3 +1223,18 @@ def test_once_json_and_plain_do_not_import_textual() -> None:
             "print(sorted(m for m in ('textual', 'plotext', 'textual_plotext', 'opsctl.dashboard') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=str(REPO))
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_snapshot_compact_80x24_with_charts_on(snap_compare: Any) -> None:
+    """v on a small terminal: the charts shrink to what is left, the GPU table folds to a line, the log keeps 5+."""
+    app = app_for("eight_gpus")
+
+    async def run_before(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        await pilot.press("v")
+        for _ in range(3):
+            await pilot.pause(0.1)
+        app.tick()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
