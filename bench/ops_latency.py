@@ -1,6 +1,8 @@
-"""opsctl latency benchmark over loopback SSH + the `pct` stand-in: line latency, launch overhead, agent CPU.
+"""opsctl latency benchmark over loopback SSH + the `pct` stand-in: line latency, launch overhead, agent CPU, and
+the client side of `opsctl watch`: an idle dashboard's CPU and `watch --once --json` against `status --json`.
 
 Run: `python bench/ops_latency.py [--lines 2000] [--cpu-seconds 30]`; it prints a report and raw numbers (JSON).
+`--only watch` measures the watch figures alone (issue 25 item 11).
 """
 
 from __future__ import annotations
@@ -9,9 +11,13 @@ import argparse
 import json
 import os
 import platform
+import pty
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,7 @@ from opsctl.transport import transport_for  # noqa: E402
 
 VMID = 230
 CHATTY = REPO / "tests" / "runs" / "chatty.py"
+OK_RUN = REPO / "tests" / "runs" / "ok_run.py"
 
 
 def pct(ms: list[float], q: float) -> float:
@@ -51,6 +58,11 @@ def write_hosts(sshd: Any, base: Path, lines: int, interval: float) -> Path:
                  "command": ["{python}", str(CHATTY), "--lines", "100000", "--interval", "1.0"],
                  "inductor_cache_dir": str(base / "idle" / "cache"), "clean_roots": [str(base)],
                  "tmux_session": "bench-idle", "kill_grace": [1, 1]},
+        "done": {"workdir": str(base / "done"), "log": "run.log", "events": "events.jsonl",
+                 "command": ["{python}", str(OK_RUN), "--events", str(base / "done" / "events.jsonl"), "--steps", "200",
+                             "--step-time", "0.005", "--load-time", "0.1"],
+                 "inductor_cache_dir": str(base / "done" / "cache"), "clean_roots": [str(base)],
+                 "tmux_session": "bench-done", "kill_grace": [1, 1]},
     }
     for r in runs.values():
         Path(r["workdir"]).mkdir(parents=True, exist_ok=True)
@@ -156,12 +168,118 @@ def agent_cpu(hosts: Path, pct_host: Any, seconds: float) -> dict[str, Any]:
             "log_lines_seen": n, "nvml": hello["nvml"]}
 
 
+def _opsctl(hosts: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """The real CLI, as a user runs it (a fresh interpreter: its imports are part of what is measured)."""
+    return subprocess.run([sys.executable, "-m", "opsctl", "--hosts", str(hosts), *argv], cwd=str(REPO),
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, TERM="dumb"))
+
+
+def finished_run(hosts: Path) -> None:
+    """Launch the `done` run and wait until `status` says it finished (the dashboard then has nothing to follow)."""
+    r = _opsctl(hosts, "launch", "box", "done")
+    assert r.returncode == 0, r.stdout + r.stderr
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        (row,) = json.loads(_opsctl(hosts, "status", "box", "done", "--json").stdout)
+        if row["state"] == "finished":
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the done run did not finish: {row}")
+
+
+def once_vs_status(hosts: Path, repeats: int) -> dict[str, Any]:
+    """Wall time of `opsctl watch box:done --once --json` and of `opsctl status box done --json` (fresh processes,
+    alternated so the machine's load falls on both alike), and of `python -c 'import opsctl.cli'` alone."""
+    times: dict[str, list[float]] = {"once_json_s": [], "status_json_s": [], "import_cli_s": []}
+    for _ in range(repeats):
+        for key, argv in (("once_json_s", ("watch", "box:done", "--once", "--json")),
+                          ("status_json_s", ("status", "box", "done", "--json"))):
+            t0 = time.perf_counter()
+            r = _opsctl(hosts, *argv)
+            times[key].append(time.perf_counter() - t0)
+            assert r.returncode == 0 and json.loads(r.stdout)[0]["state"] == "finished", r.stdout + r.stderr
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import opsctl.cli"], check=True, cwd=str(REPO))
+        times["import_cli_s"].append(time.perf_counter() - t0)
+    out: dict[str, Any] = {"repeats": repeats}
+    for key, vals in times.items():
+        out[key] = [round(v, 3) for v in vals]
+        out[key.replace("_s", "_median_s")] = round(statistics.median(vals), 3)
+    out["once_over_status"] = round(out["once_json_median_s"] / out["status_json_median_s"], 2)
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def watch_idle_cpu(hosts: Path, seconds: float, size: tuple[int, int] = (120, 40), settle_s: float = 5.0) -> dict[str, Any]:
+    """CPU of a real `opsctl watch box:done` (the Textual app in a pseudo-terminal) on a finished run: nothing
+    changes, so what it spends is the dashboard's idle cost. Measured after `settle_s` of start-up."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the dashboard in a terminal of `size`
+        os.environ.update(TERM="xterm-256color", COLUMNS=str(size[0]), LINES=str(size[1]))
+        os.chdir(REPO)
+        os.execv(sys.executable, [sys.executable, "-m", "opsctl", "--hosts", str(hosts), "watch", "box:done"])
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
+    got = bytearray()
+
+    def drain() -> None:  # a terminal that is not read blocks the app's writes
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        time.sleep(settle_s)
+        assert b"FINISHED" in got, "the dashboard did not show the finished run"
+        c0, w0, n0 = _cpu_s(pid), time.monotonic(), len(got)
+        time.sleep(seconds)
+        c1, w1, n1 = _cpu_s(pid), time.monotonic(), len(got)
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+        os.close(fd)
+    return {"seconds": round(w1 - w0, 1), "cpu_s": round(c1 - c0, 3),
+            "percent_of_one_core": round(100 * (c1 - c0) / (w1 - w0), 2), "terminal_bytes_written": n1 - n0,
+            "size": f"{size[0]}x{size[1]}"}
+
+
+def watch_report(hosts: Path, seconds: float, repeats: int) -> dict[str, Any]:
+    finished_run(hosts)
+    report = {"once_vs_status": once_vs_status(hosts, repeats),
+              "watch_idle_120x40": watch_idle_cpu(hosts, seconds),
+              "watch_idle_80x24": watch_idle_cpu(hosts, seconds, size=(80, 24))}
+    ov = report["once_vs_status"]
+    print(f"watch --once --json: median {ov['once_json_median_s']:.2f} s; status --json: median "
+          f"{ov['status_json_median_s']:.2f} s ({ov['once_over_status']:.2f}x); import opsctl.cli alone: "
+          f"{ov['import_cli_median_s']:.2f} s")
+    for key in ("watch_idle_120x40", "watch_idle_80x24"):
+        w = report[key]
+        print(f"idle dashboard on a finished run ({w['size']}): {w['percent_of_one_core']:.2f} % of one core over "
+              f"{w['seconds']} s ({w['cpu_s']} CPU s, {w['terminal_bytes_written']} bytes drawn)")
+    return report
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--lines", type=int, default=2000)
     ap.add_argument("--interval", type=float, default=0.005, help="seconds between lines of the chatty run")
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--cpu-seconds", type=float, default=30)
+    ap.add_argument("--only", choices=("watch",), help="watch: the dashboard's idle CPU and --once --json vs status")
+    ap.add_argument("--watch-seconds", type=float, default=20, help="how long the idle dashboard is measured")
+    ap.add_argument("--repeats", type=int, default=5, help="runs of --once --json and status --json each")
     a = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="opsctl-bench-"))
     pct_host = make_pct_host(base / "pct")
@@ -174,6 +292,10 @@ def main() -> int:
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}",
             "path": "client -> paramiko SSH (127.0.0.1) -> pct stand-in (nsenter PID+mount ns) -> agent",
         }
+        if a.only == "watch":
+            report["watch"] = watch_report(hosts, a.watch_seconds, a.repeats)
+            print(json.dumps(report, indent=2))
+            return 0
         report["line_latency"] = line_latency(hosts)
         report["launch_overhead"] = launch_overhead(hosts, a.launches)
         report["agent_cpu_follow_1hz"] = agent_cpu(hosts, pct_host, a.cpu_seconds)
@@ -184,6 +306,7 @@ def main() -> int:
               f"max {lo['overhead_max_s']:.2f} s   (goal < 2 s: {'ok' if lo['overhead_max_s'] < 2 else 'MISSED'})")
         print(f"agent CPU following at 1 Hz: {ac['percent_of_one_core']:.2f} % of one core over {ac['seconds']} s "
               f"(goal < 2 %: {'ok' if ac['percent_of_one_core'] < 2 else 'MISSED'}); nvml: {ac['nvml']}")
+        report["watch"] = watch_report(hosts, a.watch_seconds, a.repeats)
         print(json.dumps(report, indent=2))
     finally:
         pct_host.stop_all()

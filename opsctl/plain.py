@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl.alerts import CRITICAL
+from opsctl.look import spark, state_badge
 from opsctl.watch import (
     RunModel,
     SmoothedRunState,
@@ -25,13 +26,14 @@ from opsctl.watch import (
     WatchSource,
     bad_events_text,
     ending_text,
+    fmt_duration,
+    fmt_num,
     fold,
     link_msg,
     stall_after_of,
     tau_drop_of,
     tau_text,
 )
-from opsctl.widgets import fmt_duration, fmt_num, spark, state_badge
 
 ONCE_TIMEOUT_S = 10.0  # --once: a source silent this long (no answer, or a stream that stopped) is given up
 PLAIN_HZ = 4.0
@@ -95,7 +97,7 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
                 f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(rate if rate is not None else view.tokens_per_s, 0)}"
                 f"  ETA {fmt_duration(view.eta_s)}  heartbeat "
                 f"{'-' if view.heartbeat_age_s is None else fmt_duration(view.heartbeat_age_s) + ' ago'}"
-                f"  link {model.link}  log {model.lines_total:,} lines, {model.dropped:,} dropped"
+                f"  link {model.link_text()}  log {model.lines_total:,} lines, {model.dropped:,} dropped"
                 + (f"; {bad_events_text(view.bad_events)}" if view.bad_events else ""))
     tau = tau_text(view)
     if tau is not None:

@@ -44,6 +44,8 @@ _WARN_RE = re.compile(r"\bWARN(ING)?\b|[Ww]arning\b")
 # Substrings every error/warning match contains: `in` tests are ~20x cheaper than the regexes on ordinary lines.
 _ERROR_HINTS = ("rror", "xception", "OOM", "out of memory", "FATAL", "CRITICAL", "NCCL", "Traceback", "Segmentation")
 _WARN_HINTS = ("WARN", "arning")
+# The retry part of a link message's detail: `... (retry in 0.4 s)`, `... (not retried: ...; r: try again)`.
+_WHEN_RE = re.compile(r"\s*\(((?:retry in|not retried)[^()]*)\)\s*$")
 
 
 @dataclass(slots=True)
@@ -633,8 +635,12 @@ class RunModel:
         # the whole run, for the charts
         self.series: dict[str, RunSeries] = {k: RunSeries() for k in CHART_KEYS + EVAL_KEYS}
         self.gpu_hist: dict[int, dict[str, deque[float]]] = {}
+        # Where one attempt ended or the next resumed, as (step, "resumed" | run_end's reason), for the charts: a
+        # kill and its resume leave a mark on the curve instead of a seam nobody can see.
+        self.attempt_marks: list[tuple[int, str]] = []
         self._history = history
         self.link = "connecting"
+        self._link_short = "connecting"  # the link's state and when it is tried again, without the error
         self._born = time.monotonic()
         self.state_seen = False  # any agent message ever (a recording's end keeps what it showed)
         self.heard = False  # an agent message arrived since the link was last lost (else: unreachable)
@@ -676,6 +682,10 @@ class RunModel:
                 resumed = ev.get("resumed_from")
                 for series in self.series.values():  # a resume continues the curve, a fresh start begins one
                     series.truncate_after(resumed if isinstance(resumed, int) else -1)
+                self._mark_attempt(resumed if isinstance(resumed, int) else None, "resumed")
+                self.chart_version += 1
+            elif kind == "run_end" and ev.get("reason") in ("signal", "error") and isinstance(ev.get("step"), int):
+                self._mark_attempt(ev["step"], str(ev["reason"]))
                 self.chart_version += 1
         elif t == "gpu":
             self.gpu_version += 1
@@ -692,6 +702,8 @@ class RunModel:
         elif t == "link":
             detail = msg.get("detail")
             self.link = str(msg.get("state")) + (f" ({detail})" if detail else "")
+            when = _WHEN_RE.search(str(detail or ""))
+            self._link_short = str(msg.get("state")) + (f" ({when.group(1)})" if when else "")
             if msg.get("state") in ("lost", "failed"):  # failed: a permanent error, not retried
                 self.heard = False
                 self.link_error = str(detail or "link lost")
@@ -699,10 +711,21 @@ class RunModel:
             if msg.get("file") == "events":  # a fresh run truncated events.jsonl: its curves start over
                 for series in self.series.values():
                     series.truncate_after(-1)
+                self.attempt_marks.clear()
                 self.chart_version += 1
                 return
             self.log.append(LogLine(self.lines_total, f"--- log {msg.get('reason', 'reset')} ---", 1))
             self.lines_total += 1
+
+    def _mark_attempt(self, step: int | None, what: str) -> None:
+        """An attempt boundary at `step` (None: a fresh start, whose curve begins again without marks). Marks past a
+        resume's checkpoint go with the points they stood on; one mark per step, the newest."""
+        if step is None:
+            self.attempt_marks.clear()
+            return
+        cut = step if what == "resumed" else step - 1
+        self.attempt_marks = [(s, w) for s, w in self.attempt_marks if s <= cut and s != step]
+        self.attempt_marks.append((step, what))
 
     def ingest_logs(self, msgs: list[dict[str, Any]]) -> None:
         """The hot path (a chatty run sends tens of thousands of lines a second): `ingest` for log messages only."""
@@ -729,7 +752,10 @@ class RunModel:
             self.link_error = f"no answer for {UNREACHABLE_AFTER_S:g} s ({self.link})"  # a connect that hangs
         if not self.heard and self.link_error is not None:
             # The host did not answer since the link was lost: say so, never `absent` ("reached, no such run").
-            view = dataclasses.replace(view, state="unreachable", link_error=self.link_error, reason=self.link_error)
+            reason = self.link_error
+            if not self.state_seen:  # never reached at all: one line that says so (alerts() drops the link alert)
+                reason = f"cannot connect to {self.label.partition(':')[0]}: {_WHEN_RE.sub('', reason).strip()}"
+            view = dataclasses.replace(view, state="unreachable", link_error=self.link_error, reason=reason)
         elif not self.heard and not self.state_seen:
             view = dataclasses.replace(view, state="connecting")  # not `absent`: nobody has answered yet
         return view
@@ -740,8 +766,16 @@ class RunModel:
             self.link_error = error
             self.version += 1
 
+    def link_text(self) -> str:
+        """The link as the summary shows it: for a host never reached, its state and next try only (the error is the
+        view's reason, `cannot connect to HOST: ...`, said once); else the state with its detail."""
+        return self._link_short if not self.state_seen and self.link_error is not None else self.link
+
     def alerts(self, view: RunView) -> list[Alert]:
-        return self.tracker.evaluate(view, self.clock() if self.clock is not None else time.time())
+        alerts = self.tracker.evaluate(view, self.clock() if self.clock is not None else time.time())
+        if not self.state_seen and view.state == "unreachable":  # the state and its reason already say it, once
+            alerts = [a for a in alerts if a.key != "link"]
+        return alerts
 
     def mark_killed(self) -> None:
         """The kill came from us: a `run_end` by signal (or the process gone) now reads as killed, not crashed."""

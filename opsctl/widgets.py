@@ -21,10 +21,12 @@ from textual.screen import ModalScreen
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widget import Widget
-from textual.widgets import Button, Label, Static
+from textual.widgets import Button, Footer, Label, Static
+from textual.widgets._footer import FooterKey
 from textual_plotext import PlotextPlot
 
 from opsctl.alerts import CRITICAL, Alert
+from opsctl.look import BLOCKS, STATE_STYLES, nice_ticks, spark, state_badge, tick_labels  # noqa: F401 - re-exported
 from opsctl.runstate import RunView, attempt_clock, phase_progress
 from opsctl.watch import (  # noqa: F401 - re-exported
     SEV_ERROR,
@@ -43,24 +45,7 @@ from opsctl.watch import (  # noqa: F401 - re-exported
     tau_text,
 )
 
-BLOCKS = "▁▂▃▄▅▆▇█"
 SEVERITY_NAMES = ("all", "warning+", "error")
-
-STATE_STYLES: dict[str, str] = {
-    "absent": "bold white on grey37",
-    "starting": "bold black on grey70",
-    "loading": "bold black on cyan",
-    "compiling": "bold black on magenta",
-    "training": "bold black on green",
-    "stalled": "bold black on yellow",
-    "finished": "bold white on blue",
-    "crashed": "bold white on red",
-    "killed": "bold white on dark_orange3",
-    "unreachable": "bold white on purple",
-    "restarting": "bold black on dark_orange",
-    "refused": "bold white on magenta",
-    "connecting": "bold black on grey58",
-}
 
 # Log lines a person must not miss; the first matching pattern decides the highlight.
 HIGHLIGHTS: list[tuple[re.Pattern[str], str]] = [
@@ -69,30 +54,6 @@ HIGHLIGHTS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"\bNCCL\b"), "bold magenta"),
     (re.compile(r"\bWARN(ING)?\b|[Ww]arning\b"), "bold yellow"),
 ]
-# -- formatting ---------------------------------------------------------------------------
-def spark(values: Sequence[float], width: int, lo: float | None = None, hi: float | None = None) -> str:
-    """A one-line chart of the last `width` finite values; a flat series draws at its bottom."""
-    vals = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)][-max(width, 0):]
-    if not vals or width <= 0:
-        return ""
-    low = min(vals) if lo is None else lo
-    high = max(vals) if hi is None else hi
-    span = high - low
-    out = []
-    for v in vals:
-        frac = 0.0 if span <= 0 else min(1.0, max(0.0, (v - low) / span))
-        out.append(BLOCKS[min(len(BLOCKS) - 1, int(frac * (len(BLOCKS) - 1) + 0.5))])
-    return "".join(out)
-
-
-def state_badge(view: RunView) -> Text:
-    """The one word that says what a run is doing, with loading progress (i/N) when the run reports it."""
-    label = state_label(view).upper()
-    if view.state == "loading":
-        label = phase_progress(label, view.phase_i, view.phase_n)
-    return Text(f" {label} ", style=STATE_STYLES.get(view.state, "bold reverse"))
-
-
 # -- widgets ------------------------------------------------------------------------------
 class _Quiet(Static):
     """A Static that redraws only when its text really changed: the batch loop calls `show` ten times a second."""
@@ -165,17 +126,23 @@ class RunSummary(_Quiet):
         if view.bad_events:
             log += f"; {bad_events_text(view.bad_events)}"
         ended = ending_text(view)
-        if self.compact:  # the runs bar above already names the run: two lines, cut at the edge, never wrapped
+        link = model.link_text()
+        if self.compact:  # two lines, cut at the edge, never wrapped; the run's name first (the bar may cut it)
             rate = model.state.tokens_rate.value if isinstance(model.state, SmoothedRunState) else None
             t = Text(no_wrap=True, overflow="ellipsis")
+            t.append(f"{model.label} ", style="bold")
             t.append_text(state_badge(view))
-            t.append(f" step {view.step:,}{total}{pct}  loss {fmt_num(view.loss, 4)}  tok/s "
-                     f"{fmt_num(rate if rate is not None else view.tokens_per_s, 0)}  ETA {fmt_duration(view.eta_s)}")
+            if view.state == "unreachable" and not model.state_seen and view.reason:  # only the why is known
+                t.append(f" {view.reason}", style="bold red")
+            else:
+                t.append(f" step {view.step:,}{total}{pct}  loss {fmt_num(view.loss, 4)}  tok/s "
+                         f"{fmt_num(rate if rate is not None else view.tokens_per_s, 0)}  ETA "
+                         f"{fmt_duration(view.eta_s)}")
             if view.tau_step is not None:
                 t.append(f"  τ {fmt_num(view.tau, 2)}")
-            if view.reason:
+            if view.reason and not (view.state == "unreachable" and not model.state_seen):
                 t.append(f"  {view.reason}", style="bold red" if view.state in ("crashed", "unreachable") else "yellow")
-            t.append(f"\nphase {phase}  heartbeat {heartbeat}  {ended or process}  link {model.link}  log {log}",
+            t.append(f"\nphase {phase}  heartbeat {heartbeat}  {ended or process}  link {link}  log {log}",
                      style="dim")
             if group is not None:
                 t.append(f"\ngroup {group['name']}/{group['run']} ", style="dim")
@@ -194,7 +161,7 @@ class RunSummary(_Quiet):
             ("heartbeat", heartbeat),
             ("process", process),
             ("attempt", attempt_clock(view.to_dict())),
-            ("link", model.link),
+            ("link", link),
             ("log", log),
         ]
         if ended:
@@ -258,8 +225,17 @@ class Chart(PlotextPlot):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.key = ""
+        self._again: Callable[[], None] | None = None  # the last draw, to redo at a new size
 
-    def draw(self, key: str, series: RunSeries, smoothing: float, capacity: int | None) -> None:
+    def on_resize(self) -> None:
+        # Ticks, the x label and the thinning depend on the size: a chart first drawn before the layout (or on a
+        # terminal that changed size) is drawn again, not stretched.
+        if self._again is not None:
+            self._again()
+
+    def draw(self, key: str, series: RunSeries, smoothing: float, capacity: int | None,
+             marks: Sequence[tuple[int, str]] = ()) -> None:
+        self._again = lambda: self.draw(key, series, smoothing, capacity, marks)
         label, colour, unit = CHART_STYLE[key]
         plt = self.plt
         plt.clear_data()
@@ -269,10 +245,11 @@ class Chart(PlotextPlot):
         steps, values = _thin(series.steps, series.values, width)
         finite = [(s, v) for s, v in zip(steps, values, strict=True) if math.isfinite(v)]
         note = ""
+        fixed = None
         if key == "queue_depth" and capacity:
             # A full reservoir is the normal state of a healthy run (the targets are ahead): draw it on a fixed
             # 0..capacity axis in a calm colour, never as a red wall; the queue alerts say when it is a problem.
-            plt.ylim(0, capacity)
+            fixed = (0.0, float(capacity))
             note = f" of {capacity} (full: targets ahead)"
         if finite:
             xs = [s for s, _ in finite]
@@ -284,22 +261,28 @@ class Chart(PlotextPlot):
                 plt.plot(xs, ys, color=colour, marker="braille")
             lo, hi = xs[0], xs[-1]
             plt.xticks(sorted({round(lo + (hi - lo) * k / 4) for k in range(5)}))
+            _y_axis(plt, fixed or (min(ys), max(ys)), AXIS_UNIT.get(key, ""), self.size.height)
+            _attempt_lines(plt, marks, lo, hi)
             last = values[-1]
             shown = fmt_num(int(last) if key == "queue_depth" and math.isfinite(last) else last,
-                            4 if key == "loss" else 1)
+                            {"loss": 4, "step_time_s": 3}.get(key, 1))
             title = f"{label} {shown}{unit}{note}"
         else:
             title = f"{label}: no steps yet"
         if len(title) > width - 8:  # plotext drops a title wider than its plot: keep the short form
             title = title.split(" (")[0]
         plt.title(title)
-        plt.xlabel("step" + ("  (smoothed)" if smoothing > 0 and len(finite) > 2 else ""))
+        shown_marks = finite and any(xs[0] <= m <= xs[-1] for m, _ in marks)
+        if self.size.height >= 10:  # a short chart (a small terminal) keeps its rows for the curve
+            plt.xlabel("step" + ("  (smoothed)" if smoothing > 0 and len(finite) > 2 else "")
+                       + ("  │ attempts" if shown_marks else ""))
         self.refresh()
 
 
     def draw_tau(self, tau: RunSeries, ngram: RunSeries, view: RunView) -> None:
         """τ at each evaluation over the whole run, never smoothed (each point is exact on the same held-out set: a
         smoothed curve would hide the drop the tau_regression alert is about), prompt lookup's τ faint beside it."""
+        self._again = lambda: self.draw_tau(tau, ngram, view)
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
@@ -311,12 +294,39 @@ class Chart(PlotextPlot):
             plt.plot(tau.steps, tau.values, color="magenta", marker="braille")
             lo, hi = tau.steps[0], tau.steps[-1]
             plt.xticks(sorted({round(lo + (hi - lo) * k / 4) for k in range(5)}))
+            values = [v for v in [*tau.values, *ngram.values] if math.isfinite(v)]
+            if values:
+                _y_axis(plt, (min(values), max(values)), "", self.size.height)
         title = f"τ {tau_text(view)}" if view.tau_step is not None else "τ: no evaluation yet"
         if len(title) > width - 8:
             title = title.split(" (")[0]
         plt.title(title)
         plt.xlabel("step" + ("  (gray: n-gram)" if ngram.steps else ""))
         self.refresh()
+
+
+AXIS_UNIT = {"step_time_s": "s"}  # tokens/s and queue depth are counts (k/M suffixes), loss and τ plain numbers
+
+
+def _y_axis(plt: Any, span: tuple[float, float], unit: str, height: int) -> None:
+    """Round y ticks with short labels (`4.0k`, `250ms`) over `span`, the axis stretched to the outer ticks."""
+    lo, hi = span
+    if hi - lo <= 1e-9 * max(abs(lo), abs(hi), 1.0):  # a flat curve (or its smoothing's rounding): centre it
+        half = abs(lo) / 2 or 1.0
+        lo, hi = lo - half, hi + half
+    ticks = nice_ticks(lo, hi, n=5 if height >= 10 else 3)
+    if len(ticks) < 2:
+        return
+    plt.ylim(ticks[0], ticks[-1])
+    plt.yticks(ticks, tick_labels(ticks, unit))
+
+
+def _attempt_lines(plt: Any, marks: Sequence[tuple[int, str]], lo: float, hi: float) -> None:
+    """A vertical line where an attempt ended or the next one resumed (RunModel.attempt_marks), inside the curve:
+    red for a crash, orange for a signal (a kill), white for a resume."""
+    for step, what in marks:
+        if lo <= step <= hi:
+            plt.vline(step, "red" if what == "error" else ("orange" if what == "signal" else "white"))
 
 
 CHART_STYLE: dict[str, tuple[str, str, str]] = {
@@ -349,12 +359,12 @@ class Charts(Horizontal):
             return
         capacity = model.tracker.capacity
         left, right = self.query_one("#chart-loss", Chart), self.query_one("#chart-right", Chart)
-        left.draw("loss", model.series["loss"], self.smoothing, capacity)
+        left.draw("loss", model.series["loss"], self.smoothing, capacity, model.attempt_marks)
         key = self._right_key(model)
         if key == "tau":
             right.draw_tau(model.series["tau"], model.series["ngram_tau"], model.view())
         else:
-            right.draw(key, model.series[key], self.smoothing, capacity)
+            right.draw(key, model.series[key], self.smoothing, capacity, model.attempt_marks)
 
     def _right_key(self, model: RunModel | None) -> str:
         """The right chart's metric: τ only for a run that has evaluated (else the next one)."""
@@ -413,6 +423,7 @@ class GpuPanel(Widget):
         self._nvml: str | None = None
         self._view = RunView()
         self.history = False  # g: sparklines of util and memory instead of bars
+        self.collapsed = False  # one summary line: a small terminal showing the charts (tui.WatchApp._layout_for)
 
     def show(self, view: RunView, hist: dict[int, dict[str, Sequence[float]]]) -> None:
         relayout = len(view.gpus) != len(self._gpus)
@@ -424,12 +435,19 @@ class GpuPanel(Widget):
         self.refresh()
         return self.history
 
+    def collapse(self, collapsed: bool) -> None:
+        if collapsed != self.collapsed:
+            self.collapsed = collapsed
+            self.refresh(layout=True)
+
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        return 1 + len(self._gpus) if self._gpus else 1
+        return 1 + len(self._gpus) if self._gpus and not self.collapsed else 1
 
     def render(self) -> Text:
         if not self._gpus:
             return Text(f"GPUs: none reported (nvml: {self._nvml or 'no sample yet'})", style="dim")
+        if self.collapsed:
+            return self._one_line()
         width = max(60, self.size.width)
         both_clocks = width >= 100  # narrow: the SM clock only
         clock_w = 10 if both_clocks else 5
@@ -469,6 +487,22 @@ class GpuPanel(Widget):
             t.append_text(self._procs(g.get("procs") or [], procs_w))
         return t
 
+    def _one_line(self) -> Text:
+        """Every GPU in one line (mean util, memory used of total, hottest): the table returns when the charts go."""
+        def nums(key: str) -> list[float]:
+            return [float(g[key]) for g in self._gpus if isinstance(g.get(key), (int, float))]
+
+        util, used, total, temp = nums("util"), nums("mem_used_mb"), nums("mem_total_mb"), nums("temp_c")
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append(f"{len(self._gpus)} GPU{'s' if len(self._gpus) != 1 else ''}", style="bold")
+        t.append(f"  util {fmt_num(sum(util) / len(util), 0) if util else '-'}% avg")
+        if used and total:
+            t.append(f"  memory {sum(used) / 1024:.0f}/{sum(total) / 1024:.0f}G")
+        if temp:
+            t.append(f"  max {fmt_num(max(temp), 0)}°C", style="red" if max(temp) >= 85 else "")
+        t.append("  (v: hide charts for the table)", style="dim")
+        return t
+
     def _procs(self, procs: list[dict[str, Any]], width: int) -> Text:
         """`pid memG owner` per process while they fit, then `pid owner`, then a count; `+N` for the rest."""
         if not procs:
@@ -501,9 +535,14 @@ class AlertsPanel(_Quiet):
 
     compact = False
 
-    def show(self, alerts: Sequence[Alert]) -> None:
+    def show(self, alerts: Sequence[Alert], quiet: str = "no alerts") -> None:
+        """`quiet`: what to say with no alert (a host never reached has no alert rules to run, not a clean bill)."""
+        # The box's colour says the worst alert in it: calm with none, yellow for warnings, red for a critical one.
+        worst = "none" if not alerts else ("critical" if any(a.severity == CRITICAL for a in alerts) else "warning")
+        for level in ("none", "warning", "critical"):
+            self.set_class(level == worst, f"-{level}")
         if not alerts:
-            self.put(Text("no alerts", style="dim green"))
+            self.put(Text(quiet, style="dim green" if quiet == "no alerts" else "dim"))
             return
         t = Text()
         ordered = sorted(alerts, key=lambda a: (a.severity != CRITICAL, a.key))
@@ -544,6 +583,7 @@ class LogPane(ScrollView, can_focus=True):
         self.follow = True
         self._programmatic = 0
         self.render_probe: Callable[[LogLine], None] | None = None  # the ingest benchmark measures lag here
+        self._synced: tuple[Any, ...] = ()  # what `sync` last drew: size, last line, count, follow, list
 
     # -- data -----------------------------------------------------------------------------
     @property
@@ -553,6 +593,7 @@ class LogPane(ScrollView, can_focus=True):
     def attach(self, source: deque[LogLine]) -> None:
         """Show another run's ring buffer (tab to the next run)."""
         self._source = source
+        self._synced = ()
         self._rebuild_filter()
         self.follow = True
         self.sync()
@@ -593,9 +634,14 @@ class LogPane(ScrollView, can_focus=True):
         evicted = self._evicted_total()
         moved_up = evicted - self._evicted_seen
         self._evicted_seen = evicted
+        size = Size(max(1, self.scrollable_content_region.width), len(lines))
+        drawn = (size, lines[-1].seq if lines else -1, len(lines), self.follow, id(lines))
+        if drawn == self._synced and not moved_up:
+            return  # nothing new: no redraw (the batch loop calls this ten times a second, an idle run must cost ~0)
+        self._synced = drawn
         self._programmatic += 1
         try:
-            self.virtual_size = Size(max(1, self.scrollable_content_region.width), len(lines))
+            self.virtual_size = size
             if self.follow:
                 self.scroll_to(y=len(lines), animate=False, immediate=True)  # clamped to the last screenful
             elif moved_up > 0:
@@ -616,6 +662,7 @@ class LogPane(ScrollView, can_focus=True):
             self.follow = False
 
     def on_resize(self) -> None:
+        self._synced = ()
         self.sync()
 
     # Scrolling up is a request to stop following: decide it when the key or wheel arrives, not when a
@@ -640,10 +687,12 @@ class LogPane(ScrollView, can_focus=True):
     def action_severity(self) -> None:
         self.min_sev = (self.min_sev + 1) % len(SEVERITY_NAMES)
         self._rebuild_filter()
+        self._synced = ()
         self.sync()
 
     def action_follow(self) -> None:
         self.follow = True
+        self._synced = ()
         self.sync()
 
     def set_search(self, term: str) -> None:
@@ -652,6 +701,7 @@ class LogPane(ScrollView, can_focus=True):
         self._search_re = re.compile(re.escape(term), re.IGNORECASE) if term else None
         if not term:
             self.follow = True
+            self._synced = ()
             self.sync()
             return
         self._jump(start=len(self.lines) - 1, step=-1)
@@ -739,3 +789,70 @@ class ConfirmScreen(ModalScreen[bool]):
     def action_answer(self, answer: bool) -> None:
         self.dismiss(answer)
 
+
+
+class WatchFooter(Footer):
+    """The key bar, made to fit: full labels when they fit; else short labels (compact style), and then the least
+    needed keys left out until the rest fit, `q quit` last of all. Every key still works whether shown or not."""
+
+    # Shorter words for narrow terminals (80 columns), by action.
+    SHORT = {"next_run": "next", "reconnect": "reconn", "screenshot": "snap", "severity": "filter", "search": "find"}
+    # Most needed first: what a narrow footer keeps. Actions not listed come last.
+    PRIORITY = ("quit", "charts", "screenshot", "kill", "next_run", "severity", "search", "reconnect", "clean", "follow")
+
+    def compose(self) -> ComposeResult:
+        if not self._bindings_ready:
+            return
+        active = self.screen.active_bindings
+        seen: set[str] = set()
+        keys: list[tuple[Binding, bool, str]] = []
+        for _, binding, enabled, tooltip in active.values():
+            if binding.show and binding.action not in seen:
+                seen.add(binding.action)
+                keys.append((binding, enabled, tooltip))
+        width = self.app.size.width
+        full, short = self.fit(keys, width)
+        self.compact = not full
+        palette = None
+        if self.show_command_palette and self.app.ENABLE_COMMAND_PALETTE and full:
+            palette = active.get(self.app.COMMAND_PALETTE_BINDING)
+            used = sum(self.item_width(self.app.get_key_display(b), b.description, False) for b, _, _ in short)
+            if palette is not None and used + self.item_width(
+                    self.app.get_key_display(palette[1]), palette[1].description, False) > width:
+                palette = None
+        for binding, enabled, tooltip in short:
+            key = FooterKey(binding.key, self.app.get_key_display(binding),
+                            binding.description if full else self.SHORT.get(binding.action, binding.description),
+                            binding.action, disabled=not enabled, tooltip=tooltip or binding.description)
+            key.compact = not full
+            yield key
+        if palette is not None:
+            _, binding, enabled, tooltip = palette
+            yield FooterKey(binding.key, self.app.get_key_display(binding), binding.description, binding.action,
+                            classes="-command-palette", disabled=not enabled,
+                            tooltip=binding.tooltip or binding.description)
+
+    @staticmethod
+    def item_width(key: str, description: str, compact: bool) -> int:
+        """Cells one key takes: ` k kill ` in the normal style, `k kill` and a one-cell margin when compact."""
+        return len(key) + 1 + len(description) + (1 if compact else 2)
+
+    def fit(self, keys: list[tuple[Binding, bool, str]], width: int) -> tuple[bool, list[tuple[Binding, bool, str]]]:
+        """(full labels?, the keys shown, in their order): full when they all fit; else short labels and the least
+        needed keys dropped until the rest fit in `width`."""
+        display = self.app.get_key_display
+        if sum(self.item_width(display(b), b.description, False) for b, _, _ in keys) <= width:
+            return True, keys
+
+        def need(item: tuple[Binding, bool, str]) -> int:
+            action = item[0].action
+            return self.PRIORITY.index(action) if action in self.PRIORITY else len(self.PRIORITY)
+
+        shown = list(keys)
+        widths = {id(k): self.item_width(display(k[0]), self.SHORT.get(k[0].action, k[0].description), True)
+                  for k in keys}
+        for item in sorted(keys, key=need, reverse=True):
+            if sum(widths[id(k)] for k in shown) <= width or item[0].action == "quit":
+                break
+            shown.remove(item)
+        return False, shown

@@ -915,7 +915,7 @@ async def test_chart_keys_cycle_the_metric_and_toggle_smoothing_and_the_queue_ch
         assert right.key == "queue_depth"
         built = re.sub(r"\x1b\[[0-9;]*m", "", right.plt.build())
         assert "queue depth 4 of 4" in built
-        ticks = [float(m) for m in re.findall(r"^\s*(\d+\.\d+)┤", built, re.M)]
+        ticks = [float(m) for m in re.findall(r"^\s*(-?\d+(?:\.\d+)?)┤", built, re.M)]
         assert max(ticks) == 4.0 and min(ticks) == 0.0, built  # the 0..capacity axis: full is a calm top line
         assert app.w_charts.smoothing > 0
         await pilot.press("e")
@@ -975,7 +975,7 @@ async def test_tau_is_drawn_next_to_loss_over_the_whole_run_and_its_fall_is_aler
         assert right.key == "tau"  # next to loss, by default, for a run that evaluates
         built = re.sub(r"\x1b\[[0-9;]*m", "", right.plt.build())
         assert "τ 3.40 at step 60" in built and "step" in built, built
-        ticks = [float(m) for m in re.findall(r"^\s*(\d+\.\d+)┤", built, re.M)]
+        ticks = [float(m) for m in re.findall(r"^\s*(-?\d+(?:\.\d+)?)┤", built, re.M)]
         assert min(ticks) < 2.1 and max(ticks) >= 3.8, built  # the whole run: every evaluation, n-gram's too
         summary = text_of(app, RunSummary)
         assert "TRAINING" in summary  # after an evaluation, the steps go on: training, never another state
@@ -1010,3 +1010,231 @@ def test_snapshot_tau_chart_next_to_loss(snap_compare: Any) -> None:
         await settle(pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+# -- issue 25 item 11: the dashboard at 80x24, its colours, axes, attempt marks and idle cost -----------------------
+def _screen_text(app: WatchApp) -> list[str]:
+    return [strip.text for strip in app.screen._compositor.render_strips()]
+
+
+@pytest.mark.anyio
+async def test_footer_at_80x24_keeps_q_v_and_ctrl_s_and_fits() -> None:
+    from textual.widgets._footer import FooterKey
+
+    app = app_for("eight_gpus")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        await pilot.pause(0.2)
+        keys = {k.key_display: k for k in app.query(FooterKey)}
+        assert {"q", "v", "^s"} <= set(keys), sorted(keys)
+        assert all(k.region.right <= 80 and k.region.width > 0 for k in keys.values())  # none cut at the edge
+        assert "q quit" in _screen_text(app)[-1]
+        assert keys["^s"].description == "snap"  # the short label; ctrl+s still saves a screenshot
+    app = app_for("eight_gpus")
+    async with app.run_test(size=SIZE) as pilot:  # room enough: every key with its full label
+        await settle(pilot)
+        await pilot.pause(0.2)
+        descriptions = {k.key_display: k.description for k in app.query(FooterKey)}
+        assert descriptions["^s"] == "screenshot" and descriptions["f"] == "follow" and descriptions["q"] == "quit"
+
+
+@pytest.mark.anyio
+async def test_compact_summary_names_the_run() -> None:
+    app = app_for("training", "crashed")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert app.main_screen.has_class("compact")
+        first = text_of(app, RunSummary).splitlines()[0]
+        assert first.startswith("h200:crashed  CRASHED "), first
+        await pilot.press("tab")
+        assert text_of(app, RunSummary).startswith("h200:training  TRAINING "), text_of(app, RunSummary)
+
+
+@pytest.mark.anyio
+async def test_log_keeps_five_lines_at_80x24_with_charts_on() -> None:
+    app = app_for("eight_gpus")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        await pilot.press("v")
+        for _ in range(3):  # the charts take their height from what the others left, a frame later
+            await pilot.pause(0.1)
+        charts, pane, gpus = app.w_charts, app.query_one(LogPane), app.query_one(GpuPanel)
+        assert not charts.has_class("hidden") and charts.region.height >= app.CHART_MIN, charts.region
+        assert gpus.collapsed and gpus.region.height == 2  # the GPU table folds to one line under its rule
+        assert "8 GPUs  util 96% avg" in gpus.render().plain
+        assert pane.size.height >= app.LOG_MIN and pane.region.bottom <= 23, (pane.size, pane.region)
+        screen = "\n".join(_screen_text(app))
+        assert "loss 2.3120" in screen and "step    60 | loss 2.3120" in screen  # chart and the last log line
+        await pilot.press("v")
+        await pilot.pause(0.1)
+        assert charts.has_class("hidden") and not gpus.collapsed and gpus.region.height == 10
+
+
+@pytest.mark.anyio
+async def test_alerts_box_is_calm_without_alerts_and_red_with_a_critical_one() -> None:
+    borders = {}
+    for name in ("training", "crashed"):
+        app = app_for(name)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            panel = app.query_one(AlertsPanel)
+            borders[name] = panel.styles.border_top[1]
+            error = app.get_css_variables()["error"]
+            if name == "training":
+                assert str(panel.content) == "no alerts" and panel.has_class("-none"), panel.classes
+                assert not panel.has_class("-critical")
+            else:
+                assert panel.has_class("-critical") and "run crashed" in str(panel.content)
+    assert borders["training"] != borders["crashed"]
+    assert borders["crashed"].hex.lower() == error.lower()[:7] and borders["training"].hex.lower() != error.lower()[:7]
+
+
+def test_state_styles_give_every_state_its_own_distinct_colour() -> None:
+    import itertools
+    import math
+
+    from rich.style import Style
+
+    from opsctl.look import STATE_STYLES
+
+    states = {"absent", "connecting", "starting", "loading", "compiling", "training", "stalled", "restarting",
+              "finished", "crashed", "killed", "refused", "unreachable", "degraded"}
+    assert states <= set(STATE_STYLES), states - set(STATE_STYLES)
+    backgrounds = {}
+    for state, style in STATE_STYLES.items():
+        bg = Style.parse(style).bgcolor
+        assert bg is not None and bg.triplet is not None, (state, style)  # an exact colour: themes cannot merge two
+        backgrounds[state] = tuple(bg.triplet)
+    close = [(a, b, round(math.dist(backgrounds[a], backgrounds[b])))
+             for a, b in itertools.combinations(backgrounds, 2) if math.dist(backgrounds[a], backgrounds[b]) < 60]
+    assert not close, close
+    assert math.dist(backgrounds["unreachable"], backgrounds["finished"]) > 200  # the pair seen alike in issue 25
+
+
+@pytest.mark.anyio
+async def test_a_host_never_reached_says_cannot_connect_once() -> None:
+    clock_at = last_ts("training") + 2
+    for size in (SIZE, (80, 24)):
+        app = WatchApp([recorded("training"), RefusedSource("gone:run")], clock=lambda: clock_at, backoff=(5.0,))
+        async with app.run_test(size=size) as pilot:
+            deadline = time.monotonic() + 10
+            while "UNREACHABLE" not in text_of(app, RunsBar) or app.current != 1:
+                assert time.monotonic() < deadline, text_of(app, RunsBar)
+                await pilot.pause(0.05)
+            app.tick()
+            await pilot.pause(0.1)
+            said = " ".join(text_of(app, w) for w in (RunsBar, RunSummary, AlertsPanel))
+            assert "cannot connect to gone: ConnectionRefusedError" in said, said
+            assert said.count("Connection refused") == 1, said
+            assert "SSH link lost" not in " ".join(_screen_text(app))
+            assert "never reached" in text_of(app, AlertsPanel)
+            view = app.models[1].view()
+            assert view.reason == "cannot connect to gone: ConnectionRefusedError: [Errno 111] Connection refused"
+            assert app.models[1].link_text() == "lost (retry in 5 s)"
+
+
+def test_axis_ticks_are_round_and_short_with_units() -> None:
+    from opsctl.look import nice_ticks, tick_labels
+
+    assert tick_labels(nice_ticks(3947.5, 4712.0)) == ["3.8k", "4.0k", "4.2k", "4.4k", "4.6k", "4.8k"]
+    assert tick_labels(nice_ticks(431000.0, 440987.5)) == ["430.0k", "432.5k", "435.0k", "437.5k", "440.0k",
+                                                           "442.5k"]
+    assert tick_labels(nice_ticks(0.0123, 0.0456), "s") == ["10ms", "20ms", "30ms", "40ms", "50ms"]
+    assert tick_labels(nice_ticks(0.8, 2.4), "s") == ["0.5s", "1.0s", "1.5s", "2.0s", "2.5s"]
+    assert tick_labels(nice_ticks(2.31, 7.3)) == ["2", "4", "6", "8"]
+    assert tick_labels(nice_ticks(0.0, 4.0)) == ["0", "1", "2", "3", "4"]
+    assert tick_labels([0.0, 100e3, 200e3]) == ["0", "100k", "200k"]  # zero is 0, never 0k
+    assert tick_labels(nice_ticks(2.0e6, 3.1e6)) == ["2.0M", "2.5M", "3.0M", "3.5M"]
+    assert nice_ticks(1.0, 1.0) == [1.0] and nice_ticks(float("nan"), 1.0) == []
+
+
+@pytest.mark.anyio
+async def test_tokens_and_step_time_axes_show_round_ticks_with_units() -> None:
+    from opsctl.widgets import Chart
+
+    app = app_for("eight_gpus")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        right = app.query_one("#chart-right", Chart)
+        built = re.sub(r"\x1b\[[0-9;]*m", "", right.plt.build())
+        labels = re.findall(r"^\s*(\S+)┤", built, re.M)
+        assert right.key == "tokens_per_s" and labels and all(re.fullmatch(r"\d+(\.\d)?k", x) for x in labels), built
+        await pilot.press("m")
+        await pilot.pause()
+        built = re.sub(r"\x1b\[[0-9;]*m", "", right.plt.build())
+        labels = re.findall(r"^\s*(\S+)┤", built, re.M)
+        assert right.key == "step_time_s" and labels and all(re.fullmatch(r"\d+(\.\d)?ms", x) for x in labels), built
+
+
+def _resumed_stream(tmp_path: Path, resume: bool) -> Path:
+    """Steps 1-30, a kill at 30 (run_end signal), then (resume) a new attempt from the step-20 checkpoint."""
+    msgs: list[dict[str, Any]] = [{"t": "proc", "ts": 0.0, "state": "running", "pid": 7, "pgid": 7,
+                                   "exit_code": None}, _run_start(0.0)]
+    msgs += [_step(n, float(n), loss=5.0 - n / 20) for n in range(1, 31)]
+    msgs.append({"t": "event", "ts": 31.0, "off": 0, "end": 1, "event": {
+        "v": 1, "ts": 31.0, "kind": "run_end", "run_id": "r", "rank": 0, "seq": 99, "reason": "signal",
+        "exit_code": 0, "step": 30, "signal": "SIGTERM"}})
+    msgs.append({"t": "proc", "ts": 32.0, "state": "exited", "pid": 7, "pgid": 7, "exit_code": 0})
+    if resume:
+        msgs += [{"t": "proc", "ts": 40.0, "state": "running", "pid": 8, "pgid": 8, "exit_code": None},
+                 _run_start(41.0, resumed_from=20)]
+        msgs += [_step(n, 41.0 + n, loss=5.0 - n / 20) for n in range(21, 61)]
+    path = tmp_path / f"attempts-{resume}.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in msgs))
+    return path
+
+
+@pytest.mark.anyio
+async def test_kills_and_resumes_are_marked_on_the_charts(tmp_path: Path) -> None:
+    from opsctl.widgets import Chart
+
+    for resume, marks in ((False, [(30, "signal")]), (True, [(20, "resumed")])):
+        app = WatchApp([RecordedSource(_resumed_stream(tmp_path, resume), label="h:r")], clock=lambda: 102.0)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            assert app.models[0].attempt_marks == marks  # a resume's mark replaces the kill past its checkpoint
+            for chart in app.query(Chart):
+                built = re.sub(r"\x1b\[[0-9;]*m", "", chart.plt.build()).splitlines()
+                top = next(line for line in built if "┌" in line)
+                inner = top[top.index("┌") + 1:top.rindex("┐")]
+                if resume:
+                    assert "┬" in inner, "\n".join(built)  # the vertical line at step 20 meets the frame
+                    assert any("│ attempts" in line for line in built), "\n".join(built)
+            # a fresh start (no resumed_from) begins a new curve without the old marks
+            app.models[0].ingest(_run_start(500.0))
+            assert app.models[0].attempt_marks == []
+
+
+@pytest.mark.anyio
+async def test_an_idle_dashboard_redraws_once_a_second_not_every_tick() -> None:
+    app = app_for("h200_tiny")
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.pause(0.2)
+        pane = app.query_one(LogPane)
+        ticks, redraws, synced = app.ticks, app.redraws, pane._synced
+        await pilot.pause(0.6)
+        assert app.ticks >= ticks + 2  # the batch loop runs (new messages would be folded within tick_s)
+        assert app.redraws <= redraws + 1 and pane._synced == synced  # nothing new: no redraw, the log not drawn
+
+
+def test_once_json_and_plain_do_not_import_textual() -> None:
+    code = ("import sys, opsctl.cli, opsctl.tui, opsctl.plain; "
+            "print(sorted(m for m in ('textual', 'plotext', 'textual_plotext', 'opsctl.dashboard') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=str(REPO))
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_snapshot_compact_80x24_with_charts_on(snap_compare: Any) -> None:
+    """v on a small terminal: the charts shrink to what is left, the GPU table folds to a line, the log keeps 5+."""
+    app = app_for("eight_gpus")
+
+    async def run_before(pilot: Pilot[Any]) -> None:
+        await settle(pilot)
+        await pilot.press("v")
+        for _ in range(3):
+            await pilot.pause(0.1)
+        app.tick()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
