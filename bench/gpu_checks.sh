@@ -44,11 +44,12 @@ trap summary EXIT
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import sys, torch, transformers, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__)'
 } 2>&1 | tee "$log"
-# The wheels go to /tmp/site; only checks marked fla get it on their path.
-if ! ls .whl/*.whl > /dev/null 2>&1; then
-  echo "gpu_checks: no wheels in .whl/ (carry the fla / causal-conv1d wheels as .whl, docs/gpu-checks.md)" | tee -a "$log"
-elif ! python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tee -a "$log"; then
-  echo "gpu_checks: installing .whl/*.whl into /tmp/site failed" | tee -a "$log"
+# The wheels go to /tmp/site; only checks marked fla get it on their path. GPU_CHECKS_WHEELS: another wheel dir.
+wheels=${GPU_CHECKS_WHEELS:-.whl}
+if ! ls "$wheels"/*.whl > /dev/null 2>&1; then
+  echo "gpu_checks: no wheels in $wheels/ (carry the fla / causal-conv1d wheels as .whl, docs/gpu-checks.md)" | tee -a "$log"
+elif ! python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheels"/*.whl 2>&1 | tee -a "$log"; then
+  echo "gpu_checks: installing $wheels/*.whl into /tmp/site failed" | tee -a "$log"
   exit 3
 fi
 

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 EPILOG = """\
 examples:
@@ -41,8 +41,23 @@ exit codes: 0 ok (also after SIGTERM/SIGINT: the step finishes and is checkpoint
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own usage error, also left in torchrun's error file: under torchrun a mistyped option would otherwise
+    reach opsctl only as `exitcode 2` (subparsers are made with this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        from dflash import telemetry
+
+        self.print_usage(sys.stderr)
+        line = f"{self.prog}: error: {message}"
+        print(line, file=sys.stderr, flush=True)
+        telemetry.last_stderr_line = line
+        _tell_torchrun(2)
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash", description="Train DFlash speculative-decoding drafters.",
+    p = _Parser(prog="dflash", description="Train DFlash speculative-decoding drafters.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -215,8 +230,13 @@ def _eval(args: argparse.Namespace) -> int:
 def _fail(msg: str) -> int:
     from dflash.telemetry import stderr_line
 
-    for line in msg.splitlines() or [msg]:  # a config with several problems: one `dflash: ...` line each
+    from dflash import telemetry
+
+    lines = msg.splitlines() or [msg]
+    for line in lines:  # a config with several problems: one `dflash: ...` line each
         stderr_line(f"dflash: {line}")
+    if len(lines) > 1:  # what torchrun's report and opsctl's reason carry: the first problem, and that there are more
+        telemetry.last_stderr_line = f"dflash: {lines[0]} (and {len(lines) - 1} more: see the log)"
     return 2
 
 
@@ -469,11 +489,11 @@ def _export_check(where: str, target: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     rc = _unknown_command(parser, sys.argv[1:] if argv is None else argv)
+    if rc is None:
+        args = parser.parse_args(argv)
+        rc = _check_config_first(args)
     if rc is not None:
-        return rc
-    args = parser.parse_args(argv)
-    rc = _check_config_first(args)
-    if rc is not None:
+        _tell_torchrun(rc)
         return rc
     rc = {"train": _train, "preflight": _preflight, "export": _export, "eval": _eval,
           "pretrain-target": _pretrain_target, "regen": _regen, "data": _data}[args.cmd](args)

@@ -138,8 +138,17 @@ def crash_line(log: str, window: int = 256 << 10) -> str | None:
         # No traceback: a dflash command that refused its config/data/arguments printed one `dflash: ...` line and
         # exited 2. Only near the end (the wrapper's and the shell's lines may follow it), so an early line that
         # merely starts with `dflash: ` is never taken for why the run ended.
-        return next((m.group(1) for line in reversed(lines[-CLI_ERROR_TAIL:]) if (m := _CLI_ERROR.match(line))),
-                    None)
+        tail = lines[-CLI_ERROR_TAIL:]
+        end = next((j for j in range(len(tail) - 1, -1, -1) if _CLI_ERROR.match(tail[j])), None)
+        if end is None:
+            return None
+        start = end  # a config with several problems prints one line each: the first, and how many follow
+        while start > 0 and _CLI_ERROR.match(tail[start - 1]):
+            start -= 1
+        first = _CLI_ERROR.match(tail[start])
+        assert first is not None
+        more = end - start
+        return first.group(1) + (f" (and {more} more: see the log)" if more else "")
     cause = torchrun_root_cause(lines[launcher[0]:])
     return f"{launcher[1].split(':')[0]}: {cause} (no traceback in the log)" if cause else launcher[1]
 

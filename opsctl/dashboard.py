@@ -19,7 +19,6 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Input, Static
 
 from opsctl.alerts import CRITICAL, WARNING, Alert
-from opsctl.tui import screenshot_dir
 from opsctl.watch import (
     DEFAULT_INBOX_LINES,
     DEFAULT_LOG_CAPACITY,
@@ -30,6 +29,7 @@ from opsctl.watch import (
     fold,
     group_infos,
     node_view,
+    screenshot_dir,
     stall_after_of,
     tau_drop_of,
 )

@@ -979,7 +979,7 @@ def dispatch(ctx: Ctx, args: Any, extra: list[str] | None) -> int | None:
         gr = group_run(ctx, g, args.run)
         return cmd_group_history(ctx, gr, _node_histories(ctx, gr), as_json=args.json)
     if args.verb == "logs":
-        if args.lines < 0:
+        if args.lines is not None and args.lines < 0:
             raise OpsError("-n must be >= 0", EXIT_USAGE)
         return cmd_group_logs(ctx, g, args.run, follow=args.follow, lines=args.lines, all_attempts=args.all,
                               node=args.node)

@@ -7,38 +7,12 @@ Textual and plotext are imported only for the dashboard itself: `watch --once --
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from opsctl.agent import EXIT_CODES
 from opsctl.group import rankless
-from opsctl.watch import RecordedSource, WatchSource, group_infos
-
-SCREENSHOT_ENV = "OPSCTL_SCREENSHOT_DIR"
-
-
-def screenshot_dir(explicit: str | None = None) -> Path:
-    """Where screenshots go: the given dir, $OPSCTL_SCREENSHOT_DIR, ~/Downloads when it exists and is writable,
-    else $XDG_STATE_HOME/opsctl/screenshots (~/.local/state/...), else the temp dir; created when missing."""
-    candidates: list[Path] = []
-    for value in (explicit, os.environ.get(SCREENSHOT_ENV)):
-        if value:
-            candidates.append(Path(value).expanduser())
-    downloads = Path.home() / "Downloads"
-    if downloads.is_dir() and os.access(downloads, os.W_OK):
-        candidates.append(downloads)
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    candidates += [Path(state) / "opsctl" / "screenshots", Path(tempfile.gettempdir())]
-    for place in candidates:
-        try:
-            place.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(place, os.W_OK):
-            return place
-    raise OSError(f"no writable directory among {', '.join(map(str, candidates))}")
+from opsctl.watch import SCREENSHOT_ENV, RecordedSource, WatchSource, group_infos, screenshot_dir  # noqa: F401 (re-exported)
 
 
 def __getattr__(name: str) -> Any:

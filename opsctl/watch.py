@@ -9,8 +9,10 @@ import bisect
 import dataclasses
 import json
 import math
+import os
 import random
 import re
+import tempfile
 import threading
 import time
 from collections import deque
@@ -842,3 +844,29 @@ class AgentSource:
 
     def reconnect(self) -> None:
         pass  # every messages() call opens a fresh connection from the saved offsets
+
+
+# Where the dashboard saves screenshots (ctrl+s): here, not in the Textual module, so nothing imports Textual for it.
+SCREENSHOT_ENV = "OPSCTL_SCREENSHOT_DIR"
+
+
+def screenshot_dir(explicit: str | None = None) -> Path:
+    """Where screenshots go: the given dir, $OPSCTL_SCREENSHOT_DIR, ~/Downloads when it exists and is writable,
+    else $XDG_STATE_HOME/opsctl/screenshots (~/.local/state/...), else the temp dir; created when missing."""
+    candidates: list[Path] = []
+    for value in (explicit, os.environ.get(SCREENSHOT_ENV)):
+        if value:
+            candidates.append(Path(value).expanduser())
+    downloads = Path.home() / "Downloads"
+    if downloads.is_dir() and os.access(downloads, os.W_OK):
+        candidates.append(downloads)
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    candidates += [Path(state) / "opsctl" / "screenshots", Path(tempfile.gettempdir())]
+    for place in candidates:
+        try:
+            place.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(place, os.W_OK):
+            return place
+    raise OSError(f"no writable directory among {', '.join(map(str, candidates))}")

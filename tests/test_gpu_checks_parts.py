@@ -57,7 +57,8 @@ def test_every_gpu_check_is_in_exactly_one_part_and_each_part_fits_one_device_ca
 def test_a_part_prints_its_summary_and_fails_when_checks_cannot_run(tmp_path: Path) -> None:
     """Out of time before the first check: every check reported 'not started', the summary printed, exit 1."""
     proc = subprocess.run(["bash", "bench/gpu_checks.sh", "part4"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**_env(), "OUT": str(tmp_path), "GPU_CHECKS_BUDGET_S": "5"})
+                          timeout=120, env={**_env(), "OUT": str(tmp_path), "GPU_CHECKS_BUDGET_S": "5",
+                               "GPU_CHECKS_WHEELS": str(tmp_path / "no-wheels")})  # a checkout's .whl is for the GPU
     assert proc.returncode == 1, proc.stdout + proc.stderr
     summary = [line for line in proc.stdout.splitlines() if line.startswith("gpu_checks part4:")]
     assert len(summary) == 1 and "3 not started" in summary[0] and "0 passed" in summary[0], proc.stdout
