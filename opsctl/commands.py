@@ -27,7 +27,7 @@ from opsctl.alerts import AlertTracker
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
 from opsctl.inventory import BUILTIN, builtin_notice, discover, write_init, write_init_config
-from opsctl.progress import PhaseProgress
+from opsctl.progress import PhaseProgress, settled_line
 from opsctl.runstate import ENDED_STATES, RunState, RunView, attempt_clock, phase_progress, unreachable_view
 from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
 from opsctl.watch import (
@@ -190,10 +190,11 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
                                   + (f", extra args {' '.join(extra_args)}".replace("[", r"\[") if extra_args else "")
                                   + f"  [{launched_at - t0:.2f} s]")
                 elif kind == "log":
-                    if train is not None and not train.log_line(m["line"]):
+                    line = settled_line(m["line"])  # a `\r` progress bar as its last state (the log keeps all)
+                    if train is not None and not train.log_line(line):
                         pass  # a step line, in the bar (the log keeps it)
-                    elif not (ctx.raw.isatty() and phases.line(m["line"])):  # above the bars on a terminal
-                        ctx.line(m["line"])
+                    elif not (ctx.raw.isatty() and phases.line(line)):  # above the bars on a terminal
+                        ctx.line(line)
                     offsets["log_offset"] = m["end"]
                 elif kind == "event":
                     offsets["events_offset"] = m["end"]
@@ -258,7 +259,7 @@ def _resume_until_ready(ctx: Ctx, host: HostConfig, run: RunConfig, t: Transport
     for m in _follow_reconnecting(ctx, host, run, offsets, events=True):
         state.apply(m)
         if m.get("t") == "log":
-            ctx.line(m["line"])
+            ctx.line(settled_line(m["line"]))
             if pattern is not None and pattern.search(m["line"]):
                 ctx.err.print(f"[bold green]READY[/] {run.name}: log line matched {run.ready_pattern!r} "
                               "(after a reconnect)")
