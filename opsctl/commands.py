@@ -27,6 +27,7 @@ from opsctl.alerts import AlertTracker
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
 from opsctl.inventory import BUILTIN, builtin_notice, discover, write_init, write_init_config
+from opsctl.look import STATE_STYLES
 from opsctl.progress import PhaseProgress, settled_line
 from opsctl.runstate import ENDED_STATES, RunState, RunView, attempt_clock, phase_progress, unreachable_view
 from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
@@ -476,9 +477,10 @@ def _host_status(ctx: Ctx, host: HostConfig, runs: list[RunConfig], quiet: bool)
     return rows, unreachable
 
 
-STATE_COLOURS = {"training": "green", "finished": "green", "crashed": "red", "killed": "yellow", "stalled": "red",
-                 "loading": "cyan", "compiling": "cyan", "starting": "cyan", "absent": "dim", "unreachable": "magenta",
-                 "restarting": "yellow", "refused": "magenta"}
+# The state cell of `status` (and of the group verbs' tables): the dashboard's own badge style, one table for every
+# view (opsctl/look.py). Each carries its background with its text colour, so it reads the same on a dark and a
+# light terminal, where a bare foreground such as the stalled yellow would vanish on white (tests/test_state_colours.py).
+STATE_COLOURS = STATE_STYLES
 
 
 TAU_COLUMNS = ("τ (step)", "best τ (step)", "n-gram τ")
