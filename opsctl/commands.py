@@ -13,6 +13,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -439,6 +440,36 @@ def _unreachable_record(host: HostConfig, run: RunConfig, error: str) -> dict[st
     return run_record(host.name, run.name, unreachable_view(error), link="unreachable", alerts=[], log=run.log)
 
 
+STATUS_PARALLEL = 8  # agent calls at once on one connection: under sshd's default MaxSessions (10) channels
+
+
+def _status_in_parallel(ctx: Ctx, host: HostConfig, runs: list[RunConfig],
+                        t: Transport) -> list[Future[tuple[RunView, dict[str, Any], AlertTracker]]]:
+    """Ask for every run's status at once, each on its own channel of the host's one connection: one agent start-up
+    per run, side by side rather than one after another (4 runs took 2.2 s, against 1.5 s for `watch --once`, which
+    already opened them in parallel: bench/ops_latency.py --only status). The caller reads the answers in the runs'
+    order, so the rows and the first failure are the same as when they were asked one by one."""
+
+    def one(run: RunConfig) -> tuple[RunView, dict[str, Any], AlertTracker]:
+        tracker = AlertTracker(run.tau_regression)
+        view, st = run_status(ctx, host, run, t, tracker)
+        return view, st, tracker
+
+    _connect(t)  # once, before the threads: a host that is down costs one connect timeout, not one per run
+    with ThreadPoolExecutor(max_workers=max(1, min(STATUS_PARALLEL, len(runs))), thread_name_prefix="status") as pool:
+        return [pool.submit(one, run) for run in runs]  # all answered when the pool closes
+
+
+def _connect(t: Transport) -> None:
+    """Open the SSH connection under a transport stack now (what its first command would do, with the same error)."""
+    inner: Any = t
+    while hasattr(inner, "inner"):  # pct exec over SSH: the connection is the inner transport's
+        inner = inner.inner
+    connect = getattr(inner, "connect", None)
+    if callable(connect):
+        connect()
+
+
 def _host_status(ctx: Ctx, host: HostConfig, runs: list[RunConfig], quiet: bool) -> tuple[list[dict[str, Any]],
                                                                                           str | None]:
     """One record per run of `host` (the `status --json` schema) and, if it could not be reached, why."""
@@ -453,11 +484,16 @@ def _host_status(ctx: Ctx, host: HostConfig, runs: list[RunConfig], quiet: bool)
     try:
         if t is not None and not quiet:
             preflight(ctx, host, t)
-        for run in runs:
+        answers: list[Any] = [None] * len(runs)
+        if t is not None:
+            try:
+                answers = _status_in_parallel(ctx, host, runs, t)
+            except TransportError as exc:  # the connection could not be opened: every run unreachable, with why
+                unreachable = str(exc)
+        for run, answer in zip(runs, answers, strict=True):
             if unreachable is None:
                 try:
-                    tracker = AlertTracker(run.tau_regression)
-                    view, st = run_status(ctx, host, run, t, tracker)  # type: ignore[arg-type]
+                    view, st, tracker = answer.result()
                     rows.append(run_record(host.name, run.name, view, link="up", alerts=tracker.evaluate(view, time.time()),
                                            session=st.get("session"), session_exists=st.get("session_exists"),
                                            log=st.get("log")))
