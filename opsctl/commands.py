@@ -169,6 +169,7 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
     assert run is not None
     t = ctx.transport(host)
     phases = PhaseProgress(ctx.err)
+    train = None  # set once preflight passed; the `finally` below runs on a refused preflight too
     try:
         t0 = time.monotonic()
         preflight(ctx, host, t)
