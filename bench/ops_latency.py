@@ -2,7 +2,8 @@
 the client side of `opsctl watch`: an idle dashboard's CPU and `watch --once --json` against `status --json`.
 
 Run: `python bench/ops_latency.py [--lines 2000] [--cpu-seconds 30]`; it prints a report and raw numbers (JSON).
-`--only watch` measures the watch figures alone (issue 25 item 11).
+`--only watch` measures the watch figures alone (issue 25 item 11); `--only status` times `status HOST --json` against
+`watch HOST --once --json` over all four runs of the host.
 """
 
 from __future__ import annotations
@@ -209,6 +210,29 @@ def once_vs_status(hosts: Path, repeats: int) -> dict[str, Any]:
     return out
 
 
+def host_once_vs_status(hosts: Path, repeats: int) -> dict[str, Any]:
+    """All runs of one host (4: one finished, three never launched): `opsctl status box --json` against `opsctl watch
+    box --once --json`, fresh processes, alternated; both must print the same states in the same order."""
+    times: dict[str, list[float]] = {"status_json_s": [], "once_json_s": []}
+    for _ in range(repeats):
+        states = {}
+        for key, argv in (("status_json_s", ("status", "box", "--json")),
+                          ("once_json_s", ("watch", "box", "--once", "--json"))):
+            t0 = time.perf_counter()
+            r = _opsctl(hosts, *argv)
+            times[key].append(time.perf_counter() - t0)
+            assert r.returncode == 0, r.stdout + r.stderr
+            states[key] = [(row["run"], row["state"]) for row in json.loads(r.stdout)]
+        assert states["status_json_s"] == states["once_json_s"] and len(states["once_json_s"]) == 4, states
+    out: dict[str, Any] = {"repeats": repeats, "runs": 4}
+    for key, vals in times.items():
+        out[key] = [round(v, 3) for v in vals]
+        out[key.replace("_s", "_median_s")] = round(statistics.median(vals), 3)
+    print(f"all 4 runs of a host: status --json median {out['status_json_median_s']:.2f} s; watch --once --json "
+          f"median {out['once_json_median_s']:.2f} s")
+    return out
+
+
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
@@ -277,7 +301,9 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.005, help="seconds between lines of the chatty run")
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--cpu-seconds", type=float, default=30)
-    ap.add_argument("--only", choices=("watch",), help="watch: the dashboard's idle CPU and --once --json vs status")
+    ap.add_argument("--only", choices=("watch", "status"),
+                    help="watch: the dashboard's idle CPU and --once --json vs status; status: status --json vs "
+                         "watch --once --json over all runs of a host")
     ap.add_argument("--watch-seconds", type=float, default=20, help="how long the idle dashboard is measured")
     ap.add_argument("--repeats", type=int, default=5, help="runs of --once --json and status --json each")
     a = ap.parse_args()
@@ -292,6 +318,11 @@ def main() -> int:
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}",
             "path": "client -> paramiko SSH (127.0.0.1) -> pct stand-in (nsenter PID+mount ns) -> agent",
         }
+        if a.only == "status":
+            finished_run(hosts)
+            report["host_status"] = host_once_vs_status(hosts, a.repeats)
+            print(json.dumps(report, indent=2))
+            return 0
         if a.only == "watch":
             report["watch"] = watch_report(hosts, a.watch_seconds, a.repeats)
             print(json.dumps(report, indent=2))

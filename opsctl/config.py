@@ -6,6 +6,7 @@ Errors name the file, the line and the field path, so a typo in hosts.yaml is fi
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import posixpath
 import re
@@ -27,8 +28,11 @@ VMID_MIN, VMID_MAX = 100, 999_999_999  # Proxmox's pve-vmid range
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
-# The inventory used when no hosts.yaml exists: the training core's tiny CPU run on this machine.
+# The inventory used when no hosts.yaml exists: the training core's tiny CPU run on this machine. Its config is the
+# copy of configs/tiny.yaml shipped inside the dflash package (builtin_tiny_config), by absolute path, so the run
+# starts from any directory and from an installed package, not only from the repository checkout.
 # tests/test_config.py checks that the shipped hosts.yaml defines the same `local`/`tiny`.
+TINY_CONFIG_PLACEHOLDER = '"{dflash_tiny_config}"'
 DEFAULT_HOSTS_YAML = """\
 hosts:
   local:
@@ -36,12 +40,34 @@ hosts:
     runs:
       tiny:
         workdir: .
-        command: ["{python}", -m, dflash, train, --config, configs/tiny.yaml, --out, runs/tiny, --resume, auto]
+        command: ["{python}", -m, dflash, train, --config, "{dflash_tiny_config}", --out, runs/tiny, --resume, auto]
         log: runs/tiny/train.log
         events: runs/tiny/events.jsonl
         tmux_session: dflash-tiny
         ready_timeout: 600
 """
+
+
+def builtin_tiny_config() -> Path | None:
+    """The tiny run's config as shipped in the dflash package (dflash/configs/tiny.yaml, package data: in a checkout a
+    link to the repository's configs/tiny.yaml, in a wheel a copy of it). None when the install has no such file
+    (e.g. imported from a zip), so callers say what to do instead of failing later inside the run."""
+    from importlib.resources import files
+
+    try:
+        res = files("dflash").joinpath("configs", "tiny.yaml")
+    except (ModuleNotFoundError, TypeError):
+        return None
+    path = Path(str(res))
+    return path if path.is_file() else None
+
+
+def default_hosts_yaml() -> str:
+    """DEFAULT_HOSTS_YAML with the tiny run's --config pointing at the packaged config (builtin_tiny_config), as a
+    YAML double-quoted string; without one, the checkout-relative configs/tiny.yaml (launch's preflight then says
+    it is missing)."""
+    path = builtin_tiny_config()
+    return DEFAULT_HOSTS_YAML.replace(TINY_CONFIG_PLACEHOLDER, json.dumps(str(path) if path else "configs/tiny.yaml"))
 
 
 class Problem(NamedTuple):
@@ -686,7 +712,7 @@ def load_inventory(path: str | Path | None = None) -> Inventory:
     """
     p = Path(path) if path is not None else default_inventory_path()
     if p is None:
-        inv = parse_inventory(DEFAULT_HOSTS_YAML, file="<embedded default hosts.yaml>", base_dir=Path.cwd())
+        inv = parse_inventory(default_hosts_yaml(), file="<embedded default hosts.yaml>", base_dir=Path.cwd())
         return inv
     shown = str(path) if path is not None else str(p)
     try:

@@ -69,7 +69,8 @@ class WatchApp(App[int]):
     .compact #top { layout: vertical; }
     .compact RunSummary { width: 1fr; border: none; padding: 0; text-wrap: nowrap; text-overflow: ellipsis; }
     .compact #right { width: 1fr; }
-    .compact AlertsPanel { border: none; padding: 0; max-height: 3; text-wrap: nowrap; text-overflow: ellipsis; }
+    .compact AlertsPanel { border: none; padding: 0; max-height: 3; }
+    .compact AlertsPanel.-why { max-height: 5; }
     .compact GpuPanel { border: none; border-top: solid $primary; padding: 0; }
     .compact LogPane { min-height: 4; }
     .compact Charts { border: none; border-top: solid $primary; }
@@ -262,7 +263,11 @@ class WatchApp(App[int]):
         self._shown = (self.current, charted, model.gpu_version, current_view.nvml)
         self.w_summary.show(model, current_view, len(pane.lines), group=groups[self.current])
         never = current_view.state == "unreachable" and not model.state_seen
-        self.w_alerts.show(current_alerts, "nothing to check: the host was never reached" if never else "no alerts")
+        # Small terminals: the summary's one line would cut a never-reached host's error (its only news), so the
+        # alerts box says it in full, wrapped (RunSummary leaves it off its line then).
+        why = current_view.reason if never and self.w_summary.compact else None
+        self.w_alerts.show(current_alerts, "nothing to check: the host was never reached" if never else "no alerts",
+                           why=why)
         status = pane.status()
         if status != self._logstatus:
             self._logstatus = status

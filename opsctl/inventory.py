@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from opsctl.config import DEFAULT_HOSTS_FILE, ENV_HOSTS_FILE
+from opsctl.config import DEFAULT_HOSTS_FILE, ENV_HOSTS_FILE, builtin_tiny_config
 
 BUILTIN = "<built-in inventory: host `local`, run `tiny`>"
 SEARCH_ORDER = f"--hosts, ${ENV_HOSTS_FILE}, ./{DEFAULT_HOSTS_FILE}, ~/.config/opsctl/{DEFAULT_HOSTS_FILE}"
@@ -75,7 +75,7 @@ hosts:
     runs:
       tiny:
         # The training core's tiny CPU run; --resume auto continues after `opsctl kill local tiny`. Its config,
-        # tiny.yaml, was written beside this file (a copy of the repository's configs/tiny.yaml).
+        # tiny.yaml, was written beside this file (a copy of configs/tiny.yaml, shipped with dflash).
         workdir: .
         command: ["{python}", -m, dflash, train, --config, tiny.yaml, --out, runs/tiny, --resume, auto]
         log: runs/tiny/train.log
@@ -140,15 +140,15 @@ hosts:
 """
 
 
-# The sample run's config: the repository's configs/tiny.yaml, copied beside the written hosts.yaml so the sample
-# starts wherever `opsctl init` ran (a relative `configs/tiny.yaml` only resolved inside the repository).
+# The sample run's config: configs/tiny.yaml as shipped in the dflash package (opsctl.config.builtin_tiny_config),
+# copied beside the written hosts.yaml so the sample starts wherever `opsctl init` ran, from a checkout or an
+# installed package alike (a relative `configs/tiny.yaml` only resolved inside the repository).
 INIT_CONFIG_NAME = "tiny.yaml"
 
 
 def sample_config_source() -> Path | None:
-    """configs/tiny.yaml of the checkout opsctl runs from (None: an install without the repository's configs)."""
-    src = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
-    return src if src.is_file() else None
+    """The packaged tiny config to copy (None: an install without dflash's package data)."""
+    return builtin_tiny_config()
 
 
 def write_init_config(hosts_path: Path) -> str:
@@ -159,7 +159,8 @@ def write_init_config(hosts_path: Path) -> str:
         return f"kept the existing {dest.resolve()} (the sample run's config)"
     src = sample_config_source()
     if src is None:
-        return (f"no configs/tiny.yaml beside the opsctl package to copy: put a dflash config at {dest.resolve()} "
+        return (f"no dflash/configs/tiny.yaml in the installed dflash package to copy: put a dflash config at "
+                f"{dest.resolve()} "
                 "before launching the sample run `tiny`")
     tmp = dest.with_name(dest.name + ".tmp")
     tmp.write_bytes(src.read_bytes())

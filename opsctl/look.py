@@ -18,22 +18,24 @@ BLOCKS = "▁▂▃▄▅▆▇█"
 
 # One background per state, as exact colours (a theme maps named ANSI colours, which made `blue` and `purple` look
 # alike): no two states share one, and the ones that need someone (crashed, refused, unreachable, stalled) are the
-# loud ones. tests/test_tui.py checks every pair is far apart.
+# loud ones. tests/test_tui.py checks every pair is far apart. The text colours are exact too (a terminal's `white` is
+# often light grey): `opsctl status` draws its state cells with these same styles, and tests/test_state_colours.py
+# checks each text/background pair reads at 3:1 or better, whatever the terminal's own background.
 STATE_STYLES: dict[str, str] = {
-    "absent": "bold white on #808080",
-    "connecting": "bold white on #3a3a3a",
-    "starting": "bold black on #d0d0d0",
-    "loading": "bold black on #00afd7",
-    "compiling": "bold black on #d7af87",
-    "training": "bold black on #00af5f",
-    "stalled": "bold black on #ffd700",
-    "restarting": "bold black on #ff8700",
-    "finished": "bold white on #005fd7",
-    "crashed": "bold white on #d70000",
-    "killed": "bold white on #875f00",
-    "refused": "bold white on #af005f",
-    "unreachable": "bold black on #ff87ff",
-    "degraded": "bold white on #af5f5f",  # a group run some of whose nodes are gone
+    "absent": "bold #ffffff on #808080",
+    "connecting": "bold #ffffff on #3a3a3a",
+    "starting": "bold #000000 on #d0d0d0",
+    "loading": "bold #000000 on #00afd7",
+    "compiling": "bold #000000 on #d7af87",
+    "training": "bold #000000 on #00af5f",
+    "stalled": "bold #000000 on #ffd700",
+    "restarting": "bold #000000 on #ff8700",
+    "finished": "bold #ffffff on #005fd7",
+    "crashed": "bold #ffffff on #d70000",
+    "killed": "bold #ffffff on #875f00",
+    "refused": "bold #ffffff on #af005f",
+    "unreachable": "bold #000000 on #ff87ff",
+    "degraded": "bold #ffffff on #af5f5f",  # a group run some of whose nodes are gone
 }
 
 

@@ -11,6 +11,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.text import Text
 
 
+def settled_line(line: str) -> str:
+    """A log line as a terminal leaves it: a carriage-return progress bar (tqdm's `Loading weights: 42%|...`, one
+    state per `\r`, a newline only at the end) becomes its last drawn state. Printed whole, rich strips the `\r`s and
+    the states run together into screens of bar; the log file keeps every state."""
+    if "\r" not in line:
+        return line
+    states = [s.rstrip() for s in line.split("\r")]
+    return next((s for s in reversed(states) if s.strip()), "")
+
+
 class PhaseProgress:
     """Shows the training core's `phase` events (docs/events.md) while a launch waits for its first step.
 

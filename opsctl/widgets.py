@@ -132,9 +132,9 @@ class RunSummary(_Quiet):
             t = Text(no_wrap=True, overflow="ellipsis")
             t.append(f"{model.label} ", style="bold")
             t.append_text(state_badge(view))
-            if view.state == "unreachable" and not model.state_seen and view.reason:  # only the why is known
-                t.append(f" {view.reason}", style="bold red")
-            else:
+            # A never-reached host: only the why is known, and this line would cut it; the alerts box says it in
+            # full, wrapped (the dashboard passes it as `why`).
+            if not (view.state == "unreachable" and not model.state_seen):
                 t.append(f" step {view.step:,}{total}{pct}  loss {fmt_num(view.loss, 4)}  tok/s "
                          f"{fmt_num(rate if rate is not None else view.tokens_per_s, 0)}  ETA "
                          f"{fmt_duration(view.eta_s)}")
@@ -531,18 +531,25 @@ class GpuPanel(Widget):
 
 
 class AlertsPanel(_Quiet):
-    """Every active alert with its evidence, critical ones first; `compact`: one line per alert."""
+    """Every active alert with its evidence, critical ones first; `compact`: one line per alert, wrapped (not cut)
+    when its evidence is longer than the terminal is wide."""
 
     compact = False
 
-    def show(self, alerts: Sequence[Alert], quiet: str = "no alerts") -> None:
-        """`quiet`: what to say with no alert (a host never reached has no alert rules to run, not a clean bill)."""
+    def show(self, alerts: Sequence[Alert], quiet: str = "no alerts", why: str | None = None) -> None:
+        """`quiet`: what to say with no alert (a host never reached has no alert rules to run, not a clean bill).
+        `why`: an error said first, in full (a never-reached host's, on a small terminal where the summary line
+        would cut it). Compact or not, long lines wrap rather than being cut: the evidence is the point."""
         # The box's colour says the worst alert in it: calm with none, yellow for warnings, red for a critical one.
         worst = "none" if not alerts else ("critical" if any(a.severity == CRITICAL for a in alerts) else "warning")
         for level in ("none", "warning", "critical"):
             self.set_class(level == worst, f"-{level}")
+        self.set_class(bool(why) and not alerts, "-why")  # room for the error and the line under it
         if not alerts:
-            self.put(Text(quiet, style="dim green" if quiet == "no alerts" else "dim"))
+            t = Text(quiet, style="dim green" if quiet == "no alerts" else "dim")
+            if why:
+                t = Text.assemble((why, "bold red"), "\n", t)
+            self.put(t)
             return
         t = Text()
         ordered = sorted(alerts, key=lambda a: (a.severity != CRITICAL, a.key))

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from opsctl.config import (
-    DEFAULT_HOSTS_YAML,
     InventoryError,
+    builtin_tiny_config,
     check_inventory,
     dangerous_path_reason,
+    default_hosts_yaml,
     load_inventory,
     parse_inventory,
     path_is_within,
@@ -64,7 +65,8 @@ def test_embedded_default_loads_without_a_file(tmp_path: Path, monkeypatch: pyte
     assert run is not None
     assert run.workdir == str(tmp_path.resolve())
     assert run.command[0] == sys.executable  # {python} -> the interpreter running opsctl, for local hosts
-    assert run.command[1:] == ["-m", "dflash", "train", "--config", "configs/tiny.yaml", "--out", "runs/tiny",
+    # the config shipped in the dflash package, by absolute path: the run starts from any directory
+    assert run.command[1:] == ["-m", "dflash", "train", "--config", str(builtin_tiny_config()), "--out", "runs/tiny",
                               "--resume", "auto"]
     assert run.log == str(tmp_path.resolve() / "runs/tiny/train.log")
     assert run.events == str(tmp_path.resolve() / "runs/tiny/events.jsonl")
@@ -75,8 +77,13 @@ def test_embedded_default_loads_without_a_file(tmp_path: Path, monkeypatch: pyte
 def test_shipped_hosts_yaml_defines_the_embedded_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
     shipped = load_inventory(REPO / "hosts.yaml")
-    embedded = parse_inventory(DEFAULT_HOSTS_YAML, base_dir=REPO)
-    assert shipped.runs["local"]["tiny"] == embedded.runs["local"]["tiny"]
+    embedded = parse_inventory(default_hosts_yaml(), base_dir=REPO)
+    # the same run, but for --config: the repository's relative configs/tiny.yaml vs the packaged one by absolute
+    # path, which in a checkout is that very file (a link)
+    ship, emb = shipped.runs["local"]["tiny"], embedded.runs["local"]["tiny"]
+    at = ship.command.index("--config") + 1
+    assert (REPO / ship.command[at]).resolve() == Path(emb.command[at]).resolve()
+    assert ship.model_copy(update={"command": emb.command}) == emb
     assert shipped.hosts["local"] == embedded.hosts["local"]
     assert check_inventory(REPO / "hosts.yaml") == []
     # None -> ./hosts.yaml when it exists

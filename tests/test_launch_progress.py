@@ -10,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+import yaml
 from rich.console import Console
 
 from opsctl import commands
@@ -50,3 +51,49 @@ def test_terminal_launch_draws_a_progress_bar_that_ends_at_64_of_64(tmp_path: Pa
     assert "compiling" in screen and "layer 64" in screen
     assert "phase loading_target" not in screen  # the pipe form is not used on a terminal
     assert "target loaded" in raw.getvalue()  # log lines still go to stdout
+
+
+# -- a `\r` progress bar in the log (transformers' `Loading weights`): its last state, once -------------------------
+class _TtyBuffer(io.StringIO):
+    """stdout that says it is a terminal: launch then prints log lines above its phase bars (PhaseProgress.line)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _bar_hosts(tmp_path: Path, session: str) -> Path:
+    run = script_run(tmp_path, "bar_run.py", "--n", "30", tmux_session=session)
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(yaml.safe_dump({"hosts": {"here": {"local": True, "runs": {"bar": run}}}}))
+    return hosts
+
+
+FINAL_BAR = "Loading weights: 100%|██████████| 30/30 [30it]"
+
+
+def test_launch_shows_a_carriage_return_bar_as_its_last_state_and_the_log_keeps_every_state(tmp_path: Path) -> None:
+    """Piped: the bar's line is its final state alone (no `\\r`, no 0 % ... 97 % states); on a terminal, the same one
+    line above the phase bars, not the 31 states run together. The log file still has all of them."""
+    hosts = _bar_hosts(tmp_path, "bar-pipe")
+    try:
+        r = opsctl(hosts, "launch", "here", "bar", "--follow")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.count("Loading weights") == 1, r.stdout  # (text mode would turn a `\r` into a line)
+        assert FINAL_BAR in r.stdout.splitlines() and "target loaded" in r.stdout
+        log = (tmp_path / "run.log").read_bytes()
+        assert log.count(b"\rLoading weights") == 31 and b"Loading weights:  50%" in log  # all kept
+    finally:
+        opsctl(hosts, "clean", "here", "bar")
+
+    (tmp_path / "tty").mkdir()
+    hosts = _bar_hosts(tmp_path / "tty", "bar-tty")
+    buf = io.StringIO()
+    term = Console(file=buf, force_terminal=True, width=100, color_system=None, highlight=False)
+    ctx = commands.Ctx(hosts_file=str(hosts), err=term, out=term, raw=_TtyBuffer())
+    try:
+        assert commands.cmd_launch(ctx, "here", "bar", follow=True) == 0
+    finally:
+        commands.cmd_clean(commands.Ctx(hosts_file=str(hosts)), "here", "bar")
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())
+    assert screen.count("Loading weights") == 1 and FINAL_BAR in screen, screen
+    assert "loading_target" in screen and "30/30" in screen  # the phase bar still draws

@@ -1238,3 +1238,53 @@ def test_snapshot_compact_80x24_with_charts_on(snap_compare: Any) -> None:
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+# -- issue 25 leftovers: a long error is readable at 80x24, not cut with `…` ----------------------------------------
+LONG_ERROR = ("No route to host while connecting to gpu-box-17.cluster.example.org port 2222 through the jump host "
+              "bastion.example.org")
+
+
+class LongErrorSource(RefusedSource):
+    """A host whose connection fails with a long error (a routed name, a port and a jump host in the message)."""
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        raise OSError(113, LONG_ERROR)
+
+
+def _words(lines: list[str]) -> str:
+    return " ".join(" ".join(lines).split())
+
+
+@pytest.mark.anyio
+async def test_a_long_unreachable_error_is_said_in_full_at_80x24_once() -> None:
+    """The compact summary line cut it at the edge (`... [Errno …`); the alerts box now says it whole, wrapped, once,
+    with the never-reached note under it."""
+    clock_at = last_ts("training") + 2
+    app = WatchApp([recorded("training"), LongErrorSource("gpu-box-17:qwen27b")], clock=lambda: clock_at,
+                   backoff=(5.0,))
+    async with app.run_test(size=(80, 24)) as pilot:
+        deadline = time.monotonic() + 10
+        while "UNREACHABLE" not in text_of(app, RunsBar) or app.current != 1:
+            assert time.monotonic() < deadline, text_of(app, RunsBar)
+            await pilot.pause(0.05)
+        app.tick()
+        await pilot.pause(0.2)
+        reason = app.models[1].view().reason
+        assert reason is not None and LONG_ERROR in reason and len(reason) > 80
+        screen = _screen_text(app)
+        assert _words(screen).count(" ".join(reason.split())) == 1, screen  # every word on screen, once
+        assert not any("…" in line for line in screen[:8]), screen[:8]
+        assert "never reached" in _words(screen)
+        assert LONG_ERROR not in text_of(app, RunSummary)  # not cut on the summary line as well
+
+
+@pytest.mark.anyio
+async def test_a_crash_evidence_wraps_in_the_alerts_box_at_80x24() -> None:
+    app = app_for("training", "crashed")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        await pilot.pause(0.2)
+        (alert,) = [a for a in app.models[app.current].alerts(app.models[app.current].view()) if a.key == "crashed"]
+        assert len(alert.evidence) > 80
+        assert " ".join(alert.evidence.split()) in _words(_screen_text(app)), _screen_text(app)[:8]
