@@ -15,7 +15,7 @@ import os
 import random
 import sysconfig
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,10 @@ class Document:
     ids: list[int] | None = None
     mask: list[bool] | None = None
     origin: dict[str, Any] | None = None  # token records: the regen manifest (tokenizer, target) they come with
+    tools: list[dict[str, Any]] | None = None  # a chat's top-level function schemas: prompt context, never supervised
+    # The data.thinking that renders this chat as dflash did before the setting existed, where the configured one
+    # renders it otherwise ('' if it does not): named when a resume is refused (schedule_mismatch).
+    legacy_thinking: str = ""
 
 
 def embedded_corpus(max_chars: int) -> list[Document]:
@@ -90,14 +94,30 @@ def _iter_files(paths: Sequence[str]) -> Iterator[Path]:
         if fmt.is_hf_dataset_dir(p):
             yield p
         elif p.is_dir():
-            files = sorted(q for q in p.rglob("*") if q.suffix in (".txt", ".jsonl") and q.is_file())
-            if not files:
-                raise DataError(f"{p}: no .txt or .jsonl files in this directory")
-            yield from files
+            yield from _dir_files(p)
         elif p.is_file():
             yield p
         else:
             raise DataError(f"{p}: data file does not exist")
+
+
+def _dir_files(p: Path) -> list[Path]:
+    """A directory's data files: its .txt/.jsonl files (text, chats, or `dflash regen` records with their
+    regen.json, which is never read as records), else its .parquet shards (a Hugging Face hub snapshot: only the train
+    split's when names mark splits). Both kinds in one directory are refused rather than one silently ignored."""
+    files = sorted(q for q in p.rglob("*") if q.suffix in (".txt", ".jsonl") and q.is_file())
+    has_parquet = any(q.is_file() for q in p.rglob("*.parquet"))
+    if files and has_parquet:
+        raise DataError(f"{p}: holds both .txt/.jsonl files and .parquet shards; name the files or folders to read "
+                        "in data.paths")
+    if files:
+        return files
+    if has_parquet:
+        try:
+            return fmt.parquet_shards(p)
+        except fmt.RecordError as exc:
+            raise DataError(f"{p}: {exc}") from None
+    raise DataError(f"{p}: no .txt or .jsonl files (nor .parquet shards) in this directory")
 
 
 def _token_record(obj: dict[str, Any], where: str, origin: dict[str, Any] | None) -> Document:
@@ -187,7 +207,10 @@ def record_document(obj: Any, where: str, cfg: DataConfig) -> Document:
         return Document(text=value, source=where)
     key, turns = value
     try:
-        return Document(messages=fmt.parse_turns(turns, key, cfg.thinking), source=where)
+        return Document(messages=fmt.parse_turns(turns, key, cfg.thinking), source=where,
+                        tools=fmt.parse_tools(obj.get("tools")),
+                        legacy_thinking=({"drop": "keep", "keep": "drop"}[cfg.thinking]
+                                         if fmt.renders_unlike_before(turns, cfg.thinking) else ""))
     except fmt.RecordError as exc:
         raise DataError(f"{where}: {exc}") from None
 
@@ -211,6 +234,8 @@ def corpus_fingerprint(docs: Sequence[Document]) -> str:
     for d in docs:
         if d.ids is not None:  # token records: the ids and what is supervised (text documents hash as before)
             h.update(json.dumps([None, None, d.ids, d.mask]).encode())
+        elif d.tools:  # rendered into the prompt: part of the data (chats without tools hash as before)
+            h.update(json.dumps([d.text, d.messages, d.tools], ensure_ascii=False).encode())
         else:
             h.update(json.dumps([d.text, d.messages], ensure_ascii=False).encode())
         h.update(b"\0")
@@ -221,10 +246,12 @@ def corpus_fingerprint(docs: Sequence[Document]) -> str:
 class TokenizerAdapter:
     """One interface over the tiny BPE (`tokenizers.Tokenizer`) and a Hugging Face tokenizer directory."""
 
-    def __init__(self, *, tiny: Any = None, hf: Any = None, source: str = "") -> None:
+    def __init__(self, *, tiny: Any = None, hf: Any = None, source: str = "", thinking: str = "keep") -> None:
         self._tiny = tiny
         self._hf = hf
         self.source = source
+        # data.thinking: with drop, the template's non-thinking scaffold (Qwen3's empty <think></think>) is context
+        self.thinking = thinking
         if tiny is not None:
             self.vocab_size = int(tiny.get_vocab_size())
             self.pad_id = int(tiny.token_to_id(PAD))
@@ -281,12 +308,13 @@ class TokenizerAdapter:
             out.update(int(vocab[t]) for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>") if t in vocab)
         return sorted(out)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The ids of a conversation up to and including the assistant's turn header: what a reply continues."""
         if self._tiny is not None:
-            ids, _ = self.encode_chat(messages) if messages else ([], [])
+            ids, _ = self.encode_chat(messages, tools) if messages else ([], [])
             return [*ids, int(self._tiny.token_to_id(ROLE_TOKENS["assistant"]))]
-        return self._render(messages, generation_prompt=True)
+        messages, tools = self._with_tools(messages, tools)
+        return self._render(messages, generation_prompt=True, tools=tools)
 
     def save(self, directory: Path) -> dict[str, Any]:
         """Write this tokenizer into `directory` (the tiny BPE as tokenizer.json; an HF one: its own files) and return
@@ -300,9 +328,13 @@ class TokenizerAdapter:
             kind = "hf"
         return {"kind": kind, "path": str(directory), "content_hash": self.content_hash, "vocab_size": self.vocab_size}
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
-        """Token ids and a loss mask that is True exactly on the assistant's tokens (content + end of turn)."""
+    def encode_chat(self, messages: list[dict[str, str]],
+                    tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[bool]]:
+        """Token ids and a loss mask that is True exactly on the assistant's tokens (content + end of turn). `tools`
+        (the record's function schemas) go to the template, or into the system turn as text: context either way."""
         if self._tiny is not None:
+            if tools:
+                messages = with_tools_preamble(messages, tools)
             ids: list[int] = []
             mask: list[bool] = []
             end = int(self._tiny.token_to_id(END_OF_TURN))
@@ -312,15 +344,35 @@ class TokenizerAdapter:
                 ids += [*body, end]
                 mask += [False] + [supervised] * (len(body) - 1) + [supervised]
             return ids, mask
-        messages = self._template_messages(messages)
+        messages, tools = self._with_tools(self._template_messages(messages), tools)
         try:
-            return self._encode_chat_prefixes(messages)
+            return self._encode_chat_prefixes(messages, tools)
         except _PrefixUnstable:
             # Templates that render a turn differently once more turns follow (Qwen3's drops earlier thinking and
             # closes tool results by what comes next): the whole chat rendered once, assistant turns found in it.
-            return self._encode_chat_spans(messages)
+            return self._encode_chat_spans(messages, tools)
 
-    def _encode_chat_prefixes(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
+    def _with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(messages, tools for the template): tools stay structured where the template renders them (its own
+        tools prompt is what the target saw), else they are written into the system turn as the tiny BPE does."""
+        if not tools or self._renders_tools():
+            return messages, tools or None
+        return with_tools_preamble(messages, tools), None
+
+    def _renders_tools(self) -> bool:
+        if not hasattr(self, "_tools_rendered"):
+            probe = [{"type": "function", "function": {"name": "dflash_probe_tool", "description": "probe",
+                                                       "parameters": {"type": "object", "properties": {}}}}]
+            try:
+                out = self._hf.apply_chat_template([{"role": "user", "content": "x"}], tools=probe, tokenize=False)
+                self._tools_rendered = "dflash_probe_tool" in str(out)
+            except Exception:  # noqa: BLE001 - a template that refuses tools does not render them
+                self._tools_rendered = False
+        return self._tools_rendered
+
+    def _encode_chat_prefixes(self, messages: list[dict[str, Any]],
+                              tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[bool]]:
         # HF: render growing prefixes with the model's own chat template; the tokens a message adds belong to it.
         # Before an assistant turn the prefix is rendered with the generation prompt, so the assistant header the
         # template adds is context (unsupervised) and only what the assistant wrote is supervised.
@@ -339,22 +391,44 @@ class TokenizerAdapter:
             prev = cur
 
         for i, m in enumerate(messages):
+            full = self._render(messages[: i + 1], generation_prompt=False, tools=tools)
             if m["role"] == "assistant" and i > 0:
-                extend(self._render(messages[:i], generation_prompt=True), False)
-            extend(self._render(messages[: i + 1], generation_prompt=False), m["role"] == "assistant")
+                prompt = self._render(messages[:i], generation_prompt=True, tools=tools)
+                if self.thinking == "drop":
+                    # The server's non-thinking prompt (Qwen3: enable_thinking=False ends it with an empty
+                    # <think></think>): that scaffold is the prompt's, not the reply's, where the turn renders it.
+                    quiet = self._render(messages[:i], generation_prompt=True, tools=tools, enable_thinking=False)
+                    if quiet[: len(prev)] == prev and full[: len(quiet)] == quiet:
+                        prompt = quiet
+                extend(prompt, False)
+            extend(full, m["role"] == "assistant")
         return ids, mask
 
-    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None, enable_thinking: bool | None = None) -> list[int]:
+        extra: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         out = self._hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
-                                           return_dict=False)
+                                           return_dict=False, tools=tools, **extra)
         return [int(x) for x in out]
 
-    def _render_text(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+    def _render_text(self, messages: list[dict[str, Any]], generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None, enable_thinking: bool | None = None) -> str:
+        extra: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         try:
-            return str(self._hf.apply_chat_template(messages, tokenize=False,
-                                                    add_generation_prompt=generation_prompt))
+            return str(self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                    tools=tools, **extra))
         except Exception as exc:  # noqa: BLE001 - jinja raises what the template raises (unknown role, ...)
             raise DataError(f"{self.source}: the chat template cannot render this chat: {exc}") from None
+
+    def _thinking_scaffold(self) -> str:
+        """What this template's non-thinking generation prompt adds after its assistant header (Qwen3:
+        `<think>\n\n</think>\n\n`, the empty block it also writes into the last assistant turn), or ''."""
+        if not hasattr(self, "_scaffold"):
+            user = [{"role": "user", "content": "dflash probe question"}]
+            prompt = self._render_text(user, True)
+            quiet = self._render_text(user, True, enable_thinking=False)
+            self._scaffold = quiet[len(prompt):] if quiet.startswith(prompt) else ""
+        return self._scaffold
 
     def _template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Messages as this template takes them: tool calls stay structured where the template renders them (its
@@ -390,14 +464,19 @@ class TokenizerAdapter:
             self._markers = (header, end)
         return self._markers
 
-    def _encode_chat_spans(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[bool]]:
+    def _encode_chat_spans(self, messages: list[dict[str, Any]],
+                           tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[bool]]:
         """The chat rendered once; supervised: each assistant turn from after its header through its end of turn
-        (its content, thinking and own tool calls), never a tool result or a user turn."""
+        (its content, thinking and own tool calls), never a tool result or a user turn. With data.thinking: drop,
+        the template's empty thinking scaffold at a turn's start is context too."""
         header, end = self._assistant_markers()
-        text = self._render_text(messages, False)
+        scaffold = self._thinking_scaffold() if self.thinking == "drop" else ""
+        text = self._render_text(messages, False, tools)
         spans, pos = [], 0
         while (i := text.find(header, pos)) >= 0:
             s = i + len(header)
+            if scaffold and text.startswith(scaffold, s):
+                s += len(scaffold)
             e = text.find(end, s)
             e = len(text) if e < 0 else e + len(end)
             spans.append((s, e))
@@ -427,6 +506,21 @@ def flat_content(m: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def tools_block(tools: list[dict[str, Any]]) -> str:
+    """A record's function schemas as text, one JSON object a line in `<tools>` (the form Qwen3's template uses)."""
+    return "# Tools\n<tools>\n" + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + "\n</tools>"
+
+
+def with_tools_preamble(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat with its tools written into the system turn (appended to the first system message, or a new one
+    first): how the tiny BPE and templates that render no tools see them; a system turn is never supervised."""
+    block = tools_block(tools)
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        return [{**first, "content": f"{first['content']}\n\n{block}" if first["content"] else block}, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
 def train_tiny_tokenizer(docs: Sequence[Document], vocab_size: int) -> Any:
     """Train a byte-level BPE on the corpus (a few seconds): no download, and every byte is representable."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -447,6 +541,8 @@ def train_tiny_tokenizer(docs: Sequence[Document], vocab_size: int) -> Any:
                 yield d.text
             else:
                 yield from (flat_content(m) for m in d.messages or [])
+                if d.tools:
+                    yield tools_block(d.tools)
 
     tok.train_from_iterator(texts(), trainer)
     return tok
@@ -488,7 +584,13 @@ def tiny_tokenizer_name(cfg: DataConfig, docs: Sequence[Document]) -> str:
 
 def load_tokenizer(cfg: DataConfig, docs: Sequence[Document], cache_dir: str | Path) -> TokenizerAdapter:
     """The configured HF tokenizer, the one regenerated records are pinned to, or the tiny BPE from cache (keyed by
-    corpus and vocab size) or trained now."""
+    corpus and vocab size) or trained now; it renders chats with the config's data.thinking."""
+    tok = _load_tokenizer(cfg, docs, cache_dir)
+    tok.thinking = cfg.thinking
+    return tok
+
+
+def _load_tokenizer(cfg: DataConfig, docs: Sequence[Document], cache_dir: str | Path) -> TokenizerAdapter:
     origin = pinned_origin(docs)
     if origin is not None and cfg.tokenizer is None:
         return load_pinned_tokenizer(origin["tokenizer"], f"{origin.get('dir', '')}/{REGEN_MANIFEST}")
@@ -527,6 +629,7 @@ class TokenizedCorpus:
     ids: list[torch.Tensor]  # int64 [len]
     loss_mask: list[torch.Tensor]  # bool [len]
     fingerprint: str
+    hints: list[str] = field(default_factory=list)  # likely causes of a fingerprint change (schedule_mismatch)
 
     def lengths(self) -> list[int]:
         return [int(t.numel()) for t in self.ids]
@@ -544,7 +647,25 @@ def tokenize(docs: Sequence[Document], tok: TokenizerAdapter) -> TokenizedCorpus
     h = hashlib.sha256(corpus_fingerprint(docs).encode())
     h.update(tok.content_hash.encode())
     h.update(str(tok.vocab_size).encode())
-    return TokenizedCorpus(ids=ids, loss_mask=masks, fingerprint=h.hexdigest())
+    return TokenizedCorpus(ids=ids, loss_mask=masks, fingerprint=h.hexdigest(), hints=rendering_hints(docs))
+
+
+def rendering_hints(docs: Sequence[Document]) -> list[str]:
+    """Why this corpus may fingerprint unlike the one a run started with, though its files did not change: how
+    chats are rendered changed (data.thinking's default, tools now read). Named in the resume refusal."""
+    hints = []
+    for fix in ("keep", "drop"):
+        n = sum(d.legacy_thinking == fix for d in docs)
+        if n:
+            now = "drop" if fix == "keep" else "keep"
+            hints.append(f"{n} chat(s) hold thinking that data.thinking: {now} renders unlike dflash before the "
+                         "setting existed (it kept <think> blocks as written and ignored reasoning_content); if this "
+                         f"run started before, set data.thinking: {fix} to resume it")
+    tooled = sum(bool(d.tools) for d in docs)
+    if tooled:
+        hints.append(f"{tooled} chat(s) carry top-level tools, which dflash renders into the prompt since it reads "
+                     "them (before, they were ignored); to resume a run started before, remove them from the records")
+    return hints
 
 
 def token_lists(docs: Sequence[Document], tok: TokenizerAdapter) -> Iterator[tuple[list[int], list[bool]]]:
@@ -564,7 +685,7 @@ def token_lists(docs: Sequence[Document], tok: TokenizerAdapter) -> Iterator[tup
             seq = [*encoded[i], tok.eos_id]
             m = [True] * len(seq)
         else:
-            seq, m = tok.encode_chat(d.messages or [])
+            seq, m = tok.encode_chat(d.messages or [], d.tools)
         yield seq, m
 
 
@@ -663,15 +784,16 @@ def save_schedule(schedule: Schedule, meta: dict[str, Any], path: str | Path) ->
     os.replace(tmp, p)
 
 
-def schedule_mismatch(on_disk: dict[str, Any], now: dict[str, Any]) -> str:
-    """Say what differs between the schedule on disk and this run, and the ways out (the checkpoints stay valid)."""
+def schedule_mismatch(on_disk: dict[str, Any], now: dict[str, Any], hints: Sequence[str] = ()) -> str:
+    """Say what differs between the schedule on disk and this run, and the ways out (the checkpoints stay valid);
+    `hints` name likely causes of a changed fingerprint (rendering_hints)."""
     parts = []
     for k in sorted(set(now) | set(on_disk)):
         if on_disk.get(k) == now.get(k):
             continue
         if k == "fingerprint":
             parts.append(f"the corpus or tokenizer content (fingerprint {str(on_disk.get(k))[:12]} on disk, "
-                         f"{str(now.get(k))[:12]} now)")
+                         f"{str(now.get(k))[:12]} now)" + "".join(f"; likely: {h}" for h in hints))
         else:
             name = "train.seed" if k == "seed" else f"data.{k}"
             parts.append(f"{name} {on_disk.get(k)!r} on disk, {now.get(k)!r} now")
@@ -701,7 +823,7 @@ def load_or_build_schedule(corpus: TokenizedCorpus, cfg: DataConfig, seed: int, 
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{p}: unreadable schedule ({exc}); delete it to rebuild") from None
     if on_disk != meta:
-        raise DataError(f"{p}: {schedule_mismatch(on_disk, meta)}")
+        raise DataError(f"{p}: {schedule_mismatch(on_disk, meta, corpus.hints)}")
     sched = Schedule(epochs=eps, fingerprint=corpus.fingerprint, seed=seed, token_budget=cfg.token_budget)
     if len(eps) < epochs:
         sched.epochs += build_schedule(corpus, cfg, seed, epochs, first=len(eps)).epochs

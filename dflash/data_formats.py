@@ -7,7 +7,7 @@ through `datasets`, imported only when such a file is named (it is an optional e
 dflash-ops[data]`).
 
 Every chat becomes a list of messages `{"role", "content"}` (plus `tool_calls`, `tool_call_id`, `name` where given),
-the shape the tokenizer's chat template takes. A plain chat normalises to exactly what it was before, so corpus
+the shape the tokenizer's chat template takes, and its record's top-level `tools` (function schemas) go with it. A plain chat normalises to exactly what it was before, so corpus
 fingerprints (and the schedules keyed by them) of existing data do not change. A bad record is refused in one line
 naming the file, the record and the field, like the rest of dflash/data.py: training on silently thinned data
 would hide the problem.
@@ -31,6 +31,11 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user
                   "tool": "tool", "function_call": "assistant", "observation": "tool"}
 THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 DATASET_SUFFIXES = (".parquet", ".arrow")
+# Split names in a Hugging Face hub layout (data/train-00000-of-00004.parquet, default/train/0000.parquet): the
+# keywords `datasets` itself maps to train/validation/test when it infers a dataset's data files.
+SPLIT_NAME = re.compile(r"^(train|training|validation|valid|val|dev|test|testing|eval|evaluation)(?:$|[-_.0-9])")
+SPLITS = {"training": "train", "valid": "validation", "val": "validation", "dev": "validation",
+          "testing": "test", "eval": "test", "evaluation": "test"}
 
 
 class RecordError(ValueError):
@@ -114,6 +119,47 @@ def apply_thinking(content: str, reasoning: Any, mode: str) -> str:
     return content
 
 
+def parse_tools(value: Any) -> list[dict[str, Any]] | None:
+    """A record's top-level `tools` (the function schemas offered to the model), OpenAI style
+    `[{"type": "function", "function": {"name", "description", "parameters"}}]`, a bare `{"name", ...}` schema per
+    tool, or the list as a JSON string (LLaMA-Factory's ShareGPT, SpecForge). None when the record offers none."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise RecordError("'tools' is a string but not valid JSON") from None
+        if not value:
+            return None
+    if not isinstance(value, list):
+        raise RecordError(f"'tools' must be a list of function schemas, got {type(value).__name__}")
+    out = []
+    for j, tool in enumerate(value):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RecordError(f"tools[{j}] must be an object with function.name (a string)")
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def renders_unlike_before(turns: Any, thinking: str) -> bool:
+    """Whether `thinking` renders this chat's thinking unlike the reader before `data.thinking` existed, which took
+    OpenAI turns' role and content only: `<think>` kept as written, `reasoning_content` ignored. So drop differs where
+    a content holds a `<think>` block, keep where a `reasoning_content` is written into a turn without one."""
+    if not isinstance(turns, list):
+        return False
+    for t in turns:
+        if not isinstance(t, dict) or t.get("role") != "assistant" or not isinstance(t.get("content"), str):
+            continue
+        content, reasoning = t["content"], t.get("reasoning_content")
+        if thinking == "drop" and THINK.search(content):
+            return True
+        if thinking == "keep" and isinstance(reasoning, str) and reasoning.strip() and "<think>" not in content:
+            return True
+    return False
+
+
 def parse_turns(turns: Any, key: str, thinking: str) -> list[dict[str, Any]]:
     """One chat (`messages` or `conversations`) in the corpus's message form; RecordError names the field."""
     if not isinstance(turns, list) or not turns:
@@ -193,6 +239,29 @@ def _json_line(line: str, where: str) -> Any:
         return json.loads(line)
     except json.JSONDecodeError as exc:
         raise RecordError(f"{where}: not valid JSON ({exc.msg})") from None
+
+
+def split_of(rel: Path) -> str | None:
+    """The dataset split a shard belongs to by its path (a `train-00000-of-00004` name or a `train/` folder)."""
+    for part in (*rel.parent.parts, rel.stem):
+        m = SPLIT_NAME.match(part.lower())
+        if m:
+            return SPLITS.get(m.group(1), m.group(1))
+    return None
+
+
+def parquet_shards(directory: Path) -> list[Path]:
+    """The .parquet shards of a directory that training reads: all of them, or only the train split's when the
+    names mark splits (a hub snapshot also holds test/validation shards, which must not become training data)."""
+    shards = sorted(q for q in directory.rglob("*.parquet") if q.is_file())
+    splits = {q: split_of(q.relative_to(directory)) for q in shards}
+    if "train" in splits.values():
+        return [q for q in shards if splits[q] == "train"]
+    named = sorted({s for s in splits.values() if s})
+    if named:
+        raise RecordError(f"parquet shards of split(s) {', '.join(named)} and none of train: name the shards to "
+                          "read in data.paths")
+    return shards
 
 
 def iter_hf_dataset(path: Path) -> Iterator[tuple[str, Any]]:
