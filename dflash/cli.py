@@ -228,9 +228,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _fail(msg: str) -> int:
-    from dflash.telemetry import stderr_line
-
     from dflash import telemetry
+    from dflash.telemetry import stderr_line
 
     lines = msg.splitlines() or [msg]
     for line in lines:  # a config with several problems: one `dflash: ...` line each
