@@ -203,7 +203,7 @@ def _data(args: argparse.Namespace) -> int:
     notes = []
     try:
         if args.config is not None:
-            cfg = load_config(args.config)
+            cfg = load_config(args.config, quick=True)  # the data is all it reads: no torch, no transformers
             data = DataConfig(**{**cfg.data.model_dump(), **overrides})
             seed = cfg.train.seed
             if cfg.target.regen is not None:

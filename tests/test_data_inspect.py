@@ -93,3 +93,16 @@ def test_summary_fill_and_drops_follow_the_packing() -> None:
     assert abs(s.fill_mean - sum(sum(p[2] for p in b) for b in bufs) / (len(bufs) * cfg.token_budget)) < 1e-9
     assert s.piece_tokens + sum(r["tokens"] for r in s.dropped.values()) == s.tokens == sum(lengths)
     assert sum(c for _, c in s.length_bins) == len(docs)
+
+
+def test_inspect_of_a_config_never_imports_torch_or_transformers(tmp_path: Path) -> None:
+    """It answers in about a second: what it reads is the data section, the corpus and the tokenizer."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "DFLASH_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "dflash", "data", "inspect", "--config",
+                        str(repo / "configs" / "tiny.yaml")], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "pieces:" in r.stdout and "buffers" in r.stdout
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "transformers" not in imported
