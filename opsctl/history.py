@@ -67,6 +67,8 @@ def _how(a: dict[str, Any]) -> Text:
     outcome = str(a.get("outcome") or "-")
     text = Text(outcome, style=OUTCOME_STYLES.get(outcome, "white"))
     why = a.get("exception") or (f"signal {a['signal']}" if a.get("signal") else None) or a.get("reason")
+    if outcome == "refused" and a.get("reason"):  # the refusal's own words, as status gives them (runstate._reason)
+        why = a["reason"]
     if why:
         text.append(f" ({short_why(why)})")
     return text

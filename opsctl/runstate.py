@@ -336,7 +336,7 @@ class RunState:
         if v.state in ("crashed", "refused"):
             fatal = next((e for e in reversed(v.errors) if e.get("fatal")), None)
             what = v.exception or (f"{fatal.get('class')}: {fatal.get('message')}" if fatal else None)
-            if v.state == "refused" and fatal and not v.exception:
+            if v.state == "refused" and fatal:
                 what = fatal.get("message")  # the refusal's own words: its class says nothing more
             code = v.exit_code if v.exit_code is not None else v.proc_exit_code
             parts.append(f"{what} (exit {code})" if what else f"exit {code}")

@@ -93,7 +93,7 @@ def test_launch_refused_when_container_stopped(tmp_path: Path, sshd, container: 
 def test_help_teaches_examples_and_exit_codes() -> None:
     r = opsctl(Path("hosts.yaml"), "--help")
     assert r.returncode == 0 and "opsctl launch local tiny --follow" in r.stdout
-    for code, what in [(0, "ok"), (1, "run failed"), (2, "bad usage"), (3, "unreachable"), (5, "refused")]:
+    for code, what in [(0, "ok"), (1, "run failed"), (2, "bad command line"), (3, "unreachable"), (5, "refused")]:
         assert f" {code} " in r.stdout and what in r.stdout, (code, what)
     r = opsctl(Path("/nonexistent/hosts.yaml"), "status", "local")
     assert r.returncode == commands.EXIT_USAGE and "file not found" in r.stderr

@@ -154,13 +154,12 @@ def test_a_refused_resume_reads_refused_with_the_refusal_and_is_never_restarted(
         time.sleep(1.0)  # a restart would have started by now (back-off 0.2 s)
         st = status(hosts)
         assert st["state"] == "refused" and st["end_reason"] == "refused" and st["exit_code"] == 2, st
-        # the dflash CLI's own line, as it printed it (status, watch and history all show that line)
-        assert st["reason"].startswith(f"dflash: refusing to resume: {bad}: size") and st["reason"].endswith("(exit 2)"), st
+        assert st["reason"].startswith(f"refusing to resume: {bad}: size") and st["reason"].endswith("(exit 2)"), st
         h = history(hosts)
         assert [(a["outcome"], a["exit_code"]) for a in h] == [("refused", 2)], h
         assert h[0]["reason"] == st["reason"].removesuffix(" (exit 2)"), h
         r = opsctl(hosts, "history", "local", "r")
-        assert "refused (dflash: refusing to resume: " in r.stdout, r.stdout
+        assert "refused (refusing to resume: " in r.stdout, r.stdout
         r = opsctl(hosts, "status", "local", "r")
         assert "refused" in r.stdout and "crashed" not in r.stdout, r.stdout
     finally:
