@@ -189,3 +189,25 @@ def test_regional_inductor_run_saves_artifacts_its_resume_loads_and_hits(tmp_pat
     assert counts["fxgraph_hit"] >= 2 and counts["fxgraph_miss"] == 0, counts
     assert counts["aotautograd_hit"] >= 2 and counts["aotautograd_miss"] == 0, counts
     assert re.search(r"first compiled step: [\d.]+ s \(warm start used", r.stdout)
+
+
+def test_step_phases_cpu_smoke_measures_the_regional_first_step_and_its_split(tmp_path: Path) -> None:
+    """bench/step_phases.py --compile-scope regional (what the GPU session runs at the 27B-like shape) end to end
+    on this CPU: the report names the scope, splits the first step into target / drafter / optimizer, and the
+    timed steps after warm-up compile nothing."""
+    import json
+
+    cfg = tiny_run_yaml(drafter={"num_layers": 3, "mask_token_id": 511},
+                        train={"compile": "true", "compile_backend": "aot_eager"})
+    cfg["target"]["tap_layers"] = [1, 2]
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "step_phases.py"), str(path), "--cpu-smoke",
+                          "--steps", "3", "--warmup", "1", "--profile-steps", "0", "--compile-scope", "regional"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["compile_scope"] == "regional" and report["recompiles_after_warmup"] == 0
+    split = report["first_step_split_s"]
+    assert set(split) == {"target", "drafter", "optimizer"} and split["drafter"] > 0
+    assert re.search(r"first step \(compiles\) [\d.]+ s: target forward [\d.]+ s .* scope regional", out.stdout)
