@@ -16,7 +16,10 @@ Reported per launch: `first_step_s` (the first step's own wall time, compile inc
 launch -> first step (process start to that event, wall clock: imports, data, target load and compile), torch's
 cache hit/miss counters and the warm-start line; then medians and ratios against `cold`; raw JSON last.
 `--work DIR` keeps the primed run between invocations (on a device with a per-command time limit: prime and some
-scenarios in one call, the rest in the next). A benchmark, not a test: numbers vary with load.
+scenarios in one call, the rest in the next). `--compile-scope whole|regional` and `--drafter-layers N` set
+train.compile_scope and drafter.num_layers of the primed run (issue 24: what the regional compile saves, and how
+that grows with the depth); `--steady-steps N` adds a warm N-step run and its median step time. A benchmark, not a
+test: numbers vary with load.
 """
 
 from __future__ import annotations
