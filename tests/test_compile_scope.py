@@ -8,10 +8,12 @@ tests/test_warm_start.py does for the whole-step compile.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 import yaml
 from dflash_fixtures import run_config, tiny_run_yaml
 
@@ -211,3 +214,34 @@ def test_step_phases_cpu_smoke_measures_the_regional_first_step_and_its_split(tm
     split = report["first_step_split_s"]
     assert set(split) == {"target", "drafter", "optimizer"} and split["drafter"] > 0
     assert re.search(r"first step \(compiles\) [\d.]+ s: target forward [\d.]+ s .* scope regional", out.stdout)
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str, result: str, scope: str | None) -> None:
+    """One of `world` colocated drafter ranks (DDP over gloo), as tests/test_pipeline.py runs them."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    sys.path.insert(0, str(Path(__file__).parent))
+    torch.set_num_threads(1)
+    res = train(_cfg(scope, layers=2, steps=3), out)
+    steps = [e for e in read_events(Path(out) / "events.jsonl") if e["kind"] == "step"] if rank == 0 else []
+    Path(f"{result}.{rank}").write_text(json.dumps({"losses": res.losses, "code": res.exit_code,
+                                                    "recompiles": [e["recompiles"] for e in steps]}))
+    os._exit(0)  # as `dflash train` leaves a multi-rank run
+
+
+def test_regional_compile_under_ddp_gives_the_eager_ddp_losses(tmp_path: Path) -> None:
+    """Two drafter ranks (DDP wraps the drafter; the regional units are compiled inside it): the losses of the
+    uncompiled DDP run, and no recompile after the first step."""
+    runs = {}
+    for name, scope in (("eager", None), ("regional", "regional")):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        mp.start_processes(_ddp_worker, args=(2, port, str(tmp_path / name), str(tmp_path / name), scope),
+                           nprocs=2, join=True, start_method="spawn")
+        runs[name] = [json.loads((tmp_path / f"{name}.{r}").read_text()) for r in range(2)]
+    assert [r["code"] for rs in runs.values() for r in rs] == [0] * 4
+    eager, regional = runs["eager"], runs["regional"]
+    assert regional[0]["losses"] == regional[1]["losses"] and len(regional[0]["losses"]) == 3
+    assert regional[0]["losses"] == pytest.approx(eager[0]["losses"], rel=1e-5, abs=1e-6)
+    assert regional[0]["recompiles"] == [0, 0, 0]
