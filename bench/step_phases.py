@@ -65,7 +65,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the config's target and drafter, run warm-up + timed steps, report every phase."""
     from dflash.kernels import FlexWarningWatch, dynamo_counts, recompile_limit_hits
     from dflash.memory import apply_auto_checkpoint
-    from dflash.model import DFlashDrafter, sample_anchors
+    from dflash.model import DFlashDrafter, compile_step_model, sample_anchors
     from dflash.target import Target
 
     dev = benchlib.require_cuda("bench/step_phases.py", "; --dry-run prints the FLOPs model without one",
@@ -100,12 +100,16 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     t = cfg.train
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
     compiled = t.compile in ("auto", "true")
-    step_model = torch.compile(drafter, backend=t.compile_backend) if compiled else drafter
+    if args.compile_scope is not None:
+        t.compile_scope = args.compile_scope
+    # as dflash train does: the whole step, or one layer and one CE chunk compiled once (train.compile_scope)
+    step_model = compile_step_model(drafter, drafter, t.compile_scope, t.compile_backend) if compiled else drafter
     gen = torch.Generator(device=device).manual_seed(t.seed)
     n = cfg.data.token_budget
     per_step: list[dict[str, Any]] = []
     fallbacks: list[str] = []
     frames_warm = hits_warm = 0
+    first_split: dict[str, float] = {}
     rf = torch.profiler.record_function
 
     def one_step(i: int, pieces: Any) -> dict[str, Any]:
@@ -152,7 +156,14 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         rec = one_step(i, pieces)
         per_step.append(rec)
         if i == 0:
-            print(f"first step (compiles) {rec['wall_s']:.1f} s", flush=True)
+            dev.sync()
+            split = {k: round(rec["ev"].ms(a, b) / 1e3, 1) for k, (a, b) in {
+                "target": ("start", "target"), "drafter": ("target", "drafter"),
+                "optimizer": ("drafter", "optimizer")}.items()}
+            first_split = split
+            print(f"first step (compiles) {rec['wall_s']:.1f} s: target forward {split['target']} s (its kernels' "
+                  f"first calls), drafter fwd+bwd {split['drafter']} s (the compile, scope "
+                  f"{t.compile_scope if compiled else 'off'}), optimizer {split['optimizer']} s", flush=True)
     profile: dict[str, Any] | None = None
     if args.profile_steps:
         dev.sync()
@@ -216,7 +227,8 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": args.config, "device": dev.name(), "torch": torch.__version__,
         "bf16_matmul_tflops": round(peak, 1), "steps_timed": len(timed), "warmup": args.warmup,
-        "first_step_s": round(per_step[0]["wall_s"], 1), "real_tokens_per_step": round(mean_fl["tokens"]),
+        "first_step_s": round(per_step[0]["wall_s"], 1), "first_step_split_s": first_split,
+        "compile_scope": t.compile_scope if compiled else None, "real_tokens_per_step": round(mean_fl["tokens"]),
         "target": {"layers_run": max(taps) + 1, "of": target.num_layers, "vocab": vocab, "packing": target.packing,
                    "attention": target.attention, "fixed_shape": args.fixed_shape,
                    "cuda_graph": {"setting": cfg.target.cuda_graph, "active": g is not None,
@@ -300,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-steps", type=int, default=2,
                    help="extra steps under torch.profiler: GPU kernel time per phase against its event time, i.e. how "
                         "much of a phase the GPU sat waiting for the host (default 2; 0 = off)")
+    p.add_argument("--compile-scope", choices=("whole", "regional"),
+                   help="override train.compile_scope: compile the whole drafter step, or one layer and one CE chunk "
+                        "reused by all (issue 24: the cold first step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="print the FLOPs model of a step; needs no GPU")
     p.add_argument("--cpu-smoke", action="store_true",

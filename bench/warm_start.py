@@ -16,7 +16,10 @@ Reported per launch: `first_step_s` (the first step's own wall time, compile inc
 launch -> first step (process start to that event, wall clock: imports, data, target load and compile), torch's
 cache hit/miss counters and the warm-start line; then medians and ratios against `cold`; raw JSON last.
 `--work DIR` keeps the primed run between invocations (on a device with a per-command time limit: prime and some
-scenarios in one call, the rest in the next). A benchmark, not a test: numbers vary with load.
+scenarios in one call, the rest in the next). `--compile-scope whole|regional` and `--drafter-layers N` set
+train.compile_scope and drafter.num_layers of the primed run (issue 24: what the regional compile saves, and how
+that grows with the depth); `--steady-steps N` adds a warm N-step run and its median step time. A benchmark, not a
+test: numbers vary with load.
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ class Work:
         return (self.primed_artifacts / "artifacts.json").is_file() and (self.run / "checkpoints").is_dir()
 
 
-def write_config(work: Work, config: Path, compile_mode: str) -> None:
+def write_config(work: Work, config: Path, compile_mode: str, scope: str | None = None,
+                 layers: int | None = None) -> None:
     cfg = yaml.safe_load(config.read_text())
     # The copy lives in the work dir: paths the original meant next to itself are made absolute (dflash's rule).
     data, target = cfg.get("data") or {}, cfg.get("target") or {}
@@ -84,6 +88,14 @@ def write_config(work: Work, config: Path, compile_mode: str) -> None:
     train = cfg.setdefault("train", {})
     # keep_last 2: a scenario that writes step-2 before its kill lands must not delete the primed step-1.
     train.update(compile=compile_mode, log_every=1, checkpoint_every=0, keep_last=2)
+    if scope is not None:
+        train["compile_scope"] = scope
+    if layers is not None:  # a deeper (or shallower) drafter: sliding windows keep the config's first and last
+        drafter = cfg.setdefault("drafter", {})
+        drafter["num_layers"] = layers
+        windows = drafter.get("layer_sliding_windows")
+        if isinstance(windows, list) and windows:
+            drafter["layer_sliding_windows"] = [windows[0]] * (layers - 1) + [windows[-1]]
     work.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
@@ -105,17 +117,19 @@ def events_from(path: Path, offset: int) -> list[dict[str, Any]]:
 
 
 def launch(work: Work, name: str, cache: Path, extra: list[str], kill_at_first_step: bool,
-           timeout: float) -> dict[str, Any]:
-    """One `dflash train` process; its first step's figures from the events it wrote after it started."""
+           timeout: float, out: Path | None = None) -> dict[str, Any]:
+    """One `dflash train` process; its first step's figures from the events it wrote after it started (and,
+    when it is not killed there, the step times of every later step)."""
+    out = out if out is not None else work.run
     env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
     env.update(PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"))
     log = work.logs / f"{name}.log"
-    events = work.run / "events.jsonl"
+    events = out / "events.jsonl"
     offset = events.stat().st_size if events.exists() else 0
     t_launch = time.time()
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(work.config), "--out",
-                                 str(work.run), *extra], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                 str(out), *extra], cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     step: dict[str, Any] | None = None
     compiling: dict[str, Any] | None = None
@@ -141,7 +155,8 @@ def launch(work: Work, name: str, cache: Path, extra: list[str], kill_at_first_s
         tail = log.read_text(errors="replace")[-3000:]
         raise SystemExit(f"{name}: no step event (exit {proc.returncode}); log {log}:\n{tail}")
     warm = (compiling or {}).get("warm_start") or {}
-    return {"first_step_s": step.get("first_step_s", step["step_time_s"]), "to_first_step_s":
+    later = [e["step_time_s"] for e in events_from(events, offset) if e["kind"] == "step"][1:]
+    return {"later_step_s": later, "first_step_s": step.get("first_step_s", step["step_time_s"]), "to_first_step_s":
             round(step["ts"] - t_launch, 2), "compile_cache": step.get("compile_cache"),
             "warm_start": warm.get("reason"), "exit_code": rc, "log": str(log)}
 
@@ -179,6 +194,23 @@ def scenario(work: Work, name: str, i: int, timeout: float) -> dict[str, Any]:
         work.remove(cache)
 
 
+def steady(work: Work, steps: int, timeout: float) -> dict[str, Any]:
+    """Steady-state step time: a fresh run of `steps` steps in its own dir on a copy of the primed cache (so its
+    first step is warm); the median of its steps after the first (step_time_s: data wait, forward, backward,
+    optimizer)."""
+    cache, out = work.root / "inductor-steady", work.root / "steady-run"
+    for p in (cache, out):
+        work.remove(p)
+    shutil.copytree(work.primed_cache, cache, ignore=shutil.ignore_patterns("locks"))
+    try:
+        res = launch(work, "steady", cache, ["--fresh", "--max-steps", str(steps)], False, timeout, out)
+    finally:
+        work.remove(cache)
+    later = res["later_step_s"]
+    res["median_step_s"] = statistics.median(later) if later else None
+    return res
+
+
 def line(name: str, res: dict[str, Any]) -> str:
     c = res["compile_cache"] or {}
     counts = (f"fxgraph {c.get('fxgraph_hit')} hit/{c.get('fxgraph_miss')} miss, aot autograd "
@@ -198,6 +230,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the primed run here between invocations (default: a temp dir, deleted)")
     p.add_argument("--reprime", action="store_true", help="with --work: prime again even if primed")
     p.add_argument("--compile", default="true", choices=["true", "auto"], help="train.compile for the run")
+    p.add_argument("--compile-scope", choices=["whole", "regional"], default=None,
+                   help="train.compile_scope for the run (default: the config's): the whole drafter step, or one "
+                        "layer and one CE chunk compiled once and reused (a fresh --work, or --reprime, to change)")
+    p.add_argument("--drafter-layers", type=int, default=None,
+                   help="override drafter.num_layers (a deeper drafter shows what the compile scope saves)")
+    p.add_argument("--steady-steps", type=int, default=0,
+                   help="also run a fresh N-step run on the primed (warm) cache and report its median step time "
+                        "after the first (steady state; default 0 = off)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch to its first step")
     p.add_argument("--json-out", type=Path, default=None, help="also write the raw JSON here")
     args = p.parse_args(argv)
@@ -215,17 +255,29 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, Any]]] = {}
     try:
         if args.reprime or not work.primed:
-            write_config(work, args.config.resolve(), args.compile)
+            write_config(work, args.config.resolve(), args.compile, args.compile_scope, args.drafter_layers)
             print(f"priming: fresh 1-step run of {args.config} in {work.run} (cold compile)", flush=True)
             results["fresh"] = [prime(work, args.timeout)]
             print(line("fresh", results["fresh"][0]), flush=True)
         else:
+            primed_cfg = yaml.safe_load(work.config.read_text())
+            for flag, got, want in (
+                    ("--compile-scope", (primed_cfg.get("train") or {}).get("compile_scope"), args.compile_scope),
+                    ("--drafter-layers", (primed_cfg.get("drafter") or {}).get("num_layers"), args.drafter_layers)):
+                if want is not None and got != want:
+                    raise SystemExit(f"{work.run} was primed with {flag} {got}, not {want}: add --reprime, or "
+                                     f"another --work")
             print(f"already primed: {work.run} (--reprime to start over)", flush=True)
         for name in names:
             for i in range(args.repeats):
                 res = scenario(work, name, i + 1, args.timeout)
                 results.setdefault(name, []).append(res)
                 print(line(f"{name} {i + 1}", res), flush=True)
+        if args.steady_steps > 1:
+            res = steady(work, args.steady_steps, args.timeout)
+            results["steady"] = [res]
+            print(f"steady       {len(res['later_step_s'])} steps after a warm first step: median "
+                  f"{res['median_step_s']:.3f} s/step (first {res['first_step_s']:.2f} s)", flush=True)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -236,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"  = {med[k] / med[base]:.2f}x {base}'s first step" if base and med[base] > 0 else ""
         print(f"{k:10} median first step {med[k]:8.2f} s, launch -> first step {med_launch[k]:8.2f} s{ratio}")
     raw = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": str(args.config),
+           "compile_scope": args.compile_scope, "drafter_layers": args.drafter_layers,
            "python": platform.python_version(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
            "results": results}
     print(json.dumps(raw))

@@ -195,6 +195,9 @@ class TrainConfig(_Section):
     log_every: int = 1
     compile: str = "auto"  # auto (GPU only) | true | false
     compile_backend: str = "inductor"  # torch.compile backend ("eager"/"aot_eager" check tracing without codegen)
+    # What train.compile compiles: the whole drafter step, or its repeated units (one decoder layer, one CE chunk)
+    # once each, reused by every layer: a cold first step that does not grow with the depth (docs/warm-start.md).
+    compile_scope: str = "whole"
     # The drafter's exact serving tau on a held-out set (the `eval` event, docs/events.md): every this many steps and
     # at the end; None = at every checkpoint (checkpoint_every), 0 = off.
     eval_every: int | None = None
@@ -216,6 +219,7 @@ class TrainConfig(_Section):
         return str(v).lower() if isinstance(v, bool) else v  # YAML reads `compile: true` as a bool
 
     _compile = _v(_one_of("auto", "true", "false"), "compile")
+    _compile_scope = _v(_one_of("whole", "regional"), "compile_scope")
 
     @field_validator("warmup_frac")
     @classmethod

@@ -345,6 +345,68 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def layer_step(
+    layer: nn.Module,
+    x: Tensor,
+    ctx: Tensor,
+    rope_q: tuple[Tensor, Tensor],
+    rope_kv: tuple[Tensor, Tensor],
+    attend: Callable[[Tensor, Tensor, Tensor], Tensor],
+    recompute: bool,
+) -> Tensor:
+    """One decoder layer, its forward recomputed in backward when `recompute` (grad checkpointing).
+
+    The unit that train.compile_scope regional compiles once and reuses for every layer: the layer is an argument,
+    so its parameters are graph inputs (dynamo's inline_inbuilt_nn_modules, on by default since torch 2.5), not
+    constants guarded by identity; `attend` is a closure that dynamo guards by its code and its cells' shapes (the
+    mask, or flex's BlockMask), which are the same for every layer and every step. Only `recompute` takes part in
+    the guards as a value: at most two graphs (checkpointed layers, the others).
+    """
+    if recompute:
+        return checkpoint(layer, x, ctx, rope_q, rope_kv, attend, use_reentrant=False)
+    return layer(x, ctx, rope_q, rope_kv, attend)
+
+
+@dataclass
+class Regions:
+    """The compiled repeated units of a drafter step (train.compile_scope regional), each compiled once."""
+
+    layer: Callable[..., Tensor]  # layer_step
+    ce: Callable[..., tuple[Tensor, Tensor]]  # ce_step
+
+
+COMPILE_SCOPES = ("whole", "regional")
+
+
+def compile_regions(drafter: DFlashDrafter, backend: str = "inductor") -> Regions:
+    """Compile the drafter's repeated units instead of the whole step (train.compile_scope regional).
+
+    A whole-step compile traces every layer into one graph, so inductor generates, compiles and autotunes each
+    layer's kernels again (the same kernels, num_layers times, forward, backward and recompute); the cold first
+    step grows with the depth. Compiling `layer_step` once serves every layer (same code object, guards on shapes,
+    parameters as inputs), and `ce_step` once serves every CE chunk (a last, shorter chunk adds one graph). What is
+    left eager is small: the context projection, embeddings, RoPE tables, anchors, masks and labels. Each unit has
+    its own recompile budget (isolated_compile), static shapes (the buffer's shape is fixed for a run), and lands in
+    the FX graph / AOT autograd caches, so the mega-cache warm start (dflash/compile_cache.py) covers it.
+    """
+    regions = Regions(isolated_compile(layer_step, backend=backend, dynamic=False),
+                      isolated_compile(ce_step, backend=backend, dynamic=False))
+    drafter.regions = regions
+    return regions
+
+
+def compile_step_model(model: nn.Module, drafter: DFlashDrafter, scope: str, backend: str) -> nn.Module:
+    """What the trainer calls for a step under train.compile (true): the whole model compiled (`whole`), or the
+    model itself with the drafter's repeated units compiled (`regional`). `model` is the drafter or its DDP wrapper."""
+    if scope == "regional":
+        compile_regions(drafter, backend)
+        return model
+    if scope != "whole":
+        raise ValueError(f"train.compile_scope must be one of {', '.join(COMPILE_SCOPES)}; got {scope!r}")
+    drafter.regions = None
+    return torch.compile(model, backend=backend)  # type: ignore[return-value]
+
+
 # ----------------------------------------------------------------------------- the drafter
 
 
@@ -388,6 +450,9 @@ class DFlashDrafter(nn.Module):
         # torch.compile backend of the flex kernels: inductor in training; "eager" lets CPU tests run the compiled
         # path's guards and caches without code generation.
         self.flex_compile_backend = "inductor"
+        # train.compile_scope regional: the compiled layer and CE chunk (compile_regions); None runs them eagerly
+        # (or inside the whole-model compile).
+        self.regions: Regions | None = None
 
     def position_weight(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
         """[B] loss weight per block position: 0 for position 0 (the anchor itself), exp(-(k-1)/gamma) for k >= 1.
@@ -397,6 +462,11 @@ class DFlashDrafter(nn.Module):
         k = torch.arange(self.cfg.block_size, dtype=torch.float64, device=device)
         w = torch.where(k >= 1, torch.exp(-(k - 1) / self.cfg.loss_gamma), torch.zeros_like(k))
         return w.to(dtype)
+
+    def _regional(self) -> Regions | None:
+        """The compiled units, for a training step only: evaluation (no grad, other shapes) stays eager, as it is
+        under a whole-model compile, instead of compiling new graphs against the training step's recompile budget."""
+        return self.regions if self.regions is not None and self.training and torch.is_grad_enabled() else None
 
     # -- attention backends: both return [heads, M, hd] from q [heads, M, hd], k/v [kv_heads, N+M, hd]
     def _dense_attend(self, mask: Tensor) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
@@ -415,7 +485,7 @@ class DFlashDrafter(nn.Module):
         """
         from torch.nn.attention.flex_attention import flex_attention
 
-        nested = torch.compiler.is_compiling()
+        nested = torch.compiler.is_compiling() or self._regional() is not None  # traced by the compiled layer
         fn = compiled_flex_attention(shape) if shape is not None and not nested else flex_attention
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -466,11 +536,11 @@ class DFlashDrafter(nn.Module):
         rope_q = rope_cos_sin(block_pos, self.head_dim, cfg.rope_theta, x.dtype)
         rope_kv = rope_cos_sin(torch.cat([pos, block_pos]), self.head_dim, cfg.rope_theta, x.dtype)
 
+        regions = self._regional()
+        run = regions.layer if regions is not None else layer_step
         for i, (layer, attend) in enumerate(zip(self.layers, self._attenders(anchors, docs, m), strict=True)):
-            if i < self.checkpoint_layers and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, ctx, rope_q, rope_kv, attend, use_reentrant=False)
-            else:
-                x = layer(x, ctx, rope_q, rope_kv, attend)
+            recompute = i < self.checkpoint_layers and self.training and torch.is_grad_enabled()
+            x = run(layer, x, ctx, rope_q, rope_kv, attend, recompute)
         return self.norm(x)
 
     def forward(
@@ -511,7 +581,9 @@ class DFlashDrafter(nn.Module):
         labels = ids[tgt_c].reshape(m)
         wdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         weights = (self.position_weight(ids.device, wdtype)[None, :] * valid).reshape(m)
-        loss_sum, correct = chunked_cross_entropy(x, lm_head, labels, weights, cfg.ce_chunk)
+        regions = self._regional()
+        loss_sum, correct = chunked_cross_entropy(x, lm_head, labels, weights, cfg.ce_chunk,
+                                                  regions.ce if regions is not None else None)
         weight_sum = weights.sum()
         loss = loss_sum / weight_sum.clamp(min=1e-12)
         valid_f = valid.to(wdtype)
@@ -521,23 +593,32 @@ class DFlashDrafter(nn.Module):
 
 
 def chunked_cross_entropy(
-    hidden: Tensor, lm_head: nn.Linear, labels: Tensor, weights: Tensor, chunk: int
+    hidden: Tensor, lm_head: nn.Linear, labels: Tensor, weights: Tensor, chunk: int,
+    run_chunk: Callable[..., tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """sum(weights * CE(lm_head(hidden), labels)) and per-row top-1 correctness, `chunk` rows of logits at a time.
 
     Each chunk runs under non-reentrant checkpointing, so autograd keeps only the chunk's inputs: its fp32 logits
     ([chunk, V]) are freed at once and recomputed in backward, one chunk at a time. Shapes depend only on the config.
+    `run_chunk` is ce_step compiled on its own (train.compile_scope regional); None runs ce_step as it is.
     """
     total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     correct_parts = []
+    step = run_chunk if run_chunk is not None else ce_step
     for start in range(0, hidden.shape[0], chunk):
         sl = slice(start, start + chunk)
-        part_loss, part_correct = checkpoint(
-            _ce_chunk, hidden[sl], lm_head.weight, lm_head.bias, labels[sl], weights[sl], use_reentrant=False
-        )
+        part_loss, part_correct = step(hidden[sl], lm_head.weight, lm_head.bias, labels[sl], weights[sl])
         total = total + part_loss
         correct_parts.append(part_correct)
     return total, torch.cat(correct_parts)
+
+
+def ce_step(
+    h: Tensor, head_weight: Tensor, head_bias: Tensor | None, labels: Tensor, weights: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One chunk of chunked_cross_entropy, its logits recomputed in backward (the unit compiled once, per chunk
+    shape, by compile_regions)."""
+    return checkpoint(_ce_chunk, h, head_weight, head_bias, labels, weights, use_reentrant=False)
 
 
 def _ce_chunk(
@@ -559,6 +640,8 @@ __all__ = [
     "anchor_candidates",
     "block_attention_rule",
     "chunked_cross_entropy",
+    "compile_regions",
+    "compile_step_model",
     "dense_mask",
     "flex_kernels",
     "flex_mask_mod",

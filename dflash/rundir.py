@@ -100,7 +100,7 @@ RESUME_FIXED = {
 }
 # section -> True: every field must match unless in RESUME_FREE; False: only the RESUME_FIXED ones.
 # train.max_steps/epochs (the run's length: --max-steps already extends a resumed run), checkpoint_every, keep_last,
-# final_save_wait_s, heartbeat_s, log_every, compile, compile_backend are free; dist is free (the number of drafter
+# final_save_wait_s, heartbeat_s, log_every, compile, compile_backend, compile_scope are free; dist is free (the number of drafter
 # ranks is checked against the checkpoint's feeds in select_start).
 RESUME_SECTIONS = {"drafter": True, "target": True, "data": True, "train": False, "dist": False}
 

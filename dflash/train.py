@@ -30,7 +30,7 @@ from dflash.config import ConfigError, RunConfig, check_mask_token_id, check_run
 from dflash.data import DataError, Document, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
 from dflash.memory import apply_auto_checkpoint
-from dflash.model import DFlashDrafter, resolve_attention
+from dflash.model import DFlashDrafter, compile_step_model, resolve_attention
 from dflash.pipeline import (
     Feeder,
     RemoteSource,
@@ -602,12 +602,14 @@ class Trainer:
         self.warm: compile_cache.WarmStart | None = None
         if self.compile_on:
             self._warm_start()
-        self.step_model = torch.compile(self.model, backend=t.compile_backend) if self.compile_on else self.model
+        self.step_model = (compile_step_model(self.model, self.drafter, t.compile_scope, t.compile_backend)
+                           if self.compile_on else self.model)
         if self.compile_on:
             assert self.warm is not None
             self.phase("compiling", detail="the first step compiles the drafter", warm_start=self.warm.event())
         self.log.info("drafter: %d params, attention %s, compile %s (setup %.1fs)",
-                      sum(p.numel() for p in self.params), self.drafter.attention_backend, self.compile_on,
+                      sum(p.numel() for p in self.params), self.drafter.attention_backend,
+                      f"{self.compile_on} ({t.compile_scope})" if self.compile_on else self.compile_on,
                       time.perf_counter() - self.t_start)
 
     def _warm_start(self) -> None:
@@ -621,6 +623,8 @@ class Trainer:
                  "target": {"hidden_size": info.hidden_size, "taps": len(info.tap_layers), "dtype": str(info.dtype),
                             "vocab_size": info.vocab_size},
                  "drafter_ranks": len(self.roles.drafters), "autocast": self.device.type == "cuda"}
+        if self.cfg.train.compile_scope != "whole":  # only then: the keys of artifacts saved before it stay valid
+            graph["compile_scope"] = self.cfg.train.compile_scope
         self.artifact_key = compile_cache.artifact_key(self.device, graph)
         self.warm = compile_cache.load(self.run_dir.out, self.artifact_key, caches)
         self.log.info("warm start %s: %s", "used" if self.warm.used else "not used", self.warm.reason)

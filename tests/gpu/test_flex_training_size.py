@@ -13,7 +13,8 @@ import copy
 import pytest
 import torch
 
-from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig, sample_anchors
+from dflash.kernels import dynamo_counts
+from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig, compile_regions, sample_anchors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -51,8 +52,11 @@ def _grads(d: torch.nn.Module, batch: DraftBatch, emb: torch.nn.Module, head: to
     return out.loss.item(), {k.removeprefix("_orig_mod."): p.grad.detach().clone() for k, p in d.named_parameters()}
 
 
-@pytest.mark.parametrize("compiled_step", [False, True], ids=["flex-module", "whole-step-compiled"])
-def test_flex_gradients_equal_dense_at_the_bench_training_shape(compiled_step: bool) -> None:
+@pytest.mark.parametrize("compiled_step", [False, True, "regional"],
+                         ids=["flex-module", "whole-step-compiled", "regional-compiled"])
+def test_flex_gradients_equal_dense_at_the_bench_training_shape(compiled_step: bool | str) -> None:
+    """regional-compiled: train.compile_scope regional (one layer and one CE chunk compiled, flex traced inside
+    the layer); the second buffer must also compile nothing new."""
     torch.manual_seed(0)
     cfg = DrafterConfig(num_layers=2, num_heads=16, num_kv_heads=4, block_size=BLOCK, num_anchors=ANCHORS,
                         mask_token_id=VOCAB - 1, attention="dense")
@@ -61,7 +65,12 @@ def test_flex_gradients_equal_dense_at_the_bench_training_shape(compiled_step: b
     flex.attention_backend = "flex-compiled"
     emb = torch.nn.Embedding(VOCAB, HIDDEN).to(DEV, torch.bfloat16).requires_grad_(False)
     head = torch.nn.Linear(HIDDEN, VOCAB, bias=False).to(DEV, torch.bfloat16).requires_grad_(False)
-    runner = torch.compile(flex) if compiled_step else flex
+    if compiled_step == "regional":
+        compile_regions(flex)
+        runner: torch.nn.Module = flex
+    else:
+        runner = torch.compile(flex) if compiled_step else flex
+    frames = []
     for seed in (1, 2):  # the second buffer runs the already compiled kernels with new anchors
         batch = _buffer(seed)
         anchors, keep = sample_anchors(batch, ANCHORS, BLOCK, torch.Generator(device=DEV).manual_seed(seed))
@@ -72,3 +81,6 @@ def test_flex_gradients_equal_dense_at_the_bench_training_shape(compiled_step: b
         print(f"buffer {seed}: loss flex {loss_f:.5f} dense {loss_d:.5f}; worst grads {worst}")
         assert abs(loss_f - loss_d) / abs(loss_d) < 2e-2
         assert worst[0][1] < 5e-2, f"flex gradients differ from the dense rule's: {worst}"
+        frames.append(dynamo_counts()["frames"])
+    if compiled_step:
+        assert frames[1] == frames[0], f"recompiled on the second buffer: frames {frames}"
