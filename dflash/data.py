@@ -308,13 +308,31 @@ class TokenizerAdapter:
             out.update(int(vocab[t]) for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>") if t in vocab)
         return sorted(out)
 
-    def chat_prompt(self, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The ids of a conversation up to and including the assistant's turn header: what a reply continues."""
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The ids of a conversation up to and including the assistant's turn header: what a reply continues.
+
+        Rendered as encode_chat renders the context of a reply that ends the chat (the same tools, tool calls in the
+        same form, and under data.thinking: drop the template's non-thinking prompt, Qwen3's enable_thinking=False),
+        so what `dflash regen` and `dflash eval` send the target is what training puts before that reply."""
         if self._tiny is not None:
             ids, _ = self.encode_chat(messages, tools) if messages else ([], [])
             return [*ids, int(self._tiny.token_to_id(ROLE_TOKENS["assistant"]))]
-        messages, tools = self._with_tools(messages, tools)
-        return self._render(messages, generation_prompt=True, tools=tools)
+        messages, tools = self._with_tools(self._template_messages(messages), tools)
+        prompt = self._render(messages, generation_prompt=True, tools=tools)
+        if self.thinking == "drop":  # the same choice as _encode_chat_prefixes makes for a turn that ends the chat
+            quiet = self._render(messages, generation_prompt=True, tools=tools, enable_thinking=False)
+            if quiet != prompt and quiet[: len(prev := self._render(messages, False, tools))] == prev:
+                prompt = quiet
+        return prompt
+
+    def thinking_switch_renders(self) -> bool:
+        """Whether data.thinking: drop makes this tokenizer's generation prompts unlike its default ones (Qwen3's end
+        with an empty think block): the one case where the setting changes a prompt that holds no thinking, so
+        regen's and the held-out set's cache keys name it then only (and keep their old key otherwise)."""
+        if self._hf is None or self.thinking != "drop":
+            return False
+        probe = [{"role": "user", "content": "dflash probe question"}]
+        return self.chat_prompt(probe) != self._render(probe, generation_prompt=True)
 
     def save(self, directory: Path) -> dict[str, Any]:
         """Write this tokenizer into `directory` (the tiny BPE as tokenizer.json; an HF one: its own files) and return

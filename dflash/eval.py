@@ -216,7 +216,8 @@ def resolve_pretrained(cfg: RunConfig, docs: Sequence[Document] | None) -> RunCo
 
 
 def load_tokenizer_for(loaded: Loaded, target_dir: str | None, docs: Sequence[Document] | None) -> TokenizerAdapter:
-    """The run's tokenizer (its HF directory, or the tiny BPE cached in the run), else the target directory's."""
+    """The run's tokenizer (its HF directory, or the tiny BPE cached in the run), else the target directory's; it
+    renders chats with the run's data.thinking, as training did (`keep` without a run config)."""
     from dflash.data import load_tokenizer
 
     cfg = loaded.cfg
@@ -232,7 +233,8 @@ def load_tokenizer_for(loaded: Loaded, target_dir: str | None, docs: Sequence[Do
     from transformers import AutoTokenizer
 
     try:
-        return TokenizerAdapter(hf=AutoTokenizer.from_pretrained(str(where)), source=str(where))
+        return TokenizerAdapter(hf=AutoTokenizer.from_pretrained(str(where)), source=str(where),
+                                thinking=cfg.data.thinking if cfg is not None else "keep")
     except (OSError, ValueError) as exc:
         raise EvalError(f"{where}: cannot load a tokenizer ({exc})") from None
 
@@ -309,8 +311,9 @@ def heldout_documents_of(cfg: RunConfig, docs: Sequence[Document], tok: Tokenize
 def prompts_from_documents(docs: Sequence[Document], tok: TokenizerAdapter, prompt_tokens: int, max_len: int,
                            num: int) -> list[list[int]]:
     """Prompts cut like training pieces: the first `prompt_tokens` tokens of consecutive max_len pieces, one piece of
-    each document in turn (so the prompts spread over documents); chats: everything before the first assistant turn.
-    Documents are tokenized only when reached (the held-out stdlib files are many)."""
+    each document in turn (so the prompts spread over documents); chats: everything before the first assistant turn,
+    rendered as training renders that reply's context (the record's tools, data.thinking's switch) and as `dflash
+    regen` renders its prompt. Documents are tokenized only when reached (the held-out stdlib files are many)."""
     pieces: dict[int, list[list[int]]] = {}
 
     def doc_pieces(i: int) -> list[list[int]]:
@@ -321,9 +324,9 @@ def prompts_from_documents(docs: Sequence[Document], tok: TokenizerAdapter, prom
                 pieces[i] = [ids[s:s + prompt_tokens] for s in range(0, len(ids), max_len)
                              if len(ids) - s > prompt_tokens]
             else:
-                ids, mask = tok.encode_chat(d.messages or [])
-                first = next((j for j, m in enumerate(mask) if m), None)
-                pieces[i] = [ids[:first]] if first else []
+                msgs = d.messages or []
+                first = next((j for j, m in enumerate(msgs) if m["role"] == "assistant"), None)
+                pieces[i] = [tok.chat_prompt(msgs[:first], d.tools)] if first else []
         return pieces[i]
 
     out: list[list[int]] = []
@@ -344,9 +347,9 @@ def prompts_from_documents(docs: Sequence[Document], tok: TokenizerAdapter, prom
 
 
 def read_prompts(path: str | Path, tok: TokenizerAdapter) -> list[list[int]]:
-    """`.jsonl` lines with "text" (raw prompt) or "messages" (a chat, rendered up to the assistant's turn), or a text
-    file with one prompt per non-empty line."""
-    from dflash.data import ROLE_TOKENS
+    """`.jsonl` lines with "text" (raw prompt) or "messages" (a chat, with its "tools" if any, rendered up to the
+    assistant's turn as training renders it), or a text file with one prompt per non-empty line."""
+    from dflash import data_formats as fmt
 
     p = Path(path)
     try:
@@ -367,12 +370,12 @@ def read_prompts(path: str | Path, tok: TokenizerAdapter) -> list[list[int]]:
         if isinstance(obj, dict) and isinstance(obj.get("text"), str):
             out.append(tok.encode(obj["text"]))
         elif isinstance(obj, dict) and isinstance(obj.get("messages"), list):
-            msgs = obj["messages"]
-            if tok._hf is not None:
-                out.append(tok._render(msgs, generation_prompt=True))
-            else:
-                ids, _ = tok.encode_chat(msgs)
-                out.append([*ids, tok.encode(ROLE_TOKENS["assistant"])[0]])
+            try:
+                msgs = fmt.parse_turns(obj["messages"], "messages", tok.thinking)
+                tools = fmt.parse_tools(obj.get("tools"))
+            except fmt.RecordError as exc:
+                raise EvalError(f"{p}:{n}: {exc}") from None
+            out.append(tok.chat_prompt(msgs, tools))
         else:
             raise EvalError(f"{p}:{n}: expected an object with a 'text' string or a 'messages' list")
     if not out or any(not ids for ids in out):

@@ -151,6 +151,7 @@ def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps
     from dflash.data import corpus_fingerprint, read_documents
     from dflash.eval import EvalError, greedy_sequences
     from dflash.pretrain import as_dict
+    from dflash.regen import prompt_rendering
     from dflash.target import Target, use_sdpa_for_decoding
     from dflash.tau import continuation_length, walk
 
@@ -161,6 +162,8 @@ def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps
     if cfg.data.paths:  # held out = never scheduled: finding them tokenizes the corpus and builds its schedule
         basis = {"corpus": corpus_fingerprint(docs), "data": as_dict(cfg.data), "seed": cfg.train.seed,
                  "total_steps": total_steps, "drafters": n_drafters}
+        if rendering := prompt_rendering(tok, docs):  # chat prompts as training renders them (tools, thinking)
+            basis["rendering"] = rendering
     else:  # the stdlib files after the embedded corpus's cap: cheap to read, and they differ by Python version
         prompts, desc = heldout_prompts(cfg, tok, settings, total_steps, n_drafters, run_dir, docs)
         basis = {"sha256": _prompts_hash(prompts)}

@@ -71,8 +71,9 @@ def corpus_prompts(docs: Sequence[Document], tok: TokenizerAdapter, prompt_token
 
     Text: the first `prompt_tokens` tokens of every `stride`-token piece (stride = data.max_len, the way training cuts
     pieces) that has text after them; the target continues each. Chat: for each assistant turn, the conversation up
-    to that turn's header (earlier turns as written); the target writes the reply. Token records are skipped (they
-    are already generated).
+    to that turn's header (earlier turns as written), rendered as training renders it (the record's tools, and
+    data.thinking's switch: TokenizerAdapter.chat_prompt); the target writes the reply. Token records are skipped
+    (they are already generated).
     """
     out: list[Prompt] = []
     text_idx = [i for i, d in enumerate(docs) if d.text is not None]
@@ -85,7 +86,27 @@ def corpus_prompts(docs: Sequence[Document], tok: TokenizerAdapter, prompt_token
         elif d.messages is not None:
             for t, m in enumerate(d.messages):
                 if m["role"] == "assistant" and t > 0:
-                    out.append(Prompt(f"{i}:turn{t}", tok.chat_prompt(d.messages[:t])))
+                    out.append(Prompt(f"{i}:turn{t}", tok.chat_prompt(d.messages[:t], d.tools)))
+    return out
+
+
+def prompt_rendering(tok: TokenizerAdapter, docs: Sequence[Document]) -> dict[str, str]:
+    """How chat prompts are rendered, beyond the corpus and the tokenizer's content, where it makes them unlike
+    regen's prompts before it rendered chats as training does (no tools, the template's default thinking mode, tool
+    calls handed to a template that ignores them): named in regen's cache key and manifest, and in the held-out
+    set's key, so records made with the other rendering are never reused, while data it does not change keeps its
+    key (empty for text corpora, and for chats without tools under a template without a thinking switch)."""
+    chats = [d for d in docs if d.messages is not None]
+    out: dict[str, str] = {}
+    if not chats:
+        return out
+    if any(d.tools for d in chats):
+        out["tools"] = "rendered"
+    if tok.thinking_switch_renders():
+        out["thinking"] = tok.thinking
+    if tok._hf is not None and any(m.get("tool_calls") for d in chats for m in d.messages or []) \
+            and not tok._renders_tool_calls():
+        out["tool_calls"] = "text"
     return out
 
 
@@ -223,14 +244,16 @@ def _regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: 
         "target": {"path": cfg.target.path, "arch": None if cfg.target.path else cfg.target.arch,
                    "seed": cfg.target.seed},
         "settings": dataclasses.asdict(s),
+        **({"rendering": r} if (r := prompt_rendering(tok, docs)) else {}),
         "source": {"config": cfg.source, "corpus_fingerprint": corpus_fingerprint(docs),
                    "data": as_dict(cfg.data)},
     }
     old = dst / REGEN_MANIFEST
     if old.is_file():
         on_disk = json.loads(old.read_text())
-        keys = ("format", "tokenizer", "target", "settings")
-        differ = [k for k in keys if on_disk.get(k) != manifest[k]]
+        keys = ("format", "tokenizer", "target", "settings", "rendering")
+        differ = [{"rendering": "chat rendering (tools, data.thinking)"}.get(k, k) for k in keys
+                  if on_disk.get(k) != manifest.get(k)]
         if on_disk.get("source", {}).get("corpus_fingerprint") != manifest["source"]["corpus_fingerprint"]:
             differ.append("corpus")
         if differ:
@@ -334,6 +357,18 @@ def _target_identity(cfg: RunConfig) -> dict[str, Any]:
     return {"family": getattr(cfg.target, "family", None), "arch": cfg.target.arch, "seed": cfg.target.seed}
 
 
+def regen_key_fields(cfg: RunConfig, tok: TokenizerAdapter, docs: Sequence[Document],
+                     settings: RegenSettings) -> dict[str, Any]:
+    """Everything the regenerated records depend on, hashed into their cache entry's name; `rendering` only where
+    prompt_rendering names something (so entries made before it existed keep their name when prompts are unchanged)."""
+    fields: dict[str, Any] = {"format": _FORMAT, "target": _target_identity(cfg), "tokenizer": tok.content_hash,
+                              "corpus": corpus_fingerprint(docs),
+                              "settings": dataclasses.asdict(settings.resolved(cfg.data.max_len))}
+    if rendering := prompt_rendering(tok, docs):
+        fields["rendering"] = rendering
+    return fields
+
+
 def cached_records_problem(out: Path) -> str | None:
     """None when a cached records directory is whole (cache_entry's content record). One of an older dflash (no
     record, but complete.json) is adopted when regen.jsonl holds as many records as complete.json says were made:
@@ -381,9 +416,7 @@ def regenerated_documents(cfg: RunConfig, docs: Sequence[Document], log: Log = p
     root = Path(rc.cache_dir).expanduser() if rc.cache_dir else cache_root(cfg.target.pretrain or TargetPretrainConfig())
     tok_cache = Path(cfg.data.tokenizer_cache) if cfg.data.tokenizer_cache else root / "tokenizer"
     tok = load_tokenizer(cfg.data, docs, tok_cache)
-    blob = json.dumps({"format": _FORMAT, "target": _target_identity(cfg), "tokenizer": tok.content_hash,
-                       "corpus": corpus_fingerprint(docs), "settings": dataclasses.asdict(settings.resolved(
-                           cfg.data.max_len))}, sort_keys=True, default=str)
+    blob = json.dumps(regen_key_fields(cfg, tok, docs, settings), sort_keys=True, default=str)
     out = root / f"regen-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
     complete = out / "complete.json"
     # Two runs started at once on a fresh cache: the second waits for the first's records and then reuses them.
@@ -420,6 +453,6 @@ def _progress(total: int) -> Any:
 
 
 __all__ = [
-    "CUDA_GRID_Y_MAX", "Prompt", "RegenSettings", "corpus_prompts", "cuda_rows_cap", "generate_batch", "regen",
-    "regenerated_documents", "spread",
+    "CUDA_GRID_Y_MAX", "Prompt", "RegenSettings", "corpus_prompts", "cuda_rows_cap", "generate_batch",
+    "prompt_rendering", "regen", "regen_key_fields", "regenerated_documents", "spread",
 ]
