@@ -105,3 +105,13 @@ def test_a_refused_groups_badge_names_the_node_in_the_refused_colour_and_its_rea
     assert badge.plain == " REFUSED (node1) " and str(badge.style) == STATE_STYLES["refused"]
     assert _group_style(info) == "bold red" == _group_style({"state": "crashed"})
     assert group_badge({"state": "training", "node": None}).plain == " TRAINING "
+
+
+def test_watch_once_json_group_object_of_a_refused_node_is_refused_naming_it() -> None:
+    from opsctl.watch import GroupTag, group_infos
+
+    tags = [GroupTag("pair", "r", 0, 2), GroupTag("pair", "r", 1, 2)]
+    info = group_infos(tags, [{"host": "n0", "state": "training", "proc_state": "running"},
+                              {"host": "n1", "state": "refused", "reason": f"{WHY} (exit 2)"}])[0]
+    assert info is not None and (info["state"], info["node"]) == ("refused", 1), info
+    assert info["reason"] == f"node1 n1: {WHY} (exit 2); still running: node0 n0", info
