@@ -3,7 +3,8 @@ the client side of `opsctl watch`: an idle dashboard's CPU and `watch --once --j
 
 Run: `python bench/ops_latency.py [--lines 2000] [--cpu-seconds 30]`; it prints a report and raw numbers (JSON).
 `--only watch` measures the watch figures alone (issue 25 item 11); `--only status` times `status HOST --json` against
-`watch HOST --once --json` over all four runs of the host.
+`watch HOST --once --json` over all four runs of the host; `--only fleet` times `status` with no HOST over five hosts,
+two of them silent (accept, never answer), asked in series (as before) and at once (as now).
 """
 
 from __future__ import annotations
@@ -233,6 +234,63 @@ def host_once_vs_status(hosts: Path, repeats: int) -> dict[str, Any]:
     return out
 
 
+def fleet_status(sshd: Any, base: Path, repeats: int, silent_timeout: float = 3.0) -> dict[str, Any]:
+    """`status` of every host (in this process, so no interpreter start-up): five hosts, each with the four runs of
+    write_hosts, hosts 2 and 4 silent (a port that accepts and never sends a banner, connect_timeout 3 s), asked one
+    after another (the loop `status` had) and at once (HOSTS_PARALLEL). Same rows both ways."""
+    import socket
+
+    import yaml
+
+    mutes = []
+    for _ in range(2):
+        m = socket.socket()
+        m.bind(("127.0.0.1", 0))
+        m.listen(64)  # the kernel accepts; nobody reads or writes
+        mutes.append(m)
+    doc = yaml.safe_load(write_hosts(sshd, base, 10, 0.01).read_text())
+    box = doc["hosts"]["box"]
+    hosts: dict[str, Any] = {}
+    for i in range(5):
+        entry = json.loads(json.dumps(box))
+        if i in (1, 3):
+            entry["ssh"]["port"] = mutes[i // 2].getsockname()[1]
+            entry["ssh"]["connect_timeout"] = silent_timeout
+            entry.pop("pct", None)
+        hosts[f"h{i}"] = entry
+    path = base / "fleet.yaml"
+    path.write_text(yaml.safe_dump({"hosts": hosts}, sort_keys=False))
+    times: dict[str, list[float]] = {"series_s": [], "parallel_s": []}
+    try:
+        for _ in range(repeats):
+            ctx = quiet_ctx(path)
+            inv = ctx.inventory()
+            targets = [(h, list(inv.runs.get(n, {}).values())) for n, h in inv.hosts.items()]
+            t0 = time.perf_counter()
+            series = [r for h, runs in targets for r in commands._host_status(ctx, h, runs, quiet=True)[0]]
+            times["series_s"].append(time.perf_counter() - t0)
+            raw = __import__("io").StringIO()
+            ctx = commands.Ctx(hosts_file=str(path), out=ctx.out, err=ctx.err, raw=raw)
+            t0 = time.perf_counter()
+            rc = commands.cmd_status(ctx, None, None, as_json=True)
+            times["parallel_s"].append(time.perf_counter() - t0)
+            rows = json.loads(raw.getvalue())
+            assert rc == commands.EXIT_TRANSPORT, rc
+            assert [(r["host"], r["run"], r["state"]) for r in rows] == [
+                (r["host"], r["run"], r["state"]) for r in series], (rows, series)
+    finally:
+        for m in mutes:
+            m.close()
+    out: dict[str, Any] = {"repeats": repeats, "hosts": 5, "silent_hosts": 2, "runs_per_host": 4,
+                           "silent_connect_timeout_s": silent_timeout}
+    for key, vals in times.items():
+        out[key] = [round(v, 3) for v in vals]
+        out[key.replace("_s", "_median_s")] = round(statistics.median(vals), 3)
+    print(f"status of 5 hosts (2 silent, connect_timeout {silent_timeout:g} s): in series median "
+          f"{out['series_median_s']:.2f} s; at once median {out['parallel_median_s']:.2f} s")
+    return out
+
+
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
@@ -301,9 +359,10 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.005, help="seconds between lines of the chatty run")
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--cpu-seconds", type=float, default=30)
-    ap.add_argument("--only", choices=("watch", "status"),
+    ap.add_argument("--only", choices=("watch", "status", "fleet"),
                     help="watch: the dashboard's idle CPU and --once --json vs status; status: status --json vs "
-                         "watch --once --json over all runs of a host")
+                         "watch --once --json over all runs of a host; fleet: status of 5 hosts (2 silent) in series "
+                         "and at once")
     ap.add_argument("--watch-seconds", type=float, default=20, help="how long the idle dashboard is measured")
     ap.add_argument("--repeats", type=int, default=5, help="runs of --once --json and status --json each")
     a = ap.parse_args()
@@ -321,6 +380,10 @@ def main() -> int:
         if a.only == "status":
             finished_run(hosts)
             report["host_status"] = host_once_vs_status(hosts, a.repeats)
+            print(json.dumps(report, indent=2))
+            return 0
+        if a.only == "fleet":
+            report["fleet_status"] = fleet_status(sshd, base / "fleet", a.repeats)
             print(json.dumps(report, indent=2))
             return 0
         if a.only == "watch":

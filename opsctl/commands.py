@@ -514,6 +514,46 @@ def _host_status(ctx: Ctx, host: HostConfig, runs: list[RunConfig], quiet: bool)
     return rows, unreachable
 
 
+HOSTS_PARALLEL = 8  # hosts asked at once by `status` with no HOST: each a connection of its own
+
+
+def _buffered(con: Console) -> Console:
+    """A console that writes what `con` would (its colours, width, wrapping) into a buffer, to be replayed later."""
+    return Console(file=io.StringIO(), force_terminal=con.is_terminal, color_system=con.color_system,  # type: ignore[arg-type]
+                   width=con.width, highlight=False, soft_wrap=con.soft_wrap, no_color=con.no_color)
+
+
+def _hosts_in_parallel(ctx: Ctx, targets: list[tuple[HostConfig, list[RunConfig]]],
+                       quiet: bool) -> list[tuple[list[dict[str, Any]], str | None]]:
+    """`_host_status` of every host at once (HOSTS_PARALLEL at a time), so that a host that is down costs one
+    connect timeout for the whole fleet, not one per slow host in series. What a host says on stderr (a container's
+    preflight line) is buffered and replayed in inventory order, and the first host (in that order) whose status
+    raised raises here, after the lines of the hosts before it: the output is the one the series gave."""
+
+    def one(host: HostConfig, runs: list[RunConfig]) -> tuple[Console, Any]:
+        err = _buffered(ctx.err)
+        mine = Ctx(hosts_file=ctx.hosts_file, accept_new_host_key=ctx.accept_new_host_key, out=ctx.out, err=err,
+                   raw=ctx.raw, _inv=ctx._inv, transport_factory=ctx.transport_factory)
+        try:
+            return err, _host_status(mine, host, runs, quiet=quiet)
+        except Exception as exc:  # noqa: BLE001 - raised below, in inventory order
+            return err, exc
+
+    with ThreadPoolExecutor(max_workers=max(1, min(HOSTS_PARALLEL, len(targets))), thread_name_prefix="hosts") as pool:
+        futures = [pool.submit(one, host, runs) for host, runs in targets]
+        out: list[tuple[list[dict[str, Any]], str | None]] = []
+        for fut in futures:
+            err, got = fut.result()
+            said = err.file.getvalue()  # type: ignore[attr-defined]
+            if said:
+                ctx.err.file.write(said)
+                ctx.err.file.flush()
+            if isinstance(got, BaseException):
+                raise got
+            out.append(got)
+    return out
+
+
 # The state cell of `status` (and of the group verbs' tables): the dashboard's own badge style, one table for every
 # view (opsctl/look.py). Each carries its background with its text colour, so it reads the same on a dark and a
 # light terminal, where a bare foreground such as the stalled yellow would vanish on white (tests/test_state_colours.py).
@@ -546,8 +586,9 @@ def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: b
         targets = [ctx.runs_of(host_name, run_name)]
     rows: list[dict[str, Any]] = []
     unreachable: dict[str, str] = {}
-    for host, runs in targets:
-        host_rows, error = _host_status(ctx, host, runs, quiet=as_json)
+    answers = ([_host_status(ctx, *targets[0], quiet=as_json)] if len(targets) == 1
+               else _hosts_in_parallel(ctx, targets, quiet=as_json))
+    for (host, _), (host_rows, error) in zip(targets, answers, strict=True):
         rows += host_rows
         if error is not None:
             unreachable[host.name] = error

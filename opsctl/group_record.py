@@ -119,7 +119,7 @@ def _node_outcome(a: dict[str, Any] | None, cause: int | None, node: int, group_
     if a is None:
         return "not started"
     out = str(a.get("outcome") or "-")
-    if out == "killed" and group_outcome == "crashed" and cause is not None and cause != node:
+    if out == "killed" and group_outcome in ("crashed", "refused") and cause is not None and cause != node:
         return "stopped"
     return out
 
@@ -132,6 +132,8 @@ def _node_reason(a: dict[str, Any]) -> str:
     """A node attempt's reason as `status` words it for that node (RunState's `exception (exit N)`, torchrun's root
     cause for its ChildFailedError), so that history names what status named."""
     what = a.get("exception")
+    if a.get("outcome") == "refused" and a.get("reason"):  # the refusal's own words, as status gives them
+        what = a["reason"]
     m = _TORCHRUN_CAUSE.search(str(what or ""))
     if m:
         what = f"torchrun: {m.group(1)}"
@@ -151,7 +153,7 @@ def crash_verdict(nodes: list[dict[str, Any]]) -> tuple[int | None, str | None]:
                      "duration_s": ended - started if isinstance(started, (int, float))
                      and isinstance(ended, (int, float)) else None})
     state, why, node = verdict(rows)
-    return (node, why) if state == "crashed" else (None, None)
+    return (node, why) if state in ("crashed", "refused") else (None, None)
 
 
 def group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -174,14 +176,15 @@ def group_history(ctx: Ctx, gr: GroupRun, node_histories: dict[int, list[dict[st
         outcome, cause, why = g.get("outcome"), g.get("node"), g.get("reason")
         if outcome is None:  # not recorded (no opsctl followed it to its end): what its nodes say
             outs = [x["outcome"] for x in nodes]
-            outcome = ("crashed" if "crashed" in outs else "running" if "running" in outs
+            outcome = ("crashed" if "crashed" in outs else "refused" if "refused" in outs
+                       else "running" if "running" in outs
                        else "finished" if outs and all(o == "finished" for o in outs)
                        else "killed" if "killed" in outs else "lost")
-            if g.get("killed") and outcome != "crashed":
+            if g.get("killed") and outcome not in ("crashed", "refused"):
                 outcome = "killed"
             if restart and restart["attempt"] == g.get("id") and not restart["stale"]:
                 outcome = "starting"  # a restart's attempt, its nodes not launched yet
-            if outcome == "crashed" and cause is None:  # which node and why, as status says it
+            if outcome in ("crashed", "refused") and cause is None:  # which node and why, as status says it
                 times = {i: (per_node.get(n.index, {}).get(ids.get(n.index, -1)) or {}) for i, n in enumerate(gr.nodes)}
                 cause, why = crash_verdict([{**x, "started": times[i].get("started"), "ended": times[i].get("ended")}
                                             for i, x in enumerate(nodes)])

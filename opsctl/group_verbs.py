@@ -192,6 +192,7 @@ class _NodeLaunch:
     fatal: str | None = None  # the training core's last fatal error event on this node (class: message)
     attempt: int | None = None  # the node's own attempt id (its history), once launched
     killed: bool = False  # the node's run carries opsctl kill's marker
+    refused: bool = False  # its run refused to start (run_end `refused`): a person must act, no restart helps
 
     @property
     def peer_lost(self) -> bool:
@@ -241,12 +242,13 @@ class _Attempt:
     """How one start of every node ended."""
 
     rc: int
-    outcome: str  # ready (returned at READY) | finished | crashed | killed | timeout | lost
+    outcome: str  # ready (returned at READY) | finished | crashed | refused | killed | timeout | lost
     node_attempts: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
-# Called once a node failed, before the other nodes are stopped: (cause node, reason, killed by opsctl).
-BeforeStop = Callable[[int, str, bool], None]
+# Called once a node failed, before the other nodes are stopped: (cause node, reason, killed by opsctl, and by
+# keyword `refused`: the node's run refused to start).
+BeforeStop = Callable[..., None]
 
 
 def _attempt(ctx: Ctx, g: Group, gr: GroupRun, force: bool, follow: bool, fresh_cache: bool,
@@ -493,16 +495,20 @@ def _follow_group(ctx: Ctx, g: Group, gr: GroupRun, rec: GroupRecord | None, att
         decision: dict[str, Any] = {"again": False}
 
         def before_stop(node: int, reason: str, killed: bool, gid: int | None = gid,
-                        decision: dict[str, Any] = decision) -> None:
+                        decision: dict[str, Any] = decision, refused: bool = False) -> None:
             if lease is not None:
                 lease.check()  # taken over: the other supervisor records and restarts, not this one
             used = _restart_count(restarts, policy.within_s if policy else None)
-            again = supervised and not killed and policy is not None and used < policy.max
-            r: dict[str, Any] = {"id": gid, "ended": _head_now(rec), "outcome": "killed" if killed else "crashed",
-                                 "node": node, "reason": reason}
+            # A refusal (run_end `refused`: e.g. a resume it cannot make) needs a person: a restart would refuse
+            # again, so it is never restarted, as the single-host wrapper never restarts one.
+            again = supervised and not killed and not refused and policy is not None and used < policy.max
+            r: dict[str, Any] = {"id": gid, "ended": _head_now(rec), "node": node, "reason": reason,
+                                 "outcome": "killed" if killed else "refused" if refused else "crashed"}
             if again:
                 assert policy is not None
                 r.update(restart_n=used + 1, restart_max=policy.max, restart_at=_head_now(rec) + policy.backoff_s)
+            elif supervised and refused and policy is not None:
+                r["no_restart"] = REFUSAL_NOT_RESTARTED
             elif supervised and not killed and policy is not None:
                 r["no_restart"] = f"restart limit reached ({used} of {policy.max} restarts used)"
             got, _ = try_group_record(ctx, gr, r, if_lease=token) if gid is not None else (None, None)
@@ -539,6 +545,10 @@ def _follow_group(ctx: Ctx, g: Group, gr: GroupRun, rec: GroupRecord | None, att
             if outcome == "killed":
                 ctx.err.print(f"[yellow]{name} was killed[/] (opsctl kill): no restart")
                 return EXIT_FAILED
+        if res.outcome == "refused":
+            if supervised and policy is not None:
+                ctx.err.print(Text(f"{name}: not restarted: {REFUSAL_NOT_RESTARTED}", style="bold red"))
+            return res.rc
         if res.outcome != "crashed" or not decision["again"]:
             if res.outcome == "crashed" and supervised and "used" in decision and not decision.get("killed"):
                 assert policy is not None
@@ -583,6 +593,9 @@ def _follow_group(ctx: Ctx, g: Group, gr: GroupRun, rec: GroupRecord | None, att
                                        "reason": "a node failed preflight at the restart"})
             return EXIT_REFUSED
         now_extra = [*extra, *resume]
+
+
+REFUSAL_NOT_RESTARTED = "a node refused to start; a refusal needs a person (a restart would refuse again)"
 
 
 def _running_attempt(ctx: Ctx, gr: GroupRun, rec: GroupRecord) -> dict[int, int] | None:
@@ -639,6 +652,8 @@ def _launch_message(ctx: Ctx, st: _NodeLaunch, m: dict[str, Any], lock: threadin
             st.stepped.add(r)
         if ev.get("kind") == "error" and ev.get("fatal"):
             st.fatal = f"{ev.get('class')}: {ev.get('message')}"
+        elif ev.get("kind") == "run_end" and ev.get("reason") == "refused":
+            st.refused = True
     elif kind == "verdict":
         # A node whose ranks never write a step event (e.g. a target node) is not `ready` to its agent: its exit
         # status 0 is what counts.
@@ -668,15 +683,21 @@ def _group_failed(ctx: Ctx, g: Group, gr: GroupRun, states: dict[int, _NodeLaunc
         cause = _root_cause(ctx, first.node)
         reason = f"torchrun: {cause}" if cause else reason
     killed = any(s.killed for s in states.values())
-    before_stop(first.node.index, f"{label(first.node)}: {reason}", killed)
+    refused = first.refused and not killed
+    if refused and first.fatal:  # the refusal's own words, as status gives them
+        reason = f"{first.fatal.split(': ', 1)[-1]} ({first.failure})"
+    before_stop(first.node.index, f"{label(first.node)}: {reason}", killed, refused=refused)
     if killed:
         ctx.err.print(Text(f"{g.name}/{gr.name} killed (opsctl kill): {label(first.node)} ended", style="yellow"))
+    elif refused:
+        ctx.err.print(Text(f"{g.name}/{gr.name} refused: {label(first.node)} refused to start: {reason}",
+                           style="bold red"))
     else:
         ctx.err.print(Text(f"{g.name}/{gr.name} crashed: {label(first.node)}: {reason}", style="bold red"))
     if others:
         ctx.err.print(f"stopping {', '.join(label(n) for n in others)}")
         stop_nodes(ctx, others, lock)
-    return EXIT_FAILED, "killed" if killed else "crashed"
+    return EXIT_FAILED, "killed" if killed else "refused" if refused else "crashed"
 
 
 def stop_nodes(ctx: Ctx, nodes: list[Node], lock: threading.Lock) -> dict[int, int]:
@@ -744,6 +765,8 @@ def group_rows(ctx: Ctx, gr: GroupRun) -> tuple[list[dict[str, Any]], dict[str, 
         why = (f"restart {restart['n']}/{restart['max']} " + (f"in {left:.0f} s " if left else "starting ")
                + f"after {restart['reason'] or 'a crash'}")
         info.update(restart_n=restart["n"], restart_in_s=left)
+    elif state == "refused" and gr.restart is not None:  # whoever follows the group: a refusal is never restarted
+        why = f"{why}; not restarted: {REFUSAL_NOT_RESTARTED}"
     elif state == "crashed" and gr.restart is not None and rec is not None and rec.last is not None:
         if restart is not None:
             why = f"{why}; restart {restart['n']}/{restart['max']} was due and never started: no opsctl follows " \
@@ -808,10 +831,10 @@ def cmd_group_status(ctx: Ctx, g: Group, run_name: str | None, as_json: bool = F
     for gr in runs:
         rows, unr = group_rows(ctx, gr)
         info = rows[0]["group"] if rows else {}
-        if info.get("state") == "crashed":
+        if info.get("state") in ("crashed", "refused"):  # a refused node stops the group as a crash does
             survivors = [n for n in gr.nodes if next(r for r in rows if r["node"] == n.index)["state"] in RUNNING]
             if survivors:
-                ctx.err.print(Text(f"{g.name}/{gr.name} crashed ({info['reason']}): stopping "
+                ctx.err.print(Text(f"{g.name}/{gr.name} {info['state']} ({info['reason']}): stopping "
                                    f"{', '.join(label(n) for n in survivors)}", style="yellow"))
                 stop_nodes(ctx, survivors, lock)
                 rows, unr = group_rows(ctx, gr)

@@ -186,13 +186,13 @@ def group_badge(info: dict[str, Any]) -> Text:
     that died first."""
     state = str(info.get("state") or "absent")
     label = state.upper()
-    if state in ("crashed", "degraded", "unreachable", "stalled", "restarting") and info.get("node") is not None:
+    if state in ("crashed", "refused", "degraded", "unreachable", "stalled", "restarting") and info.get("node") is not None:
         label += f" (node{info['node']})"
     return Text(f" {label} ", style=STATE_STYLES.get(state, "bold reverse"))
 
 
 def _group_style(info: dict[str, Any]) -> str:
-    return "bold red" if info.get("state") in ("crashed", "unreachable") else "yellow"
+    return "bold red" if info.get("state") in ("crashed", "refused", "unreachable") else "yellow"
 
 
 def _thin(steps: Sequence[int], values: Sequence[float], width: int) -> tuple[list[int], list[float]]:
