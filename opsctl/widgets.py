@@ -111,7 +111,7 @@ class RunSummary(_Quiet):
         t.append(f"{model.label}  ", style="bold")
         t.append_text(state_badge(view))
         if view.reason:  # why: the crash's exception line and exit code, the unreachable host's error, leftovers
-            t.append(f"  {view.reason}", style="bold red" if view.state in ("crashed", "unreachable") else "yellow")
+            t.append(f"  {view.reason}", style=reason_style(view.state))
         phase = phase_progress(view.phase or "-", view.phase_i, view.phase_n)
         total = f"/{view.total_steps:,}" if view.total_steps else ""
         pct = f" ({100 * view.step / view.total_steps:.0f}%)" if view.total_steps and view.step else ""
@@ -141,7 +141,7 @@ class RunSummary(_Quiet):
             if view.tau_step is not None:
                 t.append(f"  τ {fmt_num(view.tau, 2)}")
             if view.reason and not (view.state == "unreachable" and not model.state_seen):
-                t.append(f"  {view.reason}", style="bold red" if view.state in ("crashed", "unreachable") else "yellow")
+                t.append(f"  {view.reason}", style=reason_style(view.state))
             t.append(f"\nphase {phase}  heartbeat {heartbeat}  {ended or process}  link {link}  log {log}",
                      style="dim")
             if group is not None:
@@ -191,8 +191,13 @@ def group_badge(info: dict[str, Any]) -> Text:
     return Text(f" {label} ", style=STATE_STYLES.get(state, "bold reverse"))
 
 
+def reason_style(state: str | None) -> str:
+    """Why a run (or group) is in its state, in red where someone must act (it will not go on by itself), else yellow."""
+    return "bold red" if state in ("crashed", "refused", "unreachable") else "yellow"
+
+
 def _group_style(info: dict[str, Any]) -> str:
-    return "bold red" if info.get("state") in ("crashed", "refused", "unreachable") else "yellow"
+    return reason_style(info.get("state"))
 
 
 def _thin(steps: Sequence[int], values: Sequence[float], width: int) -> tuple[list[int], list[float]]:

@@ -115,3 +115,10 @@ def test_watch_once_json_group_object_of_a_refused_node_is_refused_naming_it() -
                               {"host": "n1", "state": "refused", "reason": f"{WHY} (exit 2)"}])[0]
     assert info is not None and (info["state"], info["node"]) == ("refused", 1), info
     assert info["reason"] == f"node1 n1: {WHY} (exit 2); still running: node0 n0", info
+
+
+def test_a_single_runs_refusal_reads_red_like_a_crash_and_a_restart_yellow() -> None:
+    from opsctl.widgets import reason_style
+
+    assert reason_style("refused") == reason_style("crashed") == reason_style("unreachable") == "bold red"
+    assert reason_style("restarting") == reason_style("finished") == "yellow"
