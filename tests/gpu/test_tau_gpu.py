@@ -69,6 +69,7 @@ def test_teacher_forced_drafts_and_walk_equal_the_decode_loop_on_the_gpu(precisi
     target, drafter = _target(torch.float32), _drafter(torch.float32)
     g = torch.Generator().manual_seed(2)
     anchors = flipped = records_equal = 0
+    positions = positions_flipped = target_diverged = 0  # diagnostics: per draft position, and the target's own text
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-autocast"):
         for i in range(6):
             max_new = 48 + 7 * i
@@ -84,6 +85,10 @@ def test_teacher_forced_drafts_and_walk_equal_the_decode_loop_on_the_gpu(precisi
                       max_new, B)
             anchors += len(dec.anchor_pos)
             flipped += sum(raw[a - len(p)] != prop.raw[a] for a in dec.anchor_pos)
+            for a in dec.anchor_pos:
+                positions += len(prop.raw[a])
+                positions_flipped += sum(x != y for x, y in zip(raw[a - len(p)], prop.raw[a], strict=False))
+            target_diverged += dec.tokens != truth[len(p):len(p) + max_new]  # the loop's own greedy text differs
             same = (tf.tokens, tf.anchor_pos, tf.accepted) == (dec.tokens, dec.anchor_pos, dec.accepted)
             records_equal += same
             ng_dec = speculative_generate(target, NgramProposer(), p, max_new, B)
@@ -94,7 +99,8 @@ def test_teacher_forced_drafts_and_walk_equal_the_decode_loop_on_the_gpu(precisi
                 assert dec.tokens == truth[len(p):len(p) + max_new]
                 assert same and ng_tf.accepted == ng_dec.accepted
     print(f"{precision}: {flipped} of {anchors} visited anchors drafted differently, {records_equal}/6 prompts "
-          "with identical records")
+          f"with identical records; {positions_flipped} of {positions} draft positions differ; the decode loop's text "
+          f"differs from the full-sequence greedy text in {target_diverged}/6 prompts")
     if precision == "float32-exact":
         assert flipped == 0
     else:
