@@ -14,7 +14,8 @@ H200 rates in docs/quality.md, sixth session; the arithmetic is at PRETRAIN_STEP
             block size, in --eval-dtype (bfloat16): ~1-2 min for 3 seeds x 2 block sizes.
   check     the first seed at the training block in --check-dtype (float32, exact kernels): the decode loop's lossless
             check and wall-clock speedup on --lossless-prompts prompts, and both methods timed on that checkpoint and
-            those prompts with their tau side by side (~2-8 min, most of it fla's float32 JIT on a cold machine).
+            those prompts with their tau side by side, and speculative sampling's tau at --sample-temperature (1)
+            next to greedy (~2-8 min, most of it fla's float32 JIT on a cold machine).
   all       (default) the five in order, as far as the call's time allows.
 A call starts a unit of work (one target, one regeneration, one drafter, eval, check) only if it fits in what is left
 of --call-seconds (default 540 on a GPU, off on CPU), by that unit's time measured before in this --out
@@ -551,7 +552,8 @@ class Bench:
 
     def check_settings(self) -> dict[str, Any]:
         return {"dtype": self.args.check_dtype, "prompts": self.lossless_prompts, "block_size": self.b_train,
-                "new_tokens": self.n_new, "compare_methods": self.args.compare_methods}
+                "new_tokens": self.n_new, "compare_methods": self.args.compare_methods,
+                "sample_temperature": self.args.sample_temperature}
 
     def drafter_inputs(self, seeds: list[int]) -> dict[str, Any]:
         """What identifies the evaluated drafters (their recipe file and final checkpoint's time): an `all` call
@@ -1035,6 +1037,18 @@ class Bench:
                 print(f"    prompt {d['prompt']} ({d['method']}): {d['tie'] or 'NOT at a numerical tie'}")
             if not cmp["agree"]:
                 rc = 1
+        if self.args.sample_temperature > 0:
+            from dflash.eval import evaluate_sampled
+
+            t8 = time.perf_counter()
+            smp = evaluate_sampled(lm, ck.drafter, prompts, self.n_new, self.args.sample_temperature, seed=0,
+                                   stop_ids=stop)
+            t_s = time.perf_counter() - t8
+            check["sampled"] = {**smp, "seconds": round(t_s, 2)}
+            print(f"\nspeculative sampling at T={self.args.sample_temperature:g} on the same checkpoint and prompts "
+                  f"({self.args.check_dtype}, seed 0): tau dflash {smp['tau']:.2f} (greedy decode loop "
+                  f"{dec['tau']:.2f}), speedup {smp.get('speedup')}, {t_s:.1f}s; lossless in distribution "
+                  f"(tests/test_speculative_sampling.py), not per prompt", flush=True)
         self.record("check", "seed0", time.perf_counter() - t0)
         out = self.result_base()
         out["check"] = check
@@ -1100,6 +1114,9 @@ def main() -> int:
     ap.add_argument("--no-compare-methods", dest="compare_methods", action="store_false",
                     help="skip the teacher-forced run on the check's checkpoint and prompts (default: time both "
                          "methods there and put their tau side by side)")
+    ap.add_argument("--sample-temperature", type=float, default=1.0,
+                    help="the check also measures speculative sampling's tau at this temperature on the same "
+                         "checkpoint and prompts, next to greedy (0: off)")
     ap.add_argument("--blocks", default="16,8", help="block sizes to evaluate the drafters at, in this order")
     ap.add_argument("--drafter-attention", default="auto", choices=["auto", "dense", "flex"],
                     help="drafter attention in training (auto = dflash train's default: flex on CUDA)")

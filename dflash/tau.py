@@ -57,10 +57,11 @@ def dense_attention(drafter: DFlashDrafter) -> Any:
 
 
 def drafts_at_anchors(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Module, taps: Tensor,
-                      seq: Sequence[int], first: int, last: int) -> Tensor:
+                      seq: Sequence[int], first: int, last: int, logits_out: list[Tensor] | None = None) -> Tensor:
     """[last - first + 1, B-1] long (CPU): the drafter's greedy block at every anchor position first..last of `seq`,
     from the target's taps of the whole sequence [n, K*H] (one forward, causal). Anchors are chunked so the dense
-    mask and the logits stay within MASK_ELEMENTS / LOGIT_ELEMENTS."""
+    mask and the logits stay within MASK_ELEMENTS / LOGIT_ELEMENTS. `logits_out`, when given, receives the logits
+    (float32, CPU, [anchors, B-1, V] chunks in order) so a caller can tell a numerical tie from a real difference."""
     b = drafter.cfg.block_size
     dev = taps.device
     n = len(seq)
@@ -82,6 +83,8 @@ def drafts_at_anchors(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_hea
             for r in range(0, len(anchors), rows):
                 logits = lm_head(states[r:r + rows].to(weight.dtype))
                 out.append(logits.argmax(-1).cpu())
+                if logits_out is not None:
+                    logits_out.append(logits.float().cpu())
     return torch.cat(out) if out else torch.zeros((0, b - 1), dtype=torch.long)
 
 
