@@ -287,13 +287,7 @@ def default_inductor_dir() -> str:
 
 
 # -- process state ------------------------------------------------------------------------------------------
-def read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path) as fh:
-            obj = json.load(fh)
-        return obj if isinstance(obj, dict) else None
-    except (OSError, ValueError):
-        return None
+read_json = _W["read_json"]  # a JSON object file, or None when missing, unreadable or not an object
 
 
 def read_exit_code(path: str) -> int | None:
