@@ -613,15 +613,20 @@ class EtaClock:
     whose data waits, evaluations and checkpoints take time finished far later than it promised. An exponential
     moving average (alpha 0.05: about the last 40 intervals) of each interval's seconds per step, each counted as at
     most CLIP times (at least 1/CLIP of) the average: one 10-minute checkpoint moves the ETA a few percent, a lasting
-    change of speed still wins within a few dozen steps. Until two step events came: the last `step_time_s`."""
+    change of speed still wins within a few dozen steps. Over an attempt's first WARMUP intervals the rate is their
+    median instead: the first intervals of a run (compile, allocator, first evaluation) are often many times the
+    steady one, and an average seeded with one of them took some 70 steps to come down. Until two step events
+    came: the last `step_time_s`."""
 
     ALPHA = 0.05
     CLIP = 3.0
+    WARMUP = 20  # about 1 / ALPHA: after as many intervals the average has forgotten its seed
 
     def __init__(self) -> None:
         self.per_step: float | None = None  # the moving average, seconds per step
         self.fallback: float | None = None  # the last step_time_s, until an interval exists
         self.last: tuple[int, float] | None = None  # (step, ts) of the last step event
+        self.warm: list[float] = []  # the first WARMUP intervals' seconds per step
 
     def note(self, ev: dict[str, Any]) -> None:
         kind = ev.get("kind")
@@ -635,9 +640,12 @@ class EtaClock:
             self.fallback = float(ev["step_time_s"])
         if self.last is not None and step > self.last[0] and ts >= self.last[1]:
             x = (float(ts) - self.last[1]) / (step - self.last[0])
-            if self.per_step is None:
-                self.per_step = x
-            else:
+            if len(self.warm) < self.WARMUP:
+                self.warm.append(x)
+                ordered = sorted(self.warm)
+                mid = len(ordered) // 2
+                self.per_step = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+            elif self.per_step is not None:
                 if self.per_step > 0:
                     x = min(max(x, self.per_step / self.CLIP), self.per_step * self.CLIP)
                 self.per_step += self.ALPHA * (x - self.per_step)
@@ -655,13 +663,15 @@ class EtaClock:
 
     def state(self) -> dict[str, Any]:
         """What the agent's `status` sends (its snapshot carries only the last steps, too few to fold again)."""
-        return {"per_step": self.per_step, "fallback": self.fallback, "last": self.last}
+        return {"per_step": self.per_step, "fallback": self.fallback, "last": self.last, "warm": self.warm}
 
     def load(self, st: dict[str, Any]) -> None:
         self.per_step = float(st["per_step"]) if _finite(st.get("per_step")) else None
         self.fallback = float(st["fallback"]) if _finite(st.get("fallback")) else None
         last = st.get("last")
         self.last = (int(last[0]), float(last[1])) if isinstance(last, (list, tuple)) and len(last) == 2 else None
+        warm = st.get("warm")
+        self.warm = [float(x) for x in warm if _finite(x)][: self.WARMUP] if isinstance(warm, list) else []
 
 
 def _finite(x: Any) -> bool:

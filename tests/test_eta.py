@@ -92,3 +92,28 @@ def test_eta_clock_counts_wall_time_and_one_slow_step_barely_moves_it() -> None:
     assert copy.eta(261, 1000) == clock.eta(261, 1000)
     clock.note({"kind": "run_start", "ts": ts})  # a resumed attempt's speed is its own
     assert clock.eta(261, 1000) is None
+
+
+def test_slow_first_steps_do_not_set_the_pace() -> None:
+    """A run's first intervals (compile, first evaluation) at 30x and 8x the steady 1 s: the ETA is the steady one
+    within a few steps (the old average seeded with 30 s still said ~2.4x after 20 steps), and survives status."""
+    clock = EtaClock()
+    ts = 0.0
+    clock.note(_step(1, ts))
+    for n, dt in zip(range(2, 5), (30.0, 8.0, 1.0), strict=True):
+        ts += dt
+        clock.note(_step(n, ts))
+    for n in range(5, 10):
+        ts += 1.0
+        clock.note(_step(n, ts))
+    assert clock.eta(9, 1009) == pytest.approx(1000.0, rel=0.05)
+    for n in range(10, 60):  # past the warm-up the moving average takes over from the median, at the same pace
+        ts += 1.0
+        clock.note(_step(n, ts))
+    assert clock.eta(59, 1059) == pytest.approx(1000.0, rel=0.05)
+    copy = EtaClock()
+    copy.load(json.loads(json.dumps(clock.state())))
+    ts += 1.0
+    copy.note(_step(60, ts))
+    clock.note(_step(60, ts))
+    assert copy.eta(60, 1060) == clock.eta(60, 1060)
