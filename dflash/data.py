@@ -410,7 +410,8 @@ class TokenizerAdapter:
 
         for i, m in enumerate(messages):
             full = self._render(messages[: i + 1], generation_prompt=False, tools=tools)
-            if m["role"] == "assistant" and i > 0:
+            supervised = m["role"] == "assistant"
+            if supervised and i > 0:
                 prompt = self._render(messages[:i], generation_prompt=True, tools=tools)
                 if self.thinking == "drop":
                     # The server's non-thinking prompt (Qwen3: enable_thinking=False ends it with an empty
@@ -419,7 +420,19 @@ class TokenizerAdapter:
                     if quiet[: len(prev)] == prev and full[: len(quiet)] == quiet:
                         prompt = quiet
                 extend(prompt, False)
-            extend(full, m["role"] == "assistant")
+            elif supervised:
+                # A chat that opens with the assistant: HF renders no empty chat, so the prefix before this turn (its
+                # header, a default system turn) cannot be told apart here; the rendered-once path locates it.
+                raise _PrefixUnstable(f"{self.source}: the chat opens with an assistant turn")
+            start = len(ids)
+            extend(full, supervised)
+            if supervised:
+                # What the template writes after the end of turn (Qwen's newline after <|im_end|>) is never generated
+                # (a server stops at the end of turn): context, as the rendered-once path has it.
+                k = len(ids)
+                while k > start and not self._hf.decode([ids[k - 1]]).strip():
+                    k -= 1
+                mask[k:] = [False] * (len(ids) - k)
         return ids, mask
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool,

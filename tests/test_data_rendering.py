@@ -337,3 +337,29 @@ def test_data_inspect_reads_a_hub_parquet_directory(tmp_path: Path) -> None:
                         "text"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "documents: 6 (6 text)" in r.stdout
+
+
+# ------------------------------------------------------------------------------------- 3. where a reply starts, ends
+def test_the_newline_after_the_end_of_turn_is_context_in_one_turn_and_many(tmp_path: Path) -> None:
+    """A server stops at <|im_end|>, so the newline Qwen's template writes after it is never generated: it was
+    supervised in one-turn chats (growing prefixes) and not in multi-turn ones (rendered once); now in neither."""
+    hf = _hf_tokenizer(tmp_path, QWEN3_SHAPED)
+    one = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "four"}]}
+    _, out = _encoded(tmp_path, [one], tokenizer=hf)
+    assert out[0][0].endswith("four<|im_end|>\n")
+    assert out[0][1] == "four<|im_end|>"
+
+
+def test_a_chat_opening_with_the_assistant_supervises_its_reply_not_the_template_around_it(tmp_path: Path) -> None:
+    """ShareGPT chats sometimes open with the assistant (a greeting). Its header, and a default system turn a
+    template adds before it, are the template's, never the reply (growing prefixes supervised them all, as HF
+    renders no empty chat to subtract): such chats are rendered once and their assistant turns located."""
+    greet = {"messages": [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"},
+                          {"role": "assistant", "content": "four"}]}
+    _, plain = _encoded(tmp_path, [greet], tokenizer=_hf_tokenizer(tmp_path, PLAIN))
+    assert plain == [("<|assistant|>Hello<|end|><|user|>2+2?<|end|><|assistant|>four<|end|>",
+                      "Hello<|end|>four<|end|>")]
+    default_system = ("{%- if messages[0].role != 'system' -%}<|system|>You are helpful.<|end|>{%- endif -%}" + PLAIN)
+    _, sys_out = _encoded(tmp_path, [greet], tokenizer=_hf_tokenizer(tmp_path, default_system, "hf2"))
+    assert sys_out[0][0].startswith("<|system|>You are helpful.<|end|><|assistant|>Hello")
+    assert sys_out[0][1] == "Hello<|end|>four<|end|>"
