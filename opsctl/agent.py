@@ -1121,7 +1121,9 @@ def cache_key(run: Run) -> dict[str, str]:
 def previous_attempt(run: Run) -> dict[str, Any]:
     """What the last launch of this run came to: exit code, last phase, steps, its run_end, and its argv.
 
-    Read from STATE_DIR (launch.json, exit_code, spec.json) and the events written since that launch."""
+    Read from STATE_DIR (launch.json, exit_code, spec.json) and the events written since that launch: from the
+    events file's size at the launch (launch.json `events_offset`), so a week of earlier attempts' events is not
+    read again, and one line at most MAX_EVENT_LINE long (a longer one is skipped, never held whole)."""
     launch = read_json(run.state_file("launch.json")) or {}
     since = float(launch.get("ts", 0)) - 1.0
     out: dict[str, Any] = {"launched": bool(launch), "exit_code": read_exit_code(run.state_file("exit_code")),
@@ -1129,13 +1131,13 @@ def previous_attempt(run: Run) -> dict[str, Any]:
                            "error": None, "argv": (read_json(run.state_file("spec.json")) or {}).get("argv")}
     if run.events and os.path.exists(run.events):
         with open(run.events, "rb") as fh:
-            for raw in fh:
-                if not raw.endswith(b"\n"):
-                    break
-                try:
-                    ev = json.loads(raw)
-                except ValueError:
-                    continue
+            offset = launch.get("events_offset")
+            if isinstance(offset, int) and 0 < offset <= os.fstat(fh.fileno()).st_size:
+                fh.seek(offset)  # (a file shorter than that was truncated or replaced since: read it all)
+            for head, length, complete in long_lines(fh, MAX_EVENT_LINE):
+                if not complete:
+                    break  # the line being written
+                ev = event_object(head, length)  # an over-long or broken line is no event: skipped
                 if not isinstance(ev, dict) or (isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since):
                     continue
                 kind = ev.get("kind")
@@ -1459,9 +1461,10 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         fh.write(wrapper_source())
     with open(run.state_file("tmux.conf"), "w") as fh:
         fh.write("set-option -g remain-on-exit on\nset-option -g history-limit 10000\n")
-    with open(run.state_file("launch.json"), "w") as fh:
-        json.dump({"ts": launch_ts, "session": run.session, "log": run.log, "events": run.events}, fh)
     events_offset = os.path.getsize(run.events) if run.events and os.path.exists(run.events) else 0
+    with open(run.state_file("launch.json"), "w") as fh:
+        json.dump({"ts": launch_ts, "session": run.session, "log": run.log, "events": run.events,
+                   "events_offset": events_offset}, fh)
     cp = tmux(run, "-f", run.state_file("tmux.conf"), "new-session", "-d", "-s", run.session, "-x", "200", "-y", "50",
               "-c", run.workdir, sys.executable, run.state_file("wrapper.py"), run.state_file("spec.json"))
     if cp.returncode != 0:
