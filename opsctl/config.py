@@ -494,8 +494,19 @@ _ALL_KEYS = (set(SSHSettings.model_fields) | set(_HostFile.model_fields) | set(R
              | set(RestartPolicy.model_fields) | {"hosts", "groups"})
 
 
+# Where each known key belongs, for a key written at the wrong level (`workdir:` under a host, not a run).
+_KEY_HOMES = (("a run (under `runs: NAME:`)", set(RunConfig.model_fields)),
+              ("a host (under `hosts: NAME:`)", set(_HostFile.model_fields)),
+              ("a host's `ssh:`", set(SSHSettings.model_fields)),
+              ("a run's `restart:`", set(RestartPolicy.model_fields)))
+
+
 def _suggest_key(loc: tuple[str, ...], lines: dict[tuple[str, ...], int]) -> str:
-    close = difflib.get_close_matches(loc[-1], sorted(_ALL_KEYS - {"name"}), n=1, cutoff=0.75)
+    key = loc[-1]
+    homes = [where for where, keys in _KEY_HOMES if key in keys and key != "name"]
+    if homes:  # a real key at the wrong level: say where it goes, not "did you mean" itself
+        return f" here: '{key}' belongs to {' or '.join(homes)}; check its indentation"
+    close = difflib.get_close_matches(key, sorted(_ALL_KEYS - {"name"}), n=1, cutoff=0.75)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

@@ -322,3 +322,15 @@ def test_path_helpers() -> None:
     assert dangerous_path_reason("/dev/shm/cache") is None
     assert path_is_within("/a/b/c", "/a/b") and path_is_within("/a/b", "/a/b/")
     assert not path_is_within("/a/bc", "/a/b")
+
+
+def test_a_key_at_the_wrong_level_says_where_it_belongs(tmp_path: Path) -> None:
+    """`workdir:` one indent too far left sits under the host: "did you mean 'workdir'?" named the key itself."""
+    p = tmp_path / "hosts.yaml"
+    p.write_text("hosts:\n  box:\n    local: true\n    workdir: /srv\n    runs:\n      r:\n        command: [\"true\"]\n"
+                 "        workdir: /srv\n        log: /srv/r.log\n        user: ml\n")
+    assert sorted(check_inventory(p)) == [
+        f"{p}:10: hosts.box.runs.r.user: unknown key 'user' here: 'user' belongs to a host's `ssh:`; check its "
+        "indentation",
+        f"{p}:4: hosts.box.workdir: unknown key 'workdir' here: 'workdir' belongs to a run (under `runs: NAME:`); "
+        "check its indentation"]
