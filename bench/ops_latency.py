@@ -4,7 +4,9 @@ the client side of `opsctl watch`: an idle dashboard's CPU and `watch --once --j
 Run: `python bench/ops_latency.py [--lines 2000] [--cpu-seconds 30]`; it prints a report and raw numbers (JSON).
 `--only watch` measures the watch figures alone (issue 25 item 11); `--only status` times `status HOST --json` against
 `watch HOST --once --json` over all four runs of the host; `--only fleet` times `status` with no HOST over five hosts,
-two of them silent (accept, never answer), asked in series (as before) and at once (as now).
+two of them silent (accept, never answer), asked in series (as before) and at once (as now). `--only long` times
+`status HOST RUN --json` of a week-long run (--long-steps step events, an evaluation every 1000) on the local host:
+reading the whole events file (no saved fold) against going on from the fold the previous status saved.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import platform
 import pty
+import shutil
 import signal
 import statistics
 import subprocess
@@ -353,20 +356,69 @@ def watch_report(hosts: Path, seconds: float, repeats: int) -> dict[str, Any]:
     return report
 
 
+def long_run_status(base: Path, steps: int, repeats: int) -> dict[str, Any]:
+    """status of one run whose events file holds `steps` step events: full read vs the saved fold (opsctl.agent
+    FOLD_FILE), each `repeats` times, alternating; the local host (no SSH: the agent's reading is what differs)."""
+    from opsctl.agent import FOLD_FILE
+
+    base.mkdir(parents=True)
+    t = time.time() - 3.0 * steps
+    with open(base / "events.jsonl", "w") as fh:
+        fh.write(json.dumps({"v": 1, "ts": t, "kind": "run_start", "run_id": "x", "rank": 0, "seq": 0,
+                             "total_steps": int(1.5 * steps), "resumed_from": None}) + "\n")
+        for n in range(1, steps + 1):
+            t += 3.0
+            fh.write(json.dumps({"v": 1, "ts": t, "kind": "step", "run_id": "x", "rank": 0, "seq": n, "step": n,
+                                 "epoch": 0, "loss": 1.0 / n, "acc": [0.5, 0.4, 0.3, 0.2], "lr": 1e-3,
+                                 "grad_norm": 1.0, "tokens": 49152, "tokens_per_s": 16384.0, "step_time_s": 3.0,
+                                 "queue_depth": 0, "queue_wait_s": 0.0, "recompiles": 0,
+                                 "total_steps": int(1.5 * steps)}) + "\n")
+            if n % 1000 == 0:
+                fh.write(json.dumps({"v": 1, "ts": t, "kind": "eval", "run_id": "x", "rank": 0, "seq": n, "step": n,
+                                     "tau": 2.0 + n / steps, "accept_by_position": [0.5] * 15, "ngram_tau": 1.4,
+                                     "sequences": 32, "tokens": 4096, "seconds": 1.0}) + "\n")
+    state = base / ".opsctl" / "r"
+    state.mkdir(parents=True)  # as a launch leaves it: status saves its fold only where a launch made STATE_DIR
+    hosts = base / "hosts.yaml"
+    hosts.write_text(f"hosts:\n  box:\n    local: true\n    runs:\n      r:\n        command: ['true']\n"
+                     f"        workdir: {base}\n        log: {base}/run.log\n        events: {base}/events.jsonl\n"
+                     f"        state_dir: {state}\n")
+    full: list[float] = []
+    folded: list[float] = []
+    for _ in range(repeats):
+        (state / FOLD_FILE).unlink(missing_ok=True)
+        for sink in (full, folded):  # the first reads it all and saves the fold; the second goes on from it
+            t0 = time.perf_counter()
+            r = _opsctl(hosts, "status", "box", "r", "--json")
+            sink.append(time.perf_counter() - t0)
+            assert r.returncode == 0, r.stderr
+    return {"steps": steps, "events_mb": round((base / "events.jsonl").stat().st_size / 1e6, 1),
+            "full_read_s": [round(x, 3) for x in full], "from_fold_s": [round(x, 3) for x in folded],
+            "full_median_s": round(statistics.median(full), 3), "fold_median_s": round(statistics.median(folded), 3)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--lines", type=int, default=2000)
     ap.add_argument("--interval", type=float, default=0.005, help="seconds between lines of the chatty run")
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--cpu-seconds", type=float, default=30)
-    ap.add_argument("--only", choices=("watch", "status", "fleet"),
+    ap.add_argument("--only", choices=("watch", "status", "fleet", "long"),
                     help="watch: the dashboard's idle CPU and --once --json vs status; status: status --json vs "
                          "watch --once --json over all runs of a host; fleet: status of 5 hosts (2 silent) in series "
-                         "and at once")
+                         "and at once; long: status of a week-long run, full read vs the saved fold")
+    ap.add_argument("--long-steps", type=int, default=200_000, help="step events of --only long's run")
     ap.add_argument("--watch-seconds", type=float, default=20, help="how long the idle dashboard is measured")
     ap.add_argument("--repeats", type=int, default=5, help="runs of --once --json and status --json each")
     a = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="opsctl-bench-"))
+    if a.only == "long":  # local host only: no sshd needed
+        report = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                  "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+                  "long_run_status": long_run_status(base / "long", a.long_steps, a.repeats)}
+        print(json.dumps(report, indent=2))
+        shutil.rmtree(base)  # this call's own mkdtemp (70 MB of events at the default size)
+        return 0
     pct_host = make_pct_host(base / "pct")
     sshd = start_sshd(base / "sshd", pct_host=pct_host)
     try:

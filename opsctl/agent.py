@@ -1576,7 +1576,8 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     bad: list[Any] = [0, None]  # lines since the last run_start that are no event: how many, the last one's why
     if run.events and os.path.exists(run.events):
         with open(run.events, "rb") as fh:
-            off = 0
+            off = fold_resume(run, fh, since, steps, errors, last, bad, tau, eta)
+            scanned_from = off
             for head, length, complete in long_lines(fh, MAX_EVENT_LINE):
                 start, off = off, off + length + complete
                 if not complete:
@@ -1602,6 +1603,8 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                 elif isinstance(kind, str):
                     last[kind] = (start, off, ev)
             size = off
+            if size - scanned_from >= FOLD_AFTER_BYTES:
+                fold_save(run, fh, since, size, steps, errors, last, bad, tau, eta)
     taus = [e["ref"] for e in (tau.best(), tau.latest()) if e is not None]
     for item in list(last.values()) + list(steps) + list(errors) + taus:
         picked[item[0]] = (item[1], item[2])
@@ -1622,6 +1625,77 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
          pane_dead=sess["pane_dead"], log=run.log, log_size=log_size, events=run.events, events_size=size,
          bad_events=bad[0], bad_event=bad[1], eta_clock=eta.state())
     return EXIT_CODES["ok"]
+
+
+# status folds the whole events file (every step of the attempt for the ETA, every evaluation for the best tau): a
+# week-long run's 200,000 steps cost ~1 s a call. After reading FOLD_AFTER_BYTES or more, status saves what it folded
+# (STATE_DIR/FOLD_FILE) with the byte offset it reached, and the next status goes on from there when the file is
+# still the same one (inode, and the FOLD_CHECK bytes before the offset) and the attempt is the same (`since`).
+FOLD_FILE = "status-fold.json"
+FOLD_FORMAT = 1
+FOLD_AFTER_BYTES = 4 << 20
+FOLD_CHECK = 4096
+
+
+def _fold_mark(fh: Any, offset: int) -> dict[str, Any]:
+    st = os.fstat(fh.fileno())
+    fh.seek(max(0, offset - FOLD_CHECK))
+    tail = fh.read(min(offset, FOLD_CHECK))
+    return {"ino": st.st_ino, "dev": st.st_dev, "offset": offset, "tail": hashlib.sha256(tail).hexdigest()}
+
+
+def fold_resume(run: Run, fh: Any, since: float, steps: Any, errors: Any, last: dict[str, Any], bad: list[Any],
+                tau: Any, eta: Any) -> int:
+    """Restore a saved fold of this events file and attempt into the given accumulators, leave `fh` at its
+    offset and return it; 0 (nothing restored, `fh` at the start) when there is none that fits."""
+    saved = read_json(run.state_file(FOLD_FILE))
+    try:
+        if (not saved or saved.get("format") != FOLD_FORMAT or saved.get("events") != run.events
+                or saved.get("since") != since):
+            return 0
+        mark = saved["mark"]
+        offset = int(mark["offset"])
+        if offset > os.fstat(fh.fileno()).st_size or _fold_mark(fh, offset) != mark:
+            fh.seek(0)
+            return 0
+        steps.extend(tuple(x) for x in saved["steps"])
+        errors.extend(tuple(x) for x in saved["errors"])
+        last.update({k: tuple(v) for k, v in saved["last"].items()})
+        bad[:] = saved["bad"]
+        tau.evals = saved["tau"]
+        eta.load(saved["eta"])
+    except (KeyError, TypeError, ValueError, OSError):
+        steps.clear()
+        errors.clear()
+        last.clear()
+        bad[:] = [0, None]
+        tau.evals = []
+        eta.__init__()
+        fh.seek(0)
+        return 0
+    fh.seek(offset)
+    return offset
+
+
+def fold_save(run: Run, fh: Any, since: float, offset: int, steps: Any, errors: Any, last: dict[str, Any],
+              bad: list[Any], tau: Any, eta: Any) -> None:
+    """Save the fold at `offset` (atomic; never raises: status works the same without it). Only where a launch
+    made STATE_DIR: status creates nothing."""
+    if not os.path.isdir(run.state_dir):
+        return
+    state = {"format": FOLD_FORMAT, "events": run.events, "since": since, "mark": _fold_mark(fh, offset),
+             "steps": list(steps), "errors": list(errors), "last": last, "bad": bad, "tau": tau.evals,
+             "eta": eta.state()}
+    tmp = run.state_file(f".{FOLD_FILE}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as out:
+            json.dump(state, out)
+        os.replace(tmp, run.state_file(FOLD_FILE))
+    except (OSError, TypeError, ValueError):
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def nvml_holders(nvml: Nvml, ours: set[int], gpus: list[int] | None) -> list[tuple[int, int, float | None, str]]:

@@ -1,0 +1,97 @@
+"""`status` on a long run goes on from where the last one stopped reading (opsctl.agent fold_resume / fold_save):
+the same answer as a full read, from the saved fold when the events file is still the same file and attempt, and
+a full read whenever it is not. Real agent processes (tests/runs/agentlib.drive), real files."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
+
+from agentlib import drive, of, run_args  # noqa: E402
+
+from opsctl import agent  # noqa: E402
+
+T0 = time.time() - 10_000
+
+
+def _line(kind: str, n: int, **kw: Any) -> str:
+    return json.dumps({"v": 1, "ts": T0 + n, "kind": kind, "run_id": "x", "rank": 0, "seq": n, **kw}) + "\n"
+
+
+def _steps(first: int, last: int, evals_every: int = 500) -> str:
+    out = []
+    for s in range(first, last + 1):
+        out.append(_line("step", s, step=s, loss=1.0 / s, acc=[0.5], lr=1e-3, grad_norm=1.0, tokens=100,
+                         tokens_per_s=500.0, step_time_s=1.0, pad="x" * 200, total_steps=100_000))
+        if s % evals_every == 0:
+            out.append(_line("eval", s, step=s, tau=2.0 + (s % 7000) / 1000, ngram_tau=1.4, sequences=32))
+    return "".join(out)
+
+
+def _status(args: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    rc, msgs = drive("status", args)
+    assert rc == 0
+    st = of(msgs, "status")[0]
+    return ([(m["off"], m["end"], m["event"]) for m in of(msgs, "event")],
+            {k: st[k] for k in ("events_size", "bad_events", "bad_event", "eta_clock")})
+
+
+def _setup(tmp_path: Path) -> tuple[dict[str, Any], Path, Path]:
+    args = run_args(tmp_path, "", command=["true"])
+    state = Path(args["state_dir"])
+    state.mkdir()
+    (state / "launch.json").write_text(json.dumps({"ts": T0, "events": args["events"]}))
+    events = Path(args["events"])
+    events.write_text(_line("run_start", 0, total_steps=100_000, resumed_from=None) + _steps(1, 20_000)
+                      + "not json\n")
+    return args, events, state / agent.FOLD_FILE
+
+
+def test_a_second_status_goes_on_from_the_saved_fold_and_answers_as_a_full_read(tmp_path: Path) -> None:
+    args, events, fold = _setup(tmp_path)
+    assert events.stat().st_size > agent.FOLD_AFTER_BYTES
+    first = _status(args)
+    assert fold.is_file() and json.loads(fold.read_text())["mark"]["offset"] == events.stat().st_size
+    with events.open("a") as fh:  # the run goes on: steps, an error, an evaluation, a line that is no event
+        fh.write(_steps(20_001, 20_600) + _line("error", 20_600, fatal=False, message="warn") + "{broken\n")
+    resumed = _status(args)
+    assert resumed != first and resumed[1]["events_size"] == events.stat().st_size
+    fold.unlink()
+    assert _status(args) == resumed  # a full read gives the same events, ETA, bad lines
+    # The fold is trusted for what it read: an early evaluation rewritten in place (same size) far before the
+    # checked tail is not seen again, which proves the second status did not read the file from its start.
+    _status(args)
+    text = events.read_text()
+    i = text.index('"kind": "eval"')
+    j = text.index('"tau": ', i) + len('"tau": ')
+    events.write_text(text[:j] + "9.0" + text[j + 3:])
+    assert "9.0" not in json.dumps(_status(args)[0])
+    fold.unlink()
+    assert "9.0" in json.dumps(_status(args)[0])  # the full read sees it
+
+
+def test_a_replaced_file_or_a_new_attempt_is_read_in_full(tmp_path: Path) -> None:
+    args, events, fold = _setup(tmp_path)
+    _status(args)
+    assert fold.is_file()
+    # The same size and inode, other bytes before the offset (a run restarted fresh truncates and rewrites):
+    text = events.read_text()
+    events.write_text(text.replace('"loss": 5e-05', '"loss": 6e-05'))
+    fresh = _status(args)
+    fold.unlink()
+    assert _status(args) == fresh
+    # A new attempt (launch.json's time moved): the saved fold is of another attempt.
+    _status(args)
+    launch = Path(args["state_dir"]) / "launch.json"
+    launch.write_text(json.dumps({"ts": T0 + 15_000, "events": args["events"]}))
+    with events.open("a") as fh:
+        fh.write(_line("run_start", 15_001, total_steps=100_000, resumed_from=20_000) + _steps(20_001, 20_050))
+    again = _status(args)
+    fold.unlink()
+    assert _status(args) == again
+    assert again[1]["eta_clock"]["last"][0] == 20_050
