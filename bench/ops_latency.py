@@ -173,6 +173,15 @@ def agent_cpu(hosts: Path, pct_host: Any, seconds: float) -> dict[str, Any]:
             "log_lines_seen": n, "nvml": hello["nvml"]}
 
 
+def timings(times: dict[str, list[float]]) -> dict[str, Any]:
+    """Each `NAME_s` series as rounded seconds, with its median under `NAME_median_s`."""
+    out: dict[str, Any] = {}
+    for key, vals in times.items():
+        out[key] = [round(v, 3) for v in vals]
+        out[key.replace("_s", "_median_s")] = round(statistics.median(vals), 3)
+    return out
+
+
 def _opsctl(hosts: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     """The real CLI, as a user runs it (a fresh interpreter: its imports are part of what is measured)."""
     return subprocess.run([sys.executable, "-m", "opsctl", "--hosts", str(hosts), *argv], cwd=str(REPO),
@@ -207,9 +216,7 @@ def once_vs_status(hosts: Path, repeats: int) -> dict[str, Any]:
         subprocess.run([sys.executable, "-c", "import opsctl.cli"], check=True, cwd=str(REPO))
         times["import_cli_s"].append(time.perf_counter() - t0)
     out: dict[str, Any] = {"repeats": repeats}
-    for key, vals in times.items():
-        out[key] = [round(v, 3) for v in vals]
-        out[key.replace("_s", "_median_s")] = round(statistics.median(vals), 3)
+    out.update(timings(times))
     out["once_over_status"] = round(out["once_json_median_s"] / out["status_json_median_s"], 2)
     return out
 
@@ -229,9 +236,7 @@ def host_once_vs_status(hosts: Path, repeats: int) -> dict[str, Any]:
             states[key] = [(row["run"], row["state"]) for row in json.loads(r.stdout)]
         assert states["status_json_s"] == states["once_json_s"] and len(states["once_json_s"]) == 4, states
     out: dict[str, Any] = {"repeats": repeats, "runs": 4}
-    for key, vals in times.items():
-        out[key] = [round(v, 3) for v in vals]
-        out[key.replace("_s", "_median_s")] = round(statistics.median(vals), 3)
+    out.update(timings(times))
     print(f"all 4 runs of a host: status --json median {out['status_json_median_s']:.2f} s; watch --once --json "
           f"median {out['once_json_median_s']:.2f} s")
     return out
@@ -286,9 +291,7 @@ def fleet_status(sshd: Any, base: Path, repeats: int, silent_timeout: float = 3.
             m.close()
     out: dict[str, Any] = {"repeats": repeats, "hosts": 5, "silent_hosts": 2, "runs_per_host": 4,
                            "silent_connect_timeout_s": silent_timeout}
-    for key, vals in times.items():
-        out[key] = [round(v, 3) for v in vals]
-        out[key.replace("_s", "_median_s")] = round(statistics.median(vals), 3)
+    out.update(timings(times))
     print(f"status of 5 hosts (2 silent, connect_timeout {silent_timeout:g} s): in series median "
           f"{out['series_median_s']:.2f} s; at once median {out['parallel_median_s']:.2f} s")
     return out
