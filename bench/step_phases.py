@@ -90,6 +90,8 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"target built in {time.perf_counter() - t0:.1f} s: {target.num_layers} layers, vocab {target.vocab_size}, "
           f"packing {target.packing}, attention {target.attention}, kernels {target.kernels}", flush=True)
     dcfg = cfg.drafter
+    if args.grad_checkpoint is not None:
+        dcfg.grad_checkpoint = {"true": True, "false": False}.get(args.grad_checkpoint, args.grad_checkpoint)
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg, target.hidden_size, len(target.tap_layers)).to(device)
     apply_auto_checkpoint(drafter, cfg.data.token_budget, target.hidden_size * len(target.tap_layers), device,
@@ -228,7 +230,9 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         "config": args.config, "device": dev.name(), "torch": torch.__version__,
         "bf16_matmul_tflops": round(peak, 1), "steps_timed": len(timed), "warmup": args.warmup,
         "first_step_s": round(per_step[0]["wall_s"], 1), "first_step_split_s": first_split,
-        "compile_scope": t.compile_scope if compiled else None, "real_tokens_per_step": round(mean_fl["tokens"]),
+        "compile_scope": t.compile_scope if compiled else None,
+        "grad_checkpoint": str(dcfg.grad_checkpoint).lower(), "checkpoint_layers": drafter.checkpoint_layers,
+        "real_tokens_per_step": round(mean_fl["tokens"]),
         "target": {"layers_run": max(taps) + 1, "of": target.num_layers, "vocab": vocab, "packing": target.packing,
                    "attention": target.attention, "fixed_shape": args.fixed_shape,
                    "cuda_graph": {"setting": cfg.target.cuda_graph, "active": g is not None,
@@ -315,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-scope", choices=("whole", "regional"),
                    help="override train.compile_scope: compile the whole drafter step, or one layer and one CE chunk "
                         "reused by all (issue 24: the cold first step)")
+    p.add_argument("--grad-checkpoint", choices=("true", "false", "auto"),
+                   help="override drafter.grad_checkpoint: recompute every layer's forward in backward, none, or as "
+                        "many as the memory free after the target is loaded needs (issue 24: HFU vs MFU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="print the FLOPs model of a step; needs no GPU")
     p.add_argument("--cpu-smoke", action="store_true",

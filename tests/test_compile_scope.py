@@ -245,3 +245,30 @@ def test_regional_compile_under_ddp_gives_the_eager_ddp_losses(tmp_path: Path) -
     assert regional[0]["losses"] == regional[1]["losses"] and len(regional[0]["losses"]) == 3
     assert regional[0]["losses"] == pytest.approx(eager[0]["losses"], rel=1e-5, abs=1e-6)
     assert regional[0]["recompiles"] == [0, 0, 0]
+
+
+def test_step_phases_grad_checkpoint_override_sets_the_recompute_and_hfu(tmp_path: Path) -> None:
+    """--grad-checkpoint true|false (what the H200 session compares at the 27B-like shape for the 65 % MFU goal):
+    the drafter is built with that many checkpointed layers, and recompute raises HFU over MFU."""
+    import json
+
+    cfg = tiny_run_yaml(drafter={"num_layers": 2, "mask_token_id": 511, "grad_checkpoint": True},
+                        train={"compile": "false"})
+    cfg["target"]["tap_layers"] = [1, 2]
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rows = {}
+    for setting in ("true", "false"):
+        out = subprocess.run([sys.executable, str(REPO / "bench" / "step_phases.py"), str(path), "--cpu-smoke",
+                              "--steps", "2", "--warmup", "1", "--profile-steps", "0", "--grad-checkpoint", setting],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        layers = 2 if setting == "true" else 0
+        assert f"drafter: {layers} of 2 layers checkpointed" in out.stdout
+        rows[setting] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rows["true"]["checkpoint_layers"] == 2 and rows["false"]["checkpoint_layers"] == 0
+    ratio = {}  # HFU / MFU: hardware FLOPs over model FLOPs (dense attention over whole blocks counts in both)
+    for setting in ("true", "false"):
+        row = next(r for r in rows[setting]["phases"] if r["phase"] == "drafter fwd+bwd")
+        ratio[setting] = row["hfu"] / row["mfu"]
+    assert ratio["true"] > ratio["false"] * 1.2, ratio
