@@ -27,6 +27,11 @@ FORMAT = 1
 ENV_OFF = "DFLASH_WARM_START"
 
 
+def warm_start_off() -> bool:
+    """DFLASH_WARM_START=0: start cold on purpose (nothing loaded or restored; the first step still saves)."""
+    return os.environ.get(ENV_OFF, "").strip().lower() in ("0", "off", "false", "no")
+
+
 def cache_dir(out: Path) -> Path:
     return Path(out) / DIR_NAME
 
@@ -110,7 +115,7 @@ def load(out: Path, key: dict[str, str], caches: dict[str, bool]) -> WarmStart:
     """Load OUT's artifacts into torch's caches when their key matches; never raises (a cold start is always safe)."""
     d = cache_dir(out)
     meta_path, blob_path = d / META, d / BLOB
-    if os.environ.get(ENV_OFF, "").strip().lower() in ("0", "off", "false", "no"):
+    if warm_start_off():
         return WarmStart(False, f"not loaded: {ENV_OFF}={os.environ[ENV_OFF]}")
     if not all(caches.values()):
         off = ", ".join(k for k, v in caches.items() if not v)

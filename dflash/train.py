@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash import checkpoint as ckpt
-from dflash import compile_cache, locks
+from dflash import compile_cache, locks, triton_carry
 from dflash.config import ConfigError, RunConfig, check_mask_token_id, check_run
 from dflash.data import DataError, Document, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
@@ -294,6 +294,7 @@ class Trainer:
         self.docs = docs
         self.on_step = on_step
         self.rank0 = roles.rank == 0
+        self.triton: triton_carry.Carry | None = None  # what this host's Triton cache got back (target ranks)
         self.losses: list[float] = []
         self.t_start = time.perf_counter()
         # new_group is collective over the whole world: every rank (target ranks too) creates it, in the same order.
@@ -494,6 +495,8 @@ class Trainer:
         self.phase("loading_target", i=0, n=1)
         self.target: Target | None = None
         if roles.is_target:
+            self._restore_triton()
+
             def progress(i: int, n: int) -> None:
                 self.phase("loading_target", i=i, n=n)
 
@@ -629,6 +632,16 @@ class Trainer:
         self.warm = compile_cache.load(self.run_dir.out, self.artifact_key, caches)
         self.log.info("warm start %s: %s", "used" if self.warm.used else "not used", self.warm.reason)
 
+    def _restore_triton(self) -> None:
+        """Before the target's first forward: the Triton kernels (fla's, inductor's) an earlier attempt carried in
+        OUT/compile_cache go back into this host's Triton cache, so fla does not JIT and autotune again."""
+        if compile_cache.warm_start_off():
+            return
+        self.triton = triton_carry.restore(compile_cache.cache_dir(self.run_dir.out),
+                                           compile_cache.artifact_key(self.device, {}))
+        if self.triton.reason:
+            self.log.info("triton kernels: %s", self.triton.reason)
+
     def _first_step_fields(self, t0: float) -> dict[str, Any]:
         """What the first compiled step of this attempt reports: its time (the compile is in it), whether the warm
         start was used, and torch's cache hit/miss counters, which show what it saved."""
@@ -645,6 +658,9 @@ class Trainer:
         if self.rank0:
             prev = self.warm.sha256 if self.warm is not None else None
             self.log.info("%s", compile_cache.save(self.run_dir.out, self.artifact_key, prev))
+            line = triton_carry.save(compile_cache.cache_dir(self.run_dir.out), self.artifact_key, self.triton)
+            if line:
+                self.log.info("%s", line)
 
     # -- the loop
     def _disk_full(self, message: str) -> None:

@@ -48,7 +48,8 @@ class Primed:
 
 def train(config: Path, out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
-    env.update(PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache))
+    # as opsctl's launch wrapper sets it: Triton's cache inside the inductor cache (empty on CPU but for PLANTED)
+    env.update(PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"))
     return subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(config), "--out", str(out),
                            *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -76,9 +77,24 @@ def primed(tmp_path_factory: pytest.TempPathFactory) -> Primed:
     config = base / "run.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     out, cache = base / "out", base / "inductor"
+    plant_triton_entry(cache / "triton")
     first = train(config, out, cache)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     return Primed(config, out, cache, first)
+
+
+# A stand-in for what fla's first calls leave in Triton's cache on a GPU (Triton is absent on CPU machines): Triton's
+# documented layout, one directory per kernel named by its cache key's hash, holding the binary, its metadata and
+# the autotuner's results.
+PLANTED = "Q3ZLXKWJ7TQ2YV4XN5M6BO7CP8DQ9ERAFSBGTCHUDIVEJWFKXGLYHMZI"
+PLANTED_FILES = {"chunk_fwd_kernel_h.cubin": os.urandom(3000), "chunk_fwd_kernel_h.json": b'{"num_warps": 4}',
+                 "chunk_fwd_kernel_h.autotune.json": b'{"configs_timings": [[{"BV": 64}, 0.011]]}'}
+
+
+def plant_triton_entry(root: Path) -> None:
+    (root / PLANTED).mkdir(parents=True, exist_ok=True)
+    for name, data in PLANTED_FILES.items():
+        (root / PLANTED / name).write_bytes(data)
 
 
 def resume_setup(primed: Primed, tmp_path: Path, strip: bool = True) -> tuple[Path, Path]:
@@ -133,6 +149,31 @@ def test_resume_loads_the_artifacts_and_its_compile_hits_the_caches(primed: Prim
     assert re.search(r"warm start used: loaded \d+ inductor", r.stdout)
     assert re.search(r"first compiled step: [\d.]+ s \(warm start used", r.stdout)
     assert evs[-1]["kind"] == "run_end" and evs[-1]["reason"] == "completed"
+
+
+def test_a_resume_on_an_emptied_cache_gets_the_triton_kernels_back(primed: Primed, tmp_path: Path) -> None:
+    """fla's Triton kernels (and their autotune results) are not in torch's mega-cache: the first attempt carries the
+    Triton cache in OUT/compile_cache, and a resume whose cache was emptied (opsctl's `clear`, a new host) has
+    them back, byte for byte, before the target's first forward."""
+    assert re.search(r"Triton kernels carried: 1 entries", primed.first.stdout), primed.first.stdout[-2000:]
+    out, cache = resume_setup(primed, tmp_path)
+    shutil.rmtree(cache / "triton")
+    r = train(primed.config, out, cache, "--resume", "--max-steps", "3")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(r"triton kernels: restored 1 Triton kernel entries .* 0 were already", r.stdout), r.stdout[-3000:]
+    assert {f.name: f.read_bytes() for f in (cache / "triton" / PLANTED).iterdir()} == PLANTED_FILES
+    assert not [p for p in (cache / "triton").iterdir() if p.name.startswith(".dflash-carry")]
+    assert "Triton kernels unchanged (1 entries" in r.stdout  # nothing new: the archive is not rewritten
+    # DFLASH_WARM_START=0 restores nothing either (a cold start on purpose)
+    out2, cache2 = resume_setup(primed, tmp_path / "cold")
+    shutil.rmtree(cache2 / "triton")
+    env_off = {**os.environ, "DFLASH_WARM_START": "0"}
+    r = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(primed.config), "--out", str(out2),
+                        "--resume", "--max-steps", "3"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**{k: v for k, v in env_off.items() if k not in CACHE_ENV[1:]}, "PYTHONUNBUFFERED": "1",
+                            "TORCHINDUCTOR_CACHE_DIR": str(cache2), "TRITON_CACHE_DIR": str(cache2 / "triton")})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "restored" not in r.stdout and not (cache2 / "triton" / PLANTED).exists()
 
 
 def test_artifacts_with_another_key_are_ignored_with_the_reason(primed: Primed, tmp_path: Path) -> None:
