@@ -69,18 +69,25 @@ PARTS: dict[str, tuple[Check, ...]] = {
         Check(G + "test_whole_drafter_under_torch_compile_matches_and_does_not_recompile", 85, "run 2: 82.5 s"),
         Check(G + "test_training_size_flex_equals_dense_and_step_cost", 40, "run 2: 17.3 s after the above"),
     ),
+    # the bench-shape gradient checks (2026-12-05, warm H200: the three passed in 195.9 s in one pytest process)
     "part4": (
-        Check(G + "test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_back", 150, "guess"),
-        Check(F + "test_flex_gradients_equal_dense_at_the_bench_training_shape[flex-module]", 60, "guess"),
-        Check(F + "test_flex_gradients_equal_dense_at_the_bench_training_shape[whole-step-compiled]", 120, "guess"),
-        Check(F + "test_flex_gradients_equal_dense_at_the_bench_training_shape[regional-compiled]", 120,
-              "guess (issue 24 item 3, never run)"),
+        Check(F + "test_flex_gradients_equal_dense_at_the_bench_training_shape[flex-module]", 80,
+              "2026-12-05: the three in 195.9 s together, warm machine; cold adds the flex compile"),
+        Check(F + "test_flex_gradients_equal_dense_at_the_bench_training_shape[whole-step-compiled]", 110,
+              "2026-12-05: see above"),
+        Check(F + "test_flex_gradients_equal_dense_at_the_bench_training_shape[regional-compiled]", 110,
+              "2026-12-05: see above (passed)"),
     ),
     "part5": (
         Check(T + "test_teacher_forced_drafts_and_walk_equal_the_decode_loop_on_the_gpu[bf16-autocast]", 200,
               "2026-12-05: 107 s alone, fresh machine; passes under the tie rule (both cases 204.6 s)"),
         Check(C + "test_graph_replay_equals_the_eager_forward_exactly", 120, "2026-12-05: both 48.4 s together, fresh machine"),
         Check(C + "test_a_different_document_count_replays_without_recapture", 60, "2026-12-05: see above"),
+    ),
+    # alone: it compiles a flex drafter step per shape, more shapes than the recompile limit
+    "part6": (
+        Check(G + "test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_back", 420,
+              "2026-12-05: not done in 260 s alone on a warm machine with 4 shapes (now 3)"),
     ),
 }
 
