@@ -6,7 +6,9 @@ Run: `python bench/ops_latency.py [--lines 2000] [--cpu-seconds 30]`; it prints 
 `watch HOST --once --json` over all four runs of the host; `--only fleet` times `status` with no HOST over five hosts,
 two of them silent (accept, never answer), asked in series (as before) and at once (as now). `--only long` times
 `status HOST RUN --json` of a week-long run (--long-steps step events, an evaluation every 1000) on the local host:
-reading the whole events file (no saved fold) against going on from the fold the previous status saved.
+reading the whole events file (no saved fold) against going on from the fold the previous status saved; and
+`watch HOST --once` of the same run with every step event of its backlog (OPSCTL_WATCH_FULL_HISTORY=1) against the
+thinned backlog watch asks for.
 """
 
 from __future__ import annotations
@@ -363,6 +365,7 @@ def long_run_status(base: Path, steps: int, repeats: int) -> dict[str, Any]:
     """status of one run whose events file holds `steps` step events: full read vs the saved fold (opsctl.agent
     FOLD_FILE), each `repeats` times, alternating; the local host (no SSH: the agent's reading is what differs)."""
     from opsctl.agent import FOLD_FILE
+    from opsctl.watch import FULL_HISTORY_ENV
 
     base.mkdir(parents=True)
     t = time.time() - 3.0 * steps
@@ -395,7 +398,21 @@ def long_run_status(base: Path, steps: int, repeats: int) -> dict[str, Any]:
             r = _opsctl(hosts, "status", "box", "r", "--json")
             sink.append(time.perf_counter() - t0)
             assert r.returncode == 0, r.stderr
+    # watch --once (the dashboard's first frame folds the same backlog): every step event vs the thinned backlog
+    watch_full: list[float] = []
+    watch_thin: list[float] = []
+    for _ in range(repeats):
+        for sink, full_history in ((watch_full, "1"), (watch_thin, "0")):
+            os.environ[FULL_HISTORY_ENV] = full_history
+            t0 = time.perf_counter()
+            r = _opsctl(hosts, "watch", "box", "--once")
+            sink.append(time.perf_counter() - t0)
+            assert r.returncode == 0, r.stderr
+    os.environ.pop(FULL_HISTORY_ENV, None)
     return {"steps": steps, "events_mb": round((base / "events.jsonl").stat().st_size / 1e6, 1),
+            "watch_once_full_s": [round(x, 3) for x in watch_full], "watch_once_thinned_s": [round(x, 3) for x in watch_thin],
+            "watch_full_median_s": round(statistics.median(watch_full), 3),
+            "watch_thinned_median_s": round(statistics.median(watch_thin), 3),
             "full_read_s": [round(x, 3) for x in full], "from_fold_s": [round(x, 3) for x in folded],
             "full_median_s": round(statistics.median(full), 3), "fold_median_s": round(statistics.median(folded), 3)}
 
@@ -409,7 +426,8 @@ def main() -> int:
     ap.add_argument("--only", choices=("watch", "status", "fleet", "long"),
                     help="watch: the dashboard's idle CPU and --once --json vs status; status: status --json vs "
                          "watch --once --json over all runs of a host; fleet: status of 5 hosts (2 silent) in series "
-                         "and at once; long: status of a week-long run, full read vs the saved fold")
+                         "and at once; long: status of a week-long run, full read vs the saved fold, and its watch --once, every "
+                         "step event vs the thinned backlog")
     ap.add_argument("--long-steps", type=int, default=200_000, help="step events of --only long's run")
     ap.add_argument("--watch-seconds", type=float, default=20, help="how long the idle dashboard is measured")
     ap.add_argument("--repeats", type=int, default=5, help="runs of --once --json and status --json each")

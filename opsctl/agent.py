@@ -12,6 +12,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -670,6 +671,88 @@ def human_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
+# `follow` with `thin_history` (watch's backlog): the step events of a long history are sent at most THIN_POINTS
+# apart (every 2^k-th step, the alignment the charts' RunSeries keeps), all the others and the last THIN_TAIL events
+# whole. What a client folds from the history is then the same: every non-step event (evals, errors, checkpoints,
+# heartbeats, run_start/run_end), each attempt's first THIN_HEAD steps (ETA warm-up, alert baselines), every step
+# whose loss is not a finite number (the NaN alert), and a tail long enough that the ETA's moving average (alpha
+# 0.05) and the alert windows (the latest step, queue and step-time windows) have forgotten the thinned middle.
+THIN_POINTS = 4000
+THIN_TAIL = 2000
+THIN_HEAD = 50
+THIN_PROBE = 256 << 10  # bytes read from the events file's end to find its last step
+
+
+def thin_stride(path: str, offset: int) -> int:
+    """The power of two that leaves about THIN_POINTS steps of a history reaching the last step found in the file's
+    last THIN_PROBE bytes (1: no thinning; a history that short costs nothing to send whole)."""
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            start = max(offset, size - THIN_PROBE)
+            fh.seek(start)
+            chunk = fh.read(size - start)
+    except OSError:
+        return 1
+    last = 0
+    for raw in reversed(chunk.split(b"\n")[1 if start > offset else 0:]):
+        if b'"step"' not in raw:
+            continue
+        ev = event_object(raw, len(raw))
+        if isinstance(ev, dict) and ev.get("kind") == "step" and isinstance(ev.get("step"), int):
+            last = ev["step"]
+            break
+    stride = 1
+    while last // stride > THIN_POINTS:
+        stride *= 2
+    return stride
+
+
+class HistoryThinner:
+    """Holds the last THIN_TAIL messages of a backlog and lets older ones out in order, dropping the step events
+    nobody would miss (see THIN_POINTS). `push` and `flush` return the messages to send now."""
+
+    def __init__(self, stride: int) -> None:
+        self.stride = stride
+        self.ring: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
+        self.head = 0  # step events let out since the last run_start
+        self.dropped = 0
+
+    def push(self, kind: str, fields: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        self.ring.append((kind, fields))
+        out = []
+        while len(self.ring) > THIN_TAIL:
+            item = self.ring.popleft()
+            if self._keep(item):
+                out.append(item)
+            else:
+                self.dropped += 1
+        return out
+
+    def flush(self) -> list[tuple[str, dict[str, Any]]]:
+        for item in self.ring:  # the tail goes whole; its run_starts still reset the counters for what follows
+            self._keep(item)
+        out, self.ring = list(self.ring), collections.deque()
+        return out
+
+    def _keep(self, item: tuple[str, dict[str, Any]]) -> bool:
+        kind, fields = item
+        ev = fields.get("event") if kind == "event" else None
+        if not isinstance(ev, dict):
+            return True
+        if ev.get("kind") == "run_start":
+            self.head = 0
+            return True
+        if ev.get("kind") != "step":
+            return True
+        self.head += 1
+        step, loss = ev.get("step"), ev.get("loss")
+        if (self.head <= THIN_HEAD or not isinstance(step, int) or step % self.stride == 0
+                or not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss)):
+            return True
+        return False
+
+
 class Follower:
     """Multiplexes log lines, telemetry events, NVML samples and process state onto stdout."""
 
@@ -691,6 +774,7 @@ class Follower:
         self.fatal_errors: list[dict[str, Any]] = []
         self.pattern = re.compile(run.ready_pattern) if run.ready_pattern else None
         self.pattern_hit: str | None = None
+        self.thinner: HistoryThinner | None = None  # set by catch_up(thin=True) for the backlog only
 
     def poll(self) -> dict[str, Any]:
         resets: list[str] = []
@@ -709,15 +793,17 @@ class Follower:
             resets = []
             for off, end, raw in self.events.read(resets):
                 for r in resets:
+                    self._flush_thinner()
                     emit("log_reset", reason=r, file="events")
                 resets = []
                 ev = event_object(raw, end - off - 1)
                 if isinstance(ev, str):  # said, never silently dropped: the client counts it (RunState)
-                    emit("bad_event", off=off, end=end, error=ev)
+                    self._send("bad_event", off=off, end=end, error=ev)
                     continue
                 self._note(ev)
-                emit("event", off=off, end=end, event=ev)
+                self._send("event", off=off, end=end, event=ev)
             for r in resets:
+                self._flush_thinner()
                 emit("log_reset", reason=r, file="events")
         now = time.monotonic()
         if self.gpu_interval > 0 and self.nvml.ok and now >= self.next_gpu:
@@ -727,6 +813,18 @@ class Follower:
             except Exception as exc:  # noqa: BLE001 - a failing GPU query must not stop the log stream
                 emit("error", message=f"nvml sample failed: {exc}", fatal=False)
         return self.proc.poll()
+
+    def _send(self, kind: str, **fields: Any) -> None:
+        if self.thinner is None:
+            emit(kind, **fields)
+            return
+        for k, f in self.thinner.push(kind, fields):
+            emit(k, **f)
+
+    def _flush_thinner(self) -> None:
+        if self.thinner is not None:
+            for k, f in self.thinner.flush():
+                emit(k, **f)
 
     def _note(self, ev: dict[str, Any]) -> None:
         ts = ev.get("ts")
@@ -749,9 +847,13 @@ class Follower:
     def offsets(self) -> dict[str, int]:
         return {"log_offset": self.log.offset, "events_offset": self.events.offset if self.events else 0}
 
-    def catch_up(self) -> None:
+    def catch_up(self, thin: bool = False) -> None:
         """Poll until the log and events are read as far as they reached now, then say so (`backlog_end`): the
-        client's `--once` ends on this, never on a quiet second, which a slow host or a huge line would break."""
+        client's `--once` ends on this, never on a quiet second, which a slow host or a huge line would break.
+        `thin`: a long events backlog's step events are thinned (HistoryThinner); what follows is sent whole."""
+        if thin and self.events is not None:
+            stride = thin_stride(self.events.path, self.events.offset)
+            self.thinner = HistoryThinner(stride) if stride > 1 else None
         goal = [(t, t.size()) for t in (self.log, self.events) if t is not None]
         while True:
             before = [t.position() for t, _ in goal]
@@ -760,6 +862,8 @@ class Follower:
             moved = [t.position() for t, _ in goal] != before
             if not (behind and moved):  # read to the goal, or nothing more to read (truncated meanwhile)
                 break
+        self._flush_thinner()
+        self.thinner = None
         emit("backlog_end", **self.offsets())
 
     def phase_text(self) -> str:
@@ -1547,7 +1651,8 @@ def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("attempt", file=run.log, attempt=len(olds) + 1, attempts=len(olds) + 1, current=True)
     follower = Follower(run, nvml, int(opts.get("log_offset", 0)), int(opts.get("events_offset", 0)),
                    int(opts.get("tail", 10)), float(opts.get("gpu_interval", 1.0)))
-    follower.catch_up()  # what is there now (from the offsets, or the last `tail` lines), then `backlog_end`
+    # what is there now (from the offsets, or the last `tail` lines), then `backlog_end`
+    follower.catch_up(thin=bool(opts.get("thin_history")))
     if opts.get("once"):
         emit("verdict", ok=True, reason="snapshot", **follower.offsets())
         return EXIT_CODES["ok"]

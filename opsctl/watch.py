@@ -38,6 +38,7 @@ STATE_TYPES = frozenset({"event", "bad_event", "proc", "gpu", "hello", "killed"}
 RECONNECT_BASE_S = 0.2  # first wait before reconnecting a lost link (doubling, with jitter)
 RECONNECT_CAP_S = 10.0  # the longest wait between two reconnect attempts
 SEV_INFO, SEV_WARNING, SEV_ERROR = 0, 1, 2
+FULL_HISTORY_ENV = "OPSCTL_WATCH_FULL_HISTORY"  # =1: watch asks for every step event of the backlog (benchmarks)
 
 _ERROR_RE = re.compile(
     r"Traceback|\bERROR\b|Error\b|Exception\b|out of memory|\bOOM\b|FATAL|CRITICAL|NCCL (WARN|ERROR)|Segmentation fault"
@@ -830,8 +831,10 @@ class AgentSource:
     def messages(self) -> Iterator[dict[str, Any]]:
         transport = self._connect(self.host)
         try:
+            # thin_history: a week of step events arrives as the few thousand the charts keep (agent.py's
+            # HistoryThinner), so the dashboard and --once draw in a second, not after folding 200,000 events
             yield from follow_connection(transport, self.host, self.run, self.offsets, gpu_interval=1.0,
-                                         until_exit=False)
+                                         until_exit=False, thin_history=os.environ.get(FULL_HISTORY_ENV) != "1")
         finally:
             transport.close()
 

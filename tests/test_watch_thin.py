@@ -1,0 +1,139 @@
+"""watch's backlog of a long run arrives thinned (opsctl/agent.py HistoryThinner): the real agent's `follow` with
+and without `thin_history` over one events file, each folded by the dashboard's own RunModel at one fixed clock.
+
+What a person reads must not change: the whole `watch --once --json` record (state, step, ETA, tau, errors, alerts,
+bad-line count) is equal, the charts keep the same curve at the resolution they draw, and only step events are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
+
+from agentlib import drive, of, run_args  # noqa: E402
+
+from opsctl import agent  # noqa: E402
+from opsctl.watch import RunModel  # noqa: E402
+
+T0 = 1_790_000_000.0
+
+
+def _write_events(path: Path, steps: int, resume_at: int) -> float:
+    total = steps + 10_000  # still going: the ETA depends on the rate the history leaves
+    """A long run's events: an attempt that ends by signal at `resume_at`, a resumed one to `steps`; evals every
+    500 steps, heartbeats every 7, a checkpoint every 2000, one NaN loss, recompile counts that move twice, an
+    error event, one line that is no event, and the step rate changing in the last attempt (the ETA must see it)."""
+    t = T0
+    lines: list[dict[str, Any]] = []
+
+    def ev(kind: str, **kw: Any) -> None:
+        lines.append({"v": 1, "ts": t, "kind": kind, "run_id": "x", "rank": 0, "seq": len(lines), **kw})
+
+    def attempt(first: int, last: int, resumed: int | None) -> None:
+        nonlocal t
+        ev("run_start", total_steps=total, resumed_from=resumed)
+        ev("phase", phase="compiling")
+        rc = 0
+        for n in range(first, last + 1):
+            t += 30.0 if n == first else (3.0 if n < steps - 1000 else 2.0)
+            rc += n in (first + 5, 31_001)  # warm-up, then one growth the recompile alert must name
+            loss = float("nan") if n == 30_123 else 4.0 / math.sqrt(n)
+            ev("step", step=n, epoch=0, loss=loss, acc=[0.5, 0.4], lr=1e-3, grad_norm=1.0, tokens=4096,
+               tokens_per_s=1365.0, step_time_s=2.9, queue_depth=0, queue_wait_s=0.0, recompiles=rc,
+               total_steps=total)
+            if n % 7 == 0:
+                ev("heartbeat", step=n, phase="training", rss_mb=1000.0 + n / 100)
+            if n % 500 == 0:
+                ev("eval", step=n, tau=2.0 + n / steps, accept_by_position=[0.5] * 15, ngram_tau=1.4, sequences=32,
+                   tokens=4096, seconds=1.0)
+            if n % 2000 == 0:
+                ev("checkpoint", step=n, path=f"/ckpt/step-{n}", seconds=4.0)
+            if n == 9_000:
+                ev("error", **{"class": "disk_full"}, message="no space left for checkpoint", traceback=None,
+                   fatal=False)
+        if last != steps:
+            ev("run_end", reason="signal", step=last, exit_code=143)
+
+    attempt(1, resume_at, None)
+    attempt(resume_at - 1500 + 1, steps, resume_at - 1500)
+    with open(path, "w") as fh:
+        for i, line in enumerate(lines):
+            fh.write(json.dumps(line) + "\n")
+            if i == 100:
+                fh.write("not json at all\n")
+    return t
+
+
+def _follow(tmp: Path, thin: bool) -> list[dict[str, Any]]:
+    args = run_args(tmp, "", command=["true"])
+    rc, msgs = drive("follow", {**args, "options": {"log_offset": -1, "events_offset": 0, "tail": 0, "once": True,
+                                                    "gpu_interval": 0, "thin_history": thin}}, timeout=120)
+    assert rc == 0
+    return msgs
+
+
+def _fold(msgs: list[dict[str, Any]], now: float) -> RunModel:
+    model = RunModel("box:r", clock=lambda: now)
+    for m in msgs:
+        if m["t"] not in ("bye", "verdict"):
+            model.ingest(m)
+    return model
+
+
+def test_a_thinned_backlog_folds_to_the_same_record_and_curve(tmp_path: Path) -> None:
+    steps = 40_000
+    last_ts = _write_events(tmp_path / "events.jsonl", steps, 24_000)
+    full, thin = _follow(tmp_path, False), _follow(tmp_path, True)
+    ends = [[(m["log_offset"], m["events_offset"]) for m in of(msgs, "backlog_end")] for msgs in (full, thin)]
+    assert ends[0] == ends[1] and ends[0][0][1] == (tmp_path / "events.jsonl").stat().st_size  # the resume point
+    n_full, n_thin = (sum(1 for m in msgs if m["t"] == "event" and m["event"]["kind"] == "step")
+                      for msgs in (full, thin))
+    assert n_full == 40_000 + 1_500 and n_thin < n_full * 0.25, (n_full, n_thin)
+    # every other kind of line is sent whole, in the same order
+    others = [[(m["t"], m.get("off")) for m in msgs if m["t"] == "bad_event"
+               or (m["t"] == "event" and m["event"]["kind"] != "step")] for msgs in (full, thin)]
+    assert others[0] == others[1]
+    offs = [m["off"] for m in thin if m["t"] in ("event", "bad_event")]
+    assert offs == sorted(offs)
+
+    now = last_ts + 5.0
+    a, b = _fold(full, now), _fold(thin, now)
+    ra, rb = a.snapshot(), b.snapshot()
+    assert ra == rb, {k: (ra[k], rb[k]) for k in ra if ra[k] != rb.get(k)}
+    assert ra["step"] == steps and ra["tau_step"] == steps and ra["bad_events"] == 1
+    assert abs(ra["eta_s"] - 10_000 * 2.0) < 1.0, ra["eta_s"]  # the last 1,000 steps' rate, 2.0 s a step
+    keys = {x["key"] for x in ra["alerts"]}
+    assert {"nan", "recompile"} <= keys, keys  # both found in the thinned middle of the history
+    evidence = {x["key"]: x["evidence"] for x in ra["alerts"]}
+    assert "step 30123" in evidence["nan"] and "-> 2 at step 40000" in evidence["recompile"], evidence
+    # the charts: the same curve at the resolution they draw (~120-200 columns over 40,000 steps): the same first
+    # and last step, no gap wider than twice the full backlog's (RunSeries keeps both under 4,000 points), and each
+    # point the value the file has at that step (after the resume, the newer attempt's)
+    value_at: dict[str, dict[int, float]] = {"loss": {}, "tau": {}}
+    for m in full:
+        e = m.get("event") or {}
+        for key in value_at:
+            if m["t"] == "event" and e.get("kind") in ("step", "eval") and key in e:
+                value_at[key][e["step"]] = e[key]
+    for key in ("loss", "tau"):
+        sa, sb = a.series[key], b.series[key]
+        assert (sa.steps[0], sa.steps[-1]) == (sb.steps[0], sb.steps[-1]) and sb.steps[-1] == steps
+        gap = [max(b - a for a, b in zip(s.steps[:-1], s.steps[1:], strict=True)) for s in (sa, sb)]
+        assert gap[1] <= 2 * gap[0], (key, gap)
+        assert all(value_at[key][st] == v or (math.isnan(v) and math.isnan(value_at[key][st]))
+                   for st, v in zip(sb.steps, sb.values, strict=True))
+    assert a.attempt_marks == b.attempt_marks
+
+
+def test_a_short_history_is_sent_whole(tmp_path: Path) -> None:
+    _write_events(tmp_path / "events.jsonl", 3_000, 2_000)
+    assert agent.thin_stride(str(tmp_path / "events.jsonl"), 0) == 1
+    full, thin = _follow(tmp_path, False), _follow(tmp_path, True)
+    strip = [[{k: v for k, v in m.items() if k not in ("_rx", "ts", "local_ts")} for m in msgs
+              if m["t"] in ("event", "bad_event", "backlog_end")] for msgs in (full, thin)]
+    assert strip[0] == strip[1]
