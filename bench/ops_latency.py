@@ -8,7 +8,7 @@ two of them silent (accept, never answer), asked in series (as before) and at on
 `status HOST RUN --json` of a week-long run (--long-steps step events, an evaluation every 1000) on the local host:
 reading the whole events file (no saved fold) against going on from the fold the previous status saved; and
 `watch HOST --once` of the same run with every step event of its backlog (OPSCTL_WATCH_FULL_HISTORY=1) against the
-thinned backlog watch asks for.
+thinned backlog watch asks for; and `export HOST RUN --tensorboard DIR` of it.
 """
 
 from __future__ import annotations
@@ -409,10 +409,16 @@ def long_run_status(base: Path, steps: int, repeats: int) -> dict[str, Any]:
             sink.append(time.perf_counter() - t0)
             assert r.returncode == 0, r.stderr
     os.environ.pop(FULL_HISTORY_ENV, None)
+    # export of the whole run to TensorBoard (every scalar of every step: no thinning), once
+    t0 = time.perf_counter()
+    r = _opsctl(hosts, "export", "box", "r", "--tensorboard", str(base / "tb"))
+    export_s = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
     return {"steps": steps, "events_mb": round((base / "events.jsonl").stat().st_size / 1e6, 1),
             "watch_once_full_s": [round(x, 3) for x in watch_full], "watch_once_thinned_s": [round(x, 3) for x in watch_thin],
             "watch_full_median_s": round(statistics.median(watch_full), 3),
             "watch_thinned_median_s": round(statistics.median(watch_thin), 3),
+            "export_s": round(export_s, 2), "export_mb": round(sum(f.stat().st_size for f in (base / "tb").iterdir()) / 1e6, 1),
             "full_read_s": [round(x, 3) for x in full], "from_fold_s": [round(x, 3) for x in folded],
             "full_median_s": round(statistics.median(full), 3), "fold_median_s": round(statistics.median(folded), 3)}
 
@@ -427,7 +433,7 @@ def main() -> int:
                     help="watch: the dashboard's idle CPU and --once --json vs status; status: status --json vs "
                          "watch --once --json over all runs of a host; fleet: status of 5 hosts (2 silent) in series "
                          "and at once; long: status of a week-long run, full read vs the saved fold, and its watch --once, every "
-                         "step event vs the thinned backlog")
+                         "step event vs the thinned backlog, and its TensorBoard export")
     ap.add_argument("--long-steps", type=int, default=200_000, help="step events of --only long's run")
     ap.add_argument("--watch-seconds", type=float, default=20, help="how long the idle dashboard is measured")
     ap.add_argument("--repeats", type=int, default=5, help="runs of --once --json and status --json each")

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import re
+import select
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,6 +69,13 @@ def test_export_writes_tensorboard_scalars_that_its_reader_reads_back_resume_and
     assert _scalars(out, "checkpoint/free_gib")[-1] == (12, pytest.approx(28.0))  # the space left, over the run
     state = json.loads((out / STATE_FILE).read_text())
     assert state["events_offset"] == events.stat().st_size and state["last_step"] == 12
+    # one record per step, heartbeat and checkpoint (their scalars together), not one per scalar: a week-long
+    # run's export was ~15x the records, each checksummed by tensorboard's pure-Python CRC (bench in docs/perf.md)
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    records = [e for f in sorted(out.glob("events.out.tfevents.*")) for e in EventFileLoader(str(f)).Load()
+               if e.HasField("summary")]
+    assert len(records) == 16 + 16 + 2, len(records)
 
     # the run goes on: a second export adds only what is new
     for step in (13, 14):
@@ -168,3 +179,44 @@ def test_reexport_with_nothing_new_writes_no_event_file_and_says_so(tmp_path: Pa
     assert r.returncode == 0 and "1 steps" in r.stderr, r.stderr
     assert len([p for p in out.iterdir() if p.name.startswith("events.out.tfevents")]) == 2
     assert [s for s, _ in _scalars(out, "train/loss")] == [1, 2, 3, 4]
+
+
+def test_a_long_export_shows_its_progress_on_a_terminal(tmp_path: Path) -> None:
+    """A week-long run's export takes seconds to minutes: on a terminal a spinner counts the steps written (on a
+    pipe, only the final line, as the test above reads). The local host; stderr on a pseudo-terminal."""
+    events = tmp_path / "events.jsonl"
+    w = EventWriter(events, run_id="r1", truncate=True)
+    w.emit("run_start", config={}, versions={}, kernels={}, device="cpu", world_size=1, roles={"colocated": [0]},
+           resumed_from=None, pid=os.getpid(), host="h", total_steps=30_000)
+    for step in range(1, 30_001):
+        w.emit("step", step=step, epoch=0, loss=1.0 / step, acc=[0.5, 0.25], lr=1e-3, grad_norm=1.0, tokens=100,
+               tokens_per_s=400.0, step_time_s=0.25, queue_depth=0, queue_wait_s=0.0, recompiles=0,
+               total_steps=30_000)
+    w.close()
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(f"hosts:\n  box:\n    local: true\n    runs:\n      r:\n        command: ['true']\n"
+                     f"        workdir: {tmp_path}\n        log: {tmp_path}/run.log\n        events: {events}\n"
+                     f"        state_dir: {tmp_path}/state\n")
+    leader, follower = pty.openpty()
+    env = dict(os.environ, TERM="xterm-256color", COLUMNS="160")
+    p = subprocess.Popen([sys.executable, "-m", "opsctl", "--hosts", str(hosts), "export", "box", "r",
+                          "--tensorboard", str(tmp_path / "tb")], stdin=subprocess.DEVNULL, stdout=follower,
+                         stderr=follower, env=env, cwd=str(Path(__file__).resolve().parents[1]))
+    os.close(follower)
+    out = b""
+    while True:
+        ready, _, _ = select.select([leader], [], [], 120)
+        if not ready:
+            break
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert p.wait(timeout=120) == 0
+    os.close(leader)
+    text = out.decode("utf-8", "replace")
+    assert re.search(r"exporting box:r: [\d,]+ steps, [\d,]+ scalars \(step [\d,]+\)", text), text[-2000:]
+    assert "exported box:r: 30000 steps" in text
