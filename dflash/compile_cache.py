@@ -157,6 +157,19 @@ def load(out: Path, key: dict[str, str], caches: dict[str, bool]) -> WarmStart:
                      str(blob_path), len(data), load_s, counts, sha)
 
 
+def write_with_key(d: Path, blob_name: str, data: bytes, meta_name: str, meta: dict[str, Any]) -> None:
+    """The blob, then its key file (with the blob's sha256), each atomically (temp + fsync + rename): a crash in
+    between leaves a key that does not match the blob, which the loader ignores."""
+    d.mkdir(parents=True, exist_ok=True)
+    for name, payload in ((blob_name, data), (meta_name, (json.dumps(meta, indent=1) + "\n").encode())):
+        tmp = d / f".{name}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, d / name)
+
+
 def save(out: Path, key: dict[str, str], previous_sha: str | None = None) -> str:
     """Write what this process compiled or loaded from its caches to OUT/compile_cache (atomic: temp + rename,
     the blob before its key file, so a crash in between leaves a sha256 mismatch, which load() ignores).
@@ -175,14 +188,7 @@ def save(out: Path, key: dict[str, str], previous_sha: str | None = None) -> str
     meta = {"format": FORMAT, "key": key, "bytes": len(data), "sha256": sha, "artifacts": _counts(info),
             "saved": time.time()}
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        for name, payload in ((BLOB, data), (META, (json.dumps(meta, indent=1) + "\n").encode())):
-            tmp = d / f".{name}.tmp"
-            with open(tmp, "wb") as fh:
-                fh.write(payload)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, d / name)
+        write_with_key(d, BLOB, data, META, meta)
     except OSError as exc:
         return f"compile artifacts not saved: {exc}"
     what = ", ".join(f"{n} {k}" for k, n in meta["artifacts"].items())

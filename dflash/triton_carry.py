@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash.compile_cache import write_with_key
+
 ARCHIVE = "triton.tar.gz"
 META = "triton.json"
 FORMAT = 1
@@ -195,14 +197,7 @@ def save(out_cache: Path, key: dict[str, str], carry: Carry | None) -> str:
         data = buf.getvalue()
         meta = {"format": FORMAT, "key": want, "bytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(), "entries": sorted(chosen), "saved": time.time()}
-        out_cache.mkdir(parents=True, exist_ok=True)
-        for name, payload in ((ARCHIVE, data), (META, (json.dumps(meta, indent=1) + "\n").encode())):
-            tmp = out_cache / f".{name}.tmp"
-            with open(tmp, "wb") as fh:
-                fh.write(payload)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, out_cache / name)
+        write_with_key(out_cache, ARCHIVE, data, META, meta)
     except OSError as exc:
         return f"Triton kernels not carried: {exc}"
     return (f"Triton kernels carried: {len(chosen)} entries, {total / 2**20:.1f} MiB -> {len(data) / 2**20:.1f} MiB in "
