@@ -232,6 +232,8 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         "first_step_s": round(per_step[0]["wall_s"], 1), "first_step_split_s": first_split,
         "compile_scope": t.compile_scope if compiled else None,
         "grad_checkpoint": str(dcfg.grad_checkpoint).lower(), "checkpoint_layers": drafter.checkpoint_layers,
+        # the drafter's FLOPs a step, unrounded: model (what MFU counts) and hardware (recompute and whole tiles too)
+        "drafter_flops": {"model": mean_fl["drafter"], "hardware": mean_fl["drafter_hw"]},
         "real_tokens_per_step": round(mean_fl["tokens"]),
         "target": {"layers_run": max(taps) + 1, "of": target.num_layers, "vocab": vocab, "packing": target.packing,
                    "attention": target.attention, "fixed_shape": args.fixed_shape,

@@ -267,8 +267,10 @@ def test_step_phases_grad_checkpoint_override_sets_the_recompute_and_hfu(tmp_pat
         assert f"drafter: {layers} of 2 layers checkpointed" in out.stdout
         rows[setting] = json.loads(out.stdout.strip().splitlines()[-1])
     assert rows["true"]["checkpoint_layers"] == 2 and rows["false"]["checkpoint_layers"] == 0
-    ratio = {}  # HFU / MFU: hardware FLOPs over model FLOPs (dense attention over whole blocks counts in both)
-    for setting in ("true", "false"):
-        row = next(r for r in rows[setting]["phases"] if r["phase"] == "drafter fwd+bwd")
-        ratio[setting] = row["hfu"] / row["mfu"]
-    assert ratio["true"] > ratio["false"] * 1.2, ratio
+    # the same model FLOPs (what MFU counts) both ways; recomputing 2 layers' forwards adds hardware FLOPs (HFU).
+    # Compared unrounded: the report's 4-digit HFU and MFU of a tiny CPU step under load are too coarse to divide.
+    flops = {k: r["drafter_flops"] for k, r in rows.items()}
+    assert flops["true"]["model"] == flops["false"]["model"], flops
+    assert flops["true"]["hardware"] > 1.1 * flops["false"]["hardware"], flops
+    row = next(r for r in rows["true"]["phases"] if r["phase"] == "drafter fwd+bwd")
+    assert row["hfu"] >= row["mfu"]
