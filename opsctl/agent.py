@@ -716,7 +716,6 @@ class HistoryThinner:
         self.stride = stride
         self.ring: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
         self.head = 0  # step events let out since the last run_start
-        self.dropped = 0
 
     def push(self, kind: str, fields: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         self.ring.append((kind, fields))
@@ -725,8 +724,6 @@ class HistoryThinner:
             item = self.ring.popleft()
             if self._keep(item):
                 out.append(item)
-            else:
-                self.dropped += 1
         return out
 
     def flush(self) -> list[tuple[str, dict[str, Any]]]:
