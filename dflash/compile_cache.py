@@ -106,7 +106,8 @@ def _counts(info: Any) -> dict[str, int]:
     return found
 
 
-def _mismatch(old: dict[str, Any], new: dict[str, str]) -> list[str]:
+def key_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`name old -> new` for each key part that differs (the reason a saved file is ignored)."""
     return [f"{k} {old.get(k, 'none')} -> {new.get(k, 'none')}" for k in sorted(set(old) | set(new))
             if str(old.get(k)) != str(new.get(k))]
 
@@ -130,7 +131,7 @@ def load(out: Path, key: dict[str, str], caches: dict[str, bool]) -> WarmStart:
         return WarmStart(False, f"ignored {meta_path}: unreadable ({exc})", str(blob_path))
     if meta.get("format") != FORMAT:
         return WarmStart(False, f"ignored {blob_path}: format {meta.get('format')} is not {FORMAT}", str(blob_path))
-    diff = _mismatch(meta["key"], key)
+    diff = key_changes(meta["key"], key)
     if diff:
         return WarmStart(False, f"ignored {blob_path}: key changed ({'; '.join(diff)})", str(blob_path))
     try:

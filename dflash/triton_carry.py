@@ -20,11 +20,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.compile_cache import write_with_key
+from dflash.compile_cache import key_changes, write_with_key
 
 ARCHIVE = "triton.tar.gz"
 META = "triton.json"
 FORMAT = 1
+KEY_PARTS = ("triton", "device")  # of compile_cache's artifact key: what a compiled Triton kernel depends on
 # The most a run carries (compressed size is smaller); a shared ~/.triton/cache can hold far more than one run needs.
 MAX_BYTES_ENV = "DFLASH_TRITON_CARRY_MAX_MB"
 DEFAULT_MAX_MB = 512
@@ -104,8 +105,8 @@ def restore(out_cache: Path, key: dict[str, str]) -> Carry:
     meta = _read_meta(out_cache)
     if root is None or meta is None:
         return carry
-    old = meta.get("key") or {}
-    diff = [f"{k} {old.get(k)} -> {key.get(k)}" for k in ("triton", "device") if old.get(k) != key.get(k)]
+    old = meta.get("key") if isinstance(meta.get("key"), dict) else {}
+    diff = key_changes({k: old.get(k) for k in KEY_PARTS}, {k: key.get(k) for k in KEY_PARTS})
     if diff:
         carry.reason = f"carried Triton kernels ignored: {'; '.join(diff)}"
         return carry
@@ -181,7 +182,7 @@ def save(out_cache: Path, key: dict[str, str], carry: Carry | None) -> str:
     if total > cap:
         return (f"Triton kernels not carried: {total / 2**20:.1f} MiB in {root} is over the {cap / 2**20:.1f} MiB cap "
                 f"({MAX_BYTES_ENV})")
-    want = {k: key.get(k) for k in ("triton", "device")}
+    want = {k: key.get(k) for k in KEY_PARTS}
     old = _read_meta(out_cache)
     if old is not None and sorted(old.get("entries") or []) == sorted(chosen) and old.get("key") == want and \
             (out_cache / ARCHIVE).exists():
