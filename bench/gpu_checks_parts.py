@@ -28,6 +28,7 @@ G = "tests/gpu/test_gpu_checks.py::"
 F = "tests/gpu/test_flex_training_size.py::"
 T = "tests/gpu/test_tau_gpu.py::"
 C = "tests/gpu/test_cuda_graph_target.py::"
+K = "tests/gpu/test_fla_configs.py::"
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,13 @@ PARTS: dict[str, tuple[Check, ...]] = {
     "part6": (
         Check(G + "test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_back", 420,
               "2026-12-05: not done in 260 s alone on a warm machine with 4 shapes (now 3)"),
+    ),
+    # fla's tuned configs: each check starts processes with empty Triton caches (two cold fla JITs, one autotuned)
+    "part7": (
+        Check(K + "test_recorded_configs_skip_autotuning_and_give_the_same_hidden_states", 180,
+              "guess: two fresh processes, one fla bf16 JIT with autotuning (~80 s as part1's) and one without"),
+        Check(K + "test_dflash_train_records_after_its_first_step_and_the_next_run_loads", 240,
+              "guess: two 2-step dflash train runs on a GPU, each with an empty Triton cache"),
     ),
 }
 

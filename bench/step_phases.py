@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 import torch  # noqa: E402
 
+from dflash import fla_configs  # noqa: E402
 from dflash.config import ConfigError  # noqa: E402
 from dflash.flops import as_row, measure_matmul_tflops  # noqa: E402
 from dflash.pipeline import prepare_buffer, run_target  # noqa: E402
@@ -80,6 +81,10 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     if args.cuda_graph is not None:
         cfg.target.cuda_graph = args.cuda_graph
+    fla_store = Path(args.fla_configs) if args.fla_configs else None
+    fla_lines = {"dir": str(fla_store) if fla_store else None, "enable": fla_configs.enable(fla_store), "record": ""}
+    if fla_lines["enable"]:
+        print(fla_lines["enable"], flush=True)
     try:
         target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=cfg.data.vocab_size)
     except ValueError as exc:  # e.g. --cuda-graph on where it cannot apply: one line, no traceback
@@ -159,6 +164,9 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         per_step.append(rec)
         if i == 0:
             dev.sync()
+            fla_lines["record"] = fla_configs.record(fla_store)  # as dflash train does after its first step
+            if fla_lines["record"]:
+                print(fla_lines["record"], flush=True)
             split = {k: round(rec["ev"].ms(a, b) / 1e3, 1) for k, (a, b) in {
                 "target": ("start", "target"), "drafter": ("target", "drafter"),
                 "optimizer": ("drafter", "optimizer")}.items()}
@@ -229,7 +237,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": args.config, "device": dev.name(), "torch": torch.__version__,
         "bf16_matmul_tflops": round(peak, 1), "steps_timed": len(timed), "warmup": args.warmup,
-        "first_step_s": round(per_step[0]["wall_s"], 1), "first_step_split_s": first_split,
+        "first_step_s": round(per_step[0]["wall_s"], 1), "first_step_split_s": first_split, "fla_configs": fla_lines,
         "compile_scope": t.compile_scope if compiled else None,
         "grad_checkpoint": str(dcfg.grad_checkpoint).lower(), "checkpoint_layers": drafter.checkpoint_layers,
         # the drafter's FLOPs a step, unrounded: model (what MFU counts) and hardware (recompute and whole tiles too)
@@ -324,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-checkpoint", choices=("true", "false", "auto"),
                    help="override drafter.grad_checkpoint: recompute every layer's forward in backward, none, or as "
                         "many as the memory free after the target is loaded needs (issue 24: HFU vs MFU)")
+    p.add_argument("--fla-configs", metavar="DIR",
+                   help="load fla's tuned kernel configs from DIR (FLA_CACHE_MODE=strict) when it holds some, and record "
+                        "this run's choices there after the first step, as dflash train does with its host store "
+                        "(dflash/fla_configs.py; issue 24: the cold first step). Default: off, fla autotunes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="print the FLOPs model of a step; needs no GPU")
     p.add_argument("--cpu-smoke", action="store_true",

@@ -27,6 +27,15 @@ from pathlib import Path
 from typing import Any
 
 CONTENT = "content.json"
+
+
+def cache_home() -> Path:
+    """The dflash cache on this host: $DFLASH_CACHE, else $XDG_CACHE_HOME/dflash, else ~/.cache/dflash (pretrained
+    targets, regenerated data, the tiny tokenizer, fla's tuned kernel configs)."""
+    if os.environ.get("DFLASH_CACHE"):
+        return Path(os.environ["DFLASH_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash"
+
 FULL_HASH_BYTES = 64 << 20
 _SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
 

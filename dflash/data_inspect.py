@@ -177,12 +177,12 @@ def sample_header(limit: int, n: int, color: bool) -> str:
 def _tokenizer_cache(cfg: DataConfig, docs: list[Document], config_path: str | None) -> Path:
     """Where the tiny BPE is found or kept: data.tokenizer_cache, else the default run directory's (runs/<config
     name>/tokenizer) or the shared cache (pretrain's) when it already holds this corpus's BPE, else the shared cache."""
+    from dflash.cache_entry import cache_home
     from dflash.data import tiny_tokenizer_name
 
     if cfg.tokenizer_cache:
         return Path(cfg.tokenizer_cache)
-    shared = Path(os.environ.get("DFLASH_CACHE") or Path(os.environ.get("XDG_CACHE_HOME")
-                                                           or Path.home() / ".cache") / "dflash") / "tokenizer"
+    shared = cache_home() / "tokenizer"
     name = tiny_tokenizer_name(cfg, docs)
     for cand in ([Path("runs") / Path(config_path).stem / "tokenizer"] if config_path else []) + [shared]:
         if (cand / name).is_file():

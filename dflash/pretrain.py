@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from dflash import locks
-from dflash.cache_entry import content_problem, record_content, structure_problem
+from dflash.cache_entry import cache_home, content_problem, record_content, structure_problem
 from dflash.checkpoint import atomic_directory
 from dflash.config import ConfigError, RunConfig
 from dflash.data import (
@@ -63,10 +62,7 @@ def cache_root(pc: TargetPretrainConfig) -> Path:
     """Where pretrained targets are cached: target.pretrain.cache_dir, $DFLASH_CACHE, $XDG_CACHE_HOME/dflash, ~/.cache."""
     if pc.cache_dir:
         return Path(pc.cache_dir).expanduser()
-    if os.environ.get("DFLASH_CACHE"):
-        return Path(os.environ["DFLASH_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dflash"
+    return cache_home()
 
 
 def check_pretrain(pc: TargetPretrainConfig, where: str = "target.pretrain") -> None:

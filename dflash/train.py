@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash import checkpoint as ckpt
-from dflash import compile_cache, locks, triton_carry
+from dflash import compile_cache, fla_configs, locks, triton_carry
+from dflash.cache_entry import cache_home
 from dflash.config import ConfigError, RunConfig, check_mask_token_id, check_run
 from dflash.data import DataError, Document, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
@@ -295,6 +296,7 @@ class Trainer:
         self.on_step = on_step
         self.rank0 = roles.rank == 0
         self.triton: triton_carry.Carry | None = None  # what this host's Triton cache got back (target ranks)
+        self.fla_store: Path | None = None  # where fla's tuned kernel configs are kept on this host (target ranks)
         self.losses: list[float] = []
         self.t_start = time.perf_counter()
         # new_group is collective over the whole world: every rank (target ranks too) creates it, in the same order.
@@ -374,6 +376,7 @@ class Trainer:
         if self.stop_requested():
             return self.end_on_signal()
         allowed = allow_slow_kernels or cfg.target.allow_slow_kernels
+        self._fla_configs()  # before the probe: fla reads its config mode once, at import
         kernels = {**probe_kernels(cfg.target, tok.vocab_size),
                    "attention": resolve_attention(cfg.drafter.attention, self.device)}
         self._run_start(kernels, resume)
@@ -528,7 +531,7 @@ class Trainer:
         refeeds = [refeed(st.feeds[d], st.states[d]) for d in range(len(self.roles.drafters))]
         self.live.phase = "training"
         sent = serve_target(self.roles, self.target, self.corpus, st.schedule, refeeds, self.cfg.data.token_budget,
-                            self.device)
+                            self.device, on_item=lambda n: self._record_fla_configs() if n == 1 else None)
         self.log.info("target rank done: %d buffers sent", sent)
         return TrainResult(exit_code=EXIT_OK, reason="completed", step=0)
 
@@ -631,6 +634,24 @@ class Trainer:
         self.artifact_key = compile_cache.artifact_key(self.device, graph)
         self.warm = compile_cache.load(self.run_dir.out, self.artifact_key, caches)
         self.log.info("warm start %s: %s", "used" if self.warm.used else "not used", self.warm.reason)
+
+    def _fla_configs(self) -> None:
+        """fla's kernel choices recorded by earlier runs on this host and GPU are given to fla (target ranks on a GPU),
+        so the first forward compiles one config per kernel instead of autotuning (dflash/fla_configs.py). A cold
+        start asked for (DFLASH_WARM_START=0) loads none; its choices are still recorded."""
+        if self.device.type != "cuda" or not self.roles.is_target:
+            return
+        self.fla_store = fla_configs.store_dir(cache_home(), torch.cuda.get_device_name(self.device))
+        if self.fla_store is not None and not compile_cache.warm_start_off():
+            line = fla_configs.enable(self.fla_store)
+            if line:
+                self.log.info("%s", line)
+
+    def _record_fla_configs(self) -> None:
+        """After the target's first forward of this attempt (every fla kernel of it has been tuned)."""
+        line = fla_configs.record(self.fla_store)
+        if line:
+            self.log.info("%s", line)
 
     def _restore_triton(self) -> None:
         """Before the target's first forward: the Triton kernels (fla's, inductor's) an earlier attempt carried in
@@ -766,6 +787,8 @@ class Trainer:
         recompiles = self._recompiles()
         self._report_fallbacks(watch)
         self.losses.append(stats.loss)
+        if self.global_step == self.start.start_step + 1:
+            self._record_fla_configs()
         first = self.compile_on and self.global_step == self.start.start_step + 1
         extra = self._first_step_fields(t0) if first else None
         self.step_event(key, stats, lr, grad_norm, t0, wait_s, recompiles, extra)

@@ -206,11 +206,15 @@ def test_step_phases_cpu_smoke_measures_the_regional_first_step_and_its_split(tm
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = subprocess.run([sys.executable, str(REPO / "bench" / "step_phases.py"), str(path), "--cpu-smoke",
-                          "--steps", "3", "--warmup", "1", "--profile-steps", "0", "--compile-scope", "regional"],
+                          "--steps", "3", "--warmup", "1", "--profile-steps", "0", "--compile-scope", "regional",
+                          "--fla-configs", str(tmp_path / "store")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["compile_scope"] == "regional" and report["recompiles_after_warmup"] == 0
+    # the store is asked for as dflash train asks for it (empty here; no fla on this CPU: nothing recorded)
+    assert report["fla_configs"]["dir"] == str(tmp_path / "store")
+    assert "none recorded yet" in report["fla_configs"]["enable"] and report["fla_configs"]["record"] == ""
     split = report["first_step_split_s"]
     assert set(split) == {"target", "drafter", "optimizer"} and split["drafter"] > 0
     assert re.search(r"first step \(compiles\) [\d.]+ s: target forward [\d.]+ s .* scope regional", out.stdout)

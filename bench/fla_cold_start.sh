@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The cold first step with and without fla's tuned kernel configs (issue 24; dflash/fla_configs.py), in one device
+# call: run `autotune` starts with empty Triton and inductor caches and an empty config store (fla autotunes every
+# kernel, then the run records its choices), run `store` starts with new empty caches and that store (fla compiles
+# one config per kernel). The first step's split (target forward = fla's first calls) of each is printed last.
+# Usage on the GPU machine (repo root; fla / causal-conv1d wheels on PYTHONPATH, e.g. /tmp/site):
+#   OUT=/some/dir bash bench/fla_cold_start.sh bench/h200-27b-like.yaml --vocab 248320 --compile-scope regional
+set -euo pipefail
+cfg=${1:?usage: OUT=DIR bash bench/fla_cold_start.sh CONFIG [step_phases options]}
+shift
+OUT=${OUT:?set OUT to a directory for the logs}
+work=$(mktemp -d /tmp/fla-cold.XXXXXX)
+for run in autotune store; do
+  echo "== $run: TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR empty, store $work/store"
+  TRITON_CACHE_DIR="$work/triton-$run" TORCHINDUCTOR_CACHE_DIR="$work/inductor-$run" \
+    python3 bench/step_phases.py "$cfg" --steps 2 --warmup 1 --profile-steps 0 --fla-configs "$work/store" "$@" \
+    --json "$OUT/cold-$run.json" > "$OUT/cold-$run.log" 2>&1 || { tail -30 "$OUT/cold-$run.log"; exit 1; }
+  grep -E "first step|fla kernel configs|target built" "$OUT/cold-$run.log" || true
+done
+python3 - "$OUT" <<'PY'
+import json, sys
+runs = {r: json.load(open(f"{sys.argv[1]}/cold-{r}.json")) for r in ("autotune", "store")}
+for r, rep in runs.items():
+    print(f"{r:9} first step {rep['first_step_s']:7.1f} s  split {rep['first_step_split_s']}")
+a, s = (runs[r]["first_step_split_s"]["target"] for r in ("autotune", "store"))
+print(f"target forward of the first step: {a} s -> {s} s ({a / max(s, 1e-9):.2f}x)")
+PY

@@ -1,0 +1,171 @@
+"""fla's tuned kernel configs in the host store (dflash/fla_configs.py): what is recorded, in fla's format, and when
+fla is pointed at it. fla's autotuners need Triton, which never exists on these CPU machines, so the autotuners
+here are stand-ins with the attributes fla's CachedAutotuner has (fla/ops/utils/cache.py: `kernel_name`, `keys`,
+`cache` mapping an autotune key tuple to the chosen triton.Config, reached through a heuristics wrapper's `fn`),
+and the configs carry triton.Config's attributes. tests/gpu/test_fla_configs.py runs the real round trip through
+fla's own loader on a GPU."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflash import fla_configs
+
+
+@dataclass
+class Config:  # triton.Config's attributes
+    kwargs: dict[str, Any]
+    num_warps: int = 4
+    num_stages: int = 2
+    num_ctas: int = 1
+    maxnreg: int | None = None
+    ir_override: str | None = None
+
+
+@dataclass
+class Tuner:  # fla's CachedAutotuner: what autotune chose per key
+    kernel_name: str
+    keys: list[str]
+    cache: dict[tuple[Any, ...], Config] = field(default_factory=dict)
+    fn: Any = None
+
+
+@dataclass
+class Heuristics:  # triton.heuristics wraps the autotuner: fla's module attribute is this
+    fn: Any
+
+
+@pytest.fixture
+def fla_modules(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """A loaded `fla.ops.gated_delta_rule.chunk_fwd`-like module with two kernels, as fla has them after a forward."""
+    mod = types.ModuleType("fla.ops.standin_kernels")
+    mod.kkt = Heuristics(Tuner("chunk_fwd_kkt_kernel", ["H", "K", "BC"],
+                               {(16, 128, 64, "torch.bfloat16"): Config({"BK": 64}, num_warps=2)}))
+    mod.wy = Tuner("recompute_w_u_fwd_kernel", ["H", "K", "V"],
+                   {(16, 128, 128, "torch.bfloat16", "torch.float32"): Config({"BK": 32, "BV": 64}, 4, 3)})
+    mod.not_a_kernel = 3
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.delenv(fla_configs.MODE_ENV, raising=False)
+    monkeypatch.delenv(fla_configs.DIR_ENV, raising=False)
+    return mod
+
+
+def fla_hash(key: list[Any]) -> str:
+    """fla's AutotuneKey.key_hash, as its source states it: md5 of json.dumps(key, separators=(',', ':'),
+    sort_keys=True) with tuples as lists."""
+    return hashlib.md5(json.dumps(key, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
+
+
+def test_record_writes_fla_s_config_files_and_a_later_record_only_adds(tmp_path: Path,
+                                                                       fla_modules: types.ModuleType) -> None:
+    store = tmp_path / "store"
+    line = fla_configs.record(store, env={})
+    assert "recorded 2 tuned keys of 2 kernels" in line and str(store) in line
+    kkt = json.loads((store / "chunk_fwd_kkt_kernel.json").read_text())
+    key = [16, 128, 64, "torch.bfloat16"]
+    assert kkt["kernel_name"] == "chunk_fwd_kkt_kernel" and kkt["default_config"] is None
+    assert kkt["autotune_entries"] == {fla_hash(key): {"autotune_key": key, "config": {
+        "kwargs": {"BK": 64}, "num_warps": 2, "num_stages": 2, "num_ctas": 1, "maxnreg": None, "ir_override": None}}}
+    wy = json.loads((store / "recompute_w_u_fwd_kernel.json").read_text())
+    (entry,) = wy["autotune_entries"].values()
+    assert entry["config"]["kwargs"] == {"BK": 32, "BV": 64} and entry["config"]["num_stages"] == 3
+
+    # nothing new: nothing written, no line
+    before = {f.name: f.stat().st_mtime_ns for f in store.glob("*.json")}
+    assert fla_configs.record(store, env={}) == ""
+    assert {f.name: f.stat().st_mtime_ns for f in store.glob("*.json")} == before
+    # a new shape of one kernel: added beside the old entry; an entry already there is never replaced
+    fla_modules.kkt.fn.cache[(32, 128, 64, "torch.bfloat16")] = Config({"BK": 32}, num_warps=1)
+    fla_modules.kkt.fn.cache[(16, 128, 64, "torch.bfloat16")] = Config({"BK": 32}, num_warps=8)
+    assert "recorded 1 tuned keys of 1 kernels" in fla_configs.record(store, env={})
+    entries = json.loads((store / "chunk_fwd_kkt_kernel.json").read_text())["autotune_entries"]
+    assert entries[fla_hash(key)]["config"]["num_warps"] == 2
+    assert entries[fla_hash([32, 128, 64, "torch.bfloat16"])]["config"]["kwargs"] == {"BK": 32}
+    assert not list(store.glob(".*.tmp"))
+
+
+def test_a_kernel_name_two_autotuners_share_and_unjsonable_keys_are_never_recorded(
+        tmp_path: Path, fla_modules: types.ModuleType) -> None:
+    fla_modules.other = Tuner("recompute_w_u_fwd_kernel", ["H"], {(8, "torch.float16"): Config({"BK": 16})})
+    fla_modules.odd = Tuner("odd_kernel", ["X"], {((1, 2), "torch.bfloat16"): Config({"BK": 16}),
+                                                   (object(),): Config({"BK": 16})})
+    line = fla_configs.record(tmp_path, env={})
+    assert "recorded 1 tuned keys of 1 kernels" in line
+    assert "1 kernel names shared by several autotuners not recorded" in line
+    assert sorted(f.name for f in tmp_path.glob("*.json")) == ["chunk_fwd_kkt_kernel.json"]
+
+
+def test_a_damaged_file_is_replaced_and_an_unwritable_store_is_a_line_not_an_error(
+        tmp_path: Path, fla_modules: types.ModuleType) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "chunk_fwd_kkt_kernel.json").write_text('{"autotune_entries": [1, 2')  # cut short by a crash
+    assert "recorded 2 tuned keys" in fla_configs.record(store, env={})
+    assert json.loads((store / "chunk_fwd_kkt_kernel.json").read_text())["kernel_name"] == "chunk_fwd_kkt_kernel"
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    line = fla_configs.record(blocked / "store", env={})
+    assert line.startswith(f"fla kernel configs: not recorded in {blocked / 'store'}:")
+
+
+def test_enable_points_fla_at_a_store_that_holds_configs_and_switches_an_imported_fla(
+        tmp_path: Path, fla_modules: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "store"
+    env: dict[str, str] = {}
+    line = fla_configs.enable(store, env)
+    assert "none recorded yet" in line and env == {}
+    fla_configs.record(store, env)
+
+    class FlaCacheMode(enum.Enum):  # fla.ops.utils.cache's enum, read once at import into FLA_CACHE_MODE
+        DISABLED = "disabled"
+        STRICT = "strict"
+
+    cache_mod = types.ModuleType(fla_configs.FLA_MODULE)
+    cache_mod.FlaCacheMode, cache_mod.FLA_CACHE_MODE = FlaCacheMode, FlaCacheMode.DISABLED
+    monkeypatch.setitem(sys.modules, fla_configs.FLA_MODULE, cache_mod)
+    line = fla_configs.enable(store, env)
+    assert env == {"FLA_CACHE_MODE": "strict", "FLA_CONFIG_DIR": str(store)}
+    assert "2 tuned keys of 2 kernels" in line and "without autotuning" in line
+    assert cache_mod.FLA_CACHE_MODE is FlaCacheMode.STRICT
+    # the store it reads from is the one it records into
+    fla_modules.wy.cache[(8, 64, 64, "torch.bfloat16", "torch.float32")] = Config({"BK": 16, "BV": 16})
+    assert "recorded 1 tuned keys" in fla_configs.record(store, env)
+
+
+def test_a_user_s_own_fla_settings_are_left_alone(tmp_path: Path, fla_modules: types.ModuleType) -> None:
+    store = tmp_path / "store"
+    fla_configs.record(store, env={})
+    theirs = tmp_path / "theirs"
+    for env in ({"FLA_CONFIG_DIR": str(theirs)}, {"FLA_CACHE_MODE": "disabled"}):
+        seen = dict(env)
+        assert "set in the environment: left as set" in fla_configs.enable(store, seen)
+        assert seen == env
+        assert fla_configs.record(tmp_path / "other", seen) == ""
+    assert not theirs.exists() and not (tmp_path / "other").exists()
+
+
+def test_the_store_is_per_gpu_and_versions_and_absent_without_fla(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # this CPU machine has neither fla nor Triton (never installed here): no store, nothing recorded or loaded
+    assert fla_configs.store_dir(tmp_path, "cpu") is None
+    assert fla_configs.enable(None, {}) == "" and fla_configs.record(None, {}) == ""
+    versions = {"fla-core": "0.6.0", "triton": "3.6.0"}
+
+    def version(dist: str) -> str:
+        if dist not in versions:
+            raise fla_configs.importlib.metadata.PackageNotFoundError(dist)
+        return versions[dist]
+
+    monkeypatch.setattr(fla_configs.importlib.metadata, "version", version)
+    assert fla_configs.store_dir(tmp_path, "NVIDIA H200") == tmp_path / "fla-configs" / "NVIDIA_H200" / \
+        "fla-0.6.0_triton-3.6.0"
+
