@@ -28,7 +28,7 @@ G = "tests/gpu/test_gpu_checks.py::"
 F = "tests/gpu/test_flex_training_size.py::"
 T = "tests/gpu/test_tau_gpu.py::"
 C = "tests/gpu/test_cuda_graph_target.py::"
-K = "tests/gpu/test_fla_configs.py::"
+K = "tests/gpu/test_fla_configs_gpu.py::"
 
 
 @dataclass(frozen=True)

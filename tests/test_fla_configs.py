@@ -2,7 +2,7 @@
 fla is pointed at it. fla's autotuners need Triton, which never exists on these CPU machines, so the autotuners
 here are stand-ins with the attributes fla's CachedAutotuner has (fla/ops/utils/cache.py: `kernel_name`, `keys`,
 `cache` mapping an autotune key tuple to the chosen triton.Config, reached through a heuristics wrapper's `fn`),
-and the configs carry triton.Config's attributes. tests/gpu/test_fla_configs.py runs the real round trip through
+and the configs carry triton.Config's attributes. tests/gpu/test_fla_configs_gpu.py runs the real round trip through
 fla's own loader on a GPU."""
 
 from __future__ import annotations
