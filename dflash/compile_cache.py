@@ -3,6 +3,8 @@ artifacts saved in OUT/compile_cache, so a restart whose inductor cache was wipe
 
 The artifacts are keyed like opsctl's keyed inductor cache (torch/triton/python versions, the device, a hash of what
 shapes the compiled graph); a file with another key, unreadable or corrupt, is ignored with a reason: a cold start.
+A copy is also kept per host and key under $DFLASH_CACHE/compile-cache/ (the newest HOST_KEEP keys), so a *new* run
+of a graph this host compiled before (another learning rate, other data, a new --out) starts warm too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ FORMAT = 1
 # Set to 0 to start cold on purpose (e.g. opsctl's --fresh-cache, or to measure the cold compile): nothing is loaded,
 # and the first step still saves fresh artifacts.
 ENV_OFF = "DFLASH_WARM_START"
+# Set to 0 to keep compiled artifacts per run only (no copy under $DFLASH_CACHE/compile-cache, none loaded from it).
+HOST_ENV = "DFLASH_HOST_COMPILE_CACHE"
+HOST_DIR = "compile-cache"
+HOST_KEEP = 8  # keys kept per host (27B-like artifacts are ~33 MiB each); the least recently saved go first
 
 
 def warm_start_off() -> bool:
@@ -112,15 +118,37 @@ def key_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             if str(old.get(k)) != str(new.get(k))]
 
 
-def load(out: Path, key: dict[str, str], caches: dict[str, bool]) -> WarmStart:
-    """Load OUT's artifacts into torch's caches when their key matches; never raises (a cold start is always safe)."""
-    d = cache_dir(out)
-    meta_path, blob_path = d / META, d / BLOB
+def host_dir(key: dict[str, str]) -> Path | None:
+    """This host's copy of the artifacts of `key` (None when DFLASH_HOST_COMPILE_CACHE=0)."""
+    if os.environ.get(HOST_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    from dflash.cache_entry import cache_home
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_home() / HOST_DIR / digest
+
+
+def load(out: Path, key: dict[str, str], caches: dict[str, bool], host: Path | None = None) -> WarmStart:
+    """Load OUT's artifacts into torch's caches when their key matches, else this host's copy of the same key (an
+    earlier run of the same graph); never raises (a cold start is always safe)."""
     if warm_start_off():
         return WarmStart(False, f"not loaded: {ENV_OFF}={os.environ[ENV_OFF]}")
     if not all(caches.values()):
         off = ", ".join(k for k, v in caches.items() if not v)
         return WarmStart(False, f"not loaded: torch's {off} is disabled in this environment")
+    run = _load_dir(cache_dir(out), key)
+    if run.used or host is None or not (host / META).exists():
+        return run
+    got = _load_dir(host, key)
+    if got.used:
+        got.reason += f" (this host's copy of the same graph; the run's own: {run.reason})"
+        return got
+    run.reason += f"; this host's copy {got.reason}"
+    return run
+
+
+def _load_dir(d: Path, key: dict[str, str]) -> WarmStart:
+    meta_path, blob_path = d / META, d / BLOB
     if not meta_path.exists():
         return WarmStart(False, f"no saved artifacts in {d} (none saved yet by this run, or removed)")
     try:
@@ -171,10 +199,20 @@ def write_with_key(d: Path, blob_name: str, data: bytes, meta_name: str, meta: d
         os.replace(tmp, d / name)
 
 
-def save(out: Path, key: dict[str, str], previous_sha: str | None = None) -> str:
-    """Write what this process compiled or loaded from its caches to OUT/compile_cache (atomic: temp + rename,
-    the blob before its key file, so a crash in between leaves a sha256 mismatch, which load() ignores).
-    Returns the human line; never raises (losing the warm start must not lose the run)."""
+def _saved_sha(d: Path) -> str | None:
+    try:
+        meta = json.loads((d / META).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("sha256") if isinstance(meta, dict) else None
+
+
+def save(out: Path, key: dict[str, str], previous_sha: str | None = None, host: Path | None = None) -> str:
+    """Write what this process compiled or loaded from its caches to OUT/compile_cache, and to this host's copy of
+    the key when given (atomic: temp + rename, the blob before its key file, so a crash in between leaves a sha256
+    mismatch, which load() ignores; the host copy under its flock: several runs may save one key at once).
+    `previous_sha`: what OUT already holds. Returns the human line; never raises (losing the warm start must not
+    lose the run)."""
     d = cache_dir(out)
     try:
         result = torch.compiler.save_cache_artifacts()
@@ -184,16 +222,52 @@ def save(out: Path, key: dict[str, str], previous_sha: str | None = None) -> str
         return "compile artifacts not saved: torch recorded none (caches disabled?)"
     data, info = result
     sha = hashlib.sha256(data).hexdigest()
-    if sha == previous_sha:
-        return f"compile artifacts unchanged ({d / BLOB})"
     meta = {"format": FORMAT, "key": key, "bytes": len(data), "sha256": sha, "artifacts": _counts(info),
             "saved": time.time()}
-    try:
-        write_with_key(d, BLOB, data, META, meta)
-    except OSError as exc:
-        return f"compile artifacts not saved: {exc}"
     what = ", ".join(f"{n} {k}" for k, n in meta["artifacts"].items())
-    return f"compile artifacts saved: {what} ({len(data) / 2**20:.1f} MiB) to {d / BLOB}"
+    if sha == previous_sha:
+        line = f"compile artifacts unchanged ({d / BLOB})"
+    else:
+        try:
+            write_with_key(d, BLOB, data, META, meta)
+            line = f"compile artifacts saved: {what} ({len(data) / 2**20:.1f} MiB) to {d / BLOB}"
+        except OSError as exc:
+            line = f"compile artifacts not saved: {exc}"
+    if host is not None:
+        line += f"; {_save_host(host, data, meta)}"
+    return line
+
+
+def _save_host(host: Path, data: bytes, meta: dict[str, Any]) -> str:
+    from dflash import locks
+
+    try:
+        host.mkdir(parents=True, exist_ok=True)
+        with locks.hold(host / ".lock", "this host's compile cache entry", wait=True):
+            if _saved_sha(host) == meta["sha256"]:
+                os.utime(host)  # still in use: the last to be pruned
+                return f"this host's copy unchanged ({host})"
+            write_with_key(host, BLOB, data, META, meta)
+            os.utime(host)
+        pruned = prune_host(host.parent, HOST_KEEP)
+    except OSError as exc:
+        return f"this host's copy not saved: {exc}"
+    return f"this host's copy saved in {host}" + (f" ({pruned} older keys removed)" if pruned else "")
+
+
+def prune_host(root: Path, keep: int) -> int:
+    """Keep the `keep` most recently saved key directories of this host's compile cache; returns how many went.
+    Only directories named like a key digest directly under `root` are ever removed."""
+    import shutil
+
+    keys = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and len(p.name) == 16
+            and all(c in "0123456789abcdef" for c in p.name)]
+    keys.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    gone = 0
+    for p in keys[keep:]:
+        shutil.rmtree(p, ignore_errors=True)
+        gone += 1
+    return gone
 
 
 def counters() -> dict[str, int]:

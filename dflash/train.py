@@ -632,7 +632,8 @@ class Trainer:
         if self.cfg.train.compile_scope != "whole":  # only then: the keys of artifacts saved before it stay valid
             graph["compile_scope"] = self.cfg.train.compile_scope
         self.artifact_key = compile_cache.artifact_key(self.device, graph)
-        self.warm = compile_cache.load(self.run_dir.out, self.artifact_key, caches)
+        self.warm = compile_cache.load(self.run_dir.out, self.artifact_key, caches,
+                                       host=compile_cache.host_dir(self.artifact_key))
         self.log.info("warm start %s: %s", "used" if self.warm.used else "not used", self.warm.reason)
 
     def _fla_configs(self) -> None:
@@ -677,8 +678,10 @@ class Trainer:
     def _save_artifacts(self) -> None:
         """Rank 0 keeps what this attempt compiled (or hit) for the next start; never fails the run."""
         if self.rank0:
-            prev = self.warm.sha256 if self.warm is not None else None
-            self.log.info("%s", compile_cache.save(self.run_dir.out, self.artifact_key, prev))
+            own = compile_cache.cache_dir(self.run_dir.out)
+            prev = self.warm.sha256 if self.warm is not None and Path(self.warm.path or "").parent == own else None
+            self.log.info("%s", compile_cache.save(self.run_dir.out, self.artifact_key, prev,
+                                                   host=compile_cache.host_dir(self.artifact_key)))
             line = triton_carry.save(compile_cache.cache_dir(self.run_dir.out), self.artifact_key, self.triton)
             if line:
                 self.log.info("%s", line)

@@ -5,6 +5,7 @@ Session-scoped where start-up costs time (sshd, key generation), function-scoped
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +13,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Compiled runs in tests start from their own caches: no artifacts shared through this host's compile cache
+# ($DFLASH_CACHE/compile-cache), which would make one test's cold compile depend on another having run.
+# tests/test_warm_start.py turns it on where that is what it checks.
+os.environ["DFLASH_HOST_COMPILE_CACHE"] = "0"
 
 from harness.sshd import PctHost, Sshd, make_pct_host, start_sshd  # noqa: E402
 

@@ -46,10 +46,12 @@ class Primed:
     first: subprocess.CompletedProcess[str]
 
 
-def train(config: Path, out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def train(config: Path, out: Path, cache: Path, *extra: str,
+          env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
     # as opsctl's launch wrapper sets it: Triton's cache inside the inductor cache (empty on CPU but for PLANTED)
-    env.update(PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"))
+    env.update(PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"),
+               **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(config), "--out", str(out),
                            *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
@@ -245,6 +247,51 @@ def test_a_cold_start_can_be_asked_for(primed: Primed, tmp_path: Path, monkeypat
     monkeypatch.setenv("DFLASH_WARM_START", "0")
     warm = compile_cache.load(out, key, {"fx_graph_cache": True, "autograd_cache": True})
     assert not warm.used and warm.reason == "not loaded: DFLASH_WARM_START=0"
+
+
+def test_a_new_run_of_the_same_graph_starts_warm_from_this_host_s_copy(primed: Primed, tmp_path: Path) -> None:
+    """Another --out, another empty inductor cache (a new run with another learning rate or data, opsctl's `clear`):
+    the first run's artifacts come from this host's copy under $DFLASH_CACHE/compile-cache, nothing compiles from
+    scratch, and the new run keeps its own copy in its OUT too. DFLASH_HOST_COMPILE_CACHE=0 keeps runs apart."""
+    on = {"DFLASH_CACHE": str(tmp_path / "dcache"), "DFLASH_HOST_COMPILE_CACHE": "1"}
+    a = train(primed.config, tmp_path / "a", tmp_path / "ind-a", env_extra=on)
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    (host,) = (tmp_path / "dcache" / "compile-cache").iterdir()
+    assert f"this host's copy saved in {host}" in a.stdout
+    assert (host / "artifacts.bin").read_bytes() == (tmp_path / "a" / "compile_cache" / "artifacts.bin").read_bytes()
+
+    b = train(primed.config, tmp_path / "b", tmp_path / "ind-b", env_extra=on)
+    assert b.returncode == 0, b.stdout[-3000:] + b.stderr[-3000:]
+    evs = attempt(tmp_path / "b")
+    warm = compiling(evs)["warm_start"]
+    assert warm["used"] is True and warm["path"] == str(host / "artifacts.bin"), warm
+    assert "this host's copy of the same graph" in warm["reason"]
+    counts = first_step(evs)["compile_cache"]
+    assert counts["fxgraph_hit"] >= 1 and counts["fxgraph_miss"] == 0, counts
+    assert counts["aotautograd_hit"] >= 1 and counts["aotautograd_miss"] == 0, counts
+    check_saved(tmp_path / "b")  # its own copy, for its resumes on another host
+    assert re.search(r"this host's copy (unchanged|saved in)", b.stdout)  # torch's bytes differ run to run
+
+    c = train(primed.config, tmp_path / "c", tmp_path / "ind-c", env_extra={**on, "DFLASH_HOST_COMPILE_CACHE": "0"})
+    assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-3000:]
+    evs = attempt(tmp_path / "c")
+    assert compiling(evs)["warm_start"]["used"] is False
+    assert first_step(evs)["compile_cache"]["fxgraph_miss"] >= 1
+    assert "this host's copy" not in c.stdout
+
+
+def test_this_host_s_copies_keep_the_newest_keys_and_remove_nothing_else(tmp_path: Path) -> None:
+    root = tmp_path / "compile-cache"
+    keys = [f"{i:016x}" for i in range(10)]
+    for i, k in enumerate(keys):
+        (root / k).mkdir(parents=True)
+        (root / k / "artifacts.bin").write_bytes(b"x")
+        os.utime(root / k, (1000 + i, 1000 + i))
+    (root / "notes").mkdir()  # not a key directory: never removed
+    os.utime(root / "notes", (1, 1))
+    (root / "0123456789abcdef").symlink_to(tmp_path / "elsewhere")  # a link named like a key: never followed
+    assert compile_cache.prune_host(root, 8) == 2
+    assert sorted(p.name for p in root.iterdir()) == sorted([*keys[2:], "notes", "0123456789abcdef"])
 
 
 def test_the_warm_start_fields_are_documented() -> None:
