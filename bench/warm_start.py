@@ -122,7 +122,11 @@ def launch(work: Work, name: str, cache: Path, extra: list[str], kill_at_first_s
     when it is not killed there, the step times of every later step)."""
     out = out if out is not None else work.run
     env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
-    env.update(PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"))
+    # Each scenario names what it starts from: never this host's copy of an earlier launch's artifacts
+    # ($DFLASH_CACHE/compile-cache) nor fla kernel configs one recorded (fla's own default, `disabled`, set
+    # explicitly: dflash then neither loads nor records them; dflash/fla_configs.py).
+    env.update(PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"),
+               DFLASH_HOST_COMPILE_CACHE="0", FLA_CACHE_MODE="disabled")
     log = work.logs / f"{name}.log"
     events = out / "events.jsonl"
     offset = events.stat().st_size if events.exists() else 0
