@@ -11,6 +11,9 @@ one starts from the same state:
   kept       the fresh run's cache dir, no artifacts file         (opsctl `keyed`, key unchanged)
   artifacts  empty inductor cache dir, the artifacts file         (`clear`, a new host, or a `keyed` key change)
   both       the fresh run's cache dir and the artifacts file     (`keyed` with this feature: what a resume gets)
+  newrun     a new run (another --out, `--fresh`) on an empty inductor + Triton cache, on the host the fresh run
+             left its copies on: $DFLASH_CACHE/compile-cache (artifacts) and, on a GPU, $DFLASH_CACHE/fla-configs
+             (fla's kernel choices) — what a new experiment of the same shape gets under opsctl's `clear`
 
 Reported per launch: `first_step_s` (the first step's own wall time, compile included, from its `step` event),
 launch -> first step (process start to that event, wall clock: imports, data, target load and compile), torch's
@@ -45,7 +48,13 @@ sys.path.insert(0, str(REPO))
 
 from dflash.telemetry import EventError, parse_line  # noqa: E402
 
-SCENARIOS = {"cold": (False, False), "kept": (True, False), "artifacts": (False, True), "both": (True, True)}
+SCENARIOS = {"cold": (False, False), "kept": (True, False), "artifacts": (False, True), "both": (True, True),
+             "newrun": (False, False)}
+# What a launch may use besides what its scenario names: nothing (the resumes), or this host's copies (newrun). The
+# fresh run starts cold on purpose (DFLASH_WARM_START=0: it loads nothing, not even a copy an earlier invocation of
+# this bench left on the host) and leaves both copies for newrun.
+ISOLATED = {"DFLASH_HOST_COMPILE_CACHE": "0", "FLA_CACHE_MODE": "disabled"}
+HOST_COPIES = {"DFLASH_HOST_COMPILE_CACHE": "1"}
 CACHE_ENV = ("DFLASH_WARM_START", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")
 
 
@@ -117,16 +126,17 @@ def events_from(path: Path, offset: int) -> list[dict[str, Any]]:
 
 
 def launch(work: Work, name: str, cache: Path, extra: list[str], kill_at_first_step: bool,
-           timeout: float, out: Path | None = None) -> dict[str, Any]:
+           timeout: float, out: Path | None = None, env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     """One `dflash train` process; its first step's figures from the events it wrote after it started (and,
     when it is not killed there, the step times of every later step)."""
     out = out if out is not None else work.run
     env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
-    # Each scenario names what it starts from: never this host's copy of an earlier launch's artifacts
-    # ($DFLASH_CACHE/compile-cache) nor fla kernel configs one recorded (fla's own default, `disabled`, set
-    # explicitly: dflash then neither loads nor records them; dflash/fla_configs.py).
+    # Each scenario names what it starts from (ISOLATED unless told): not this host's copy of an earlier launch's
+    # artifacts ($DFLASH_CACHE/compile-cache) nor fla kernel configs one recorded (fla's own default, `disabled`,
+    # set explicitly: dflash then neither loads nor records them; dflash/fla_configs.py).
+    env = {k: v for k, v in env.items() if k not in ISOLATED}
     env.update(PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"),
-               DFLASH_HOST_COMPILE_CACHE="0", FLA_CACHE_MODE="disabled")
+               **(ISOLATED if env_extra is None else env_extra))
     log = work.logs / f"{name}.log"
     events = out / "events.jsonl"
     offset = events.stat().st_size if events.exists() else 0
@@ -170,7 +180,8 @@ def prime(work: Work, timeout: float) -> dict[str, Any]:
     resume from."""
     for p in (work.run, work.primed_cache, work.primed_artifacts):
         work.remove(p)
-    res = launch(work, "fresh", work.primed_cache, ["--fresh", "--max-steps", "1"], False, timeout)
+    res = launch(work, "fresh", work.primed_cache, ["--fresh", "--max-steps", "1"], False, timeout,
+                 env_extra={**HOST_COPIES, "DFLASH_WARM_START": "0"})
     if res["exit_code"] != 0 or not (work.run / "compile_cache" / "artifacts.json").is_file():
         raise SystemExit(f"fresh run: exit {res['exit_code']}, artifacts saved: "
                          f"{(work.run / 'compile_cache').exists()}; see {res['log']}")
@@ -182,6 +193,15 @@ def scenario(work: Work, name: str, i: int, timeout: float) -> dict[str, Any]:
     keep_cache, artifacts = SCENARIOS[name]
     cache = work.root / f"inductor-{name}-{i}"
     work.remove(cache)
+    if name == "newrun":
+        out = work.root / f"newrun-{i}"
+        work.remove(out)
+        cache.mkdir()
+        try:
+            return launch(work, f"{name}-{i}", cache, ["--fresh", "--max-steps", "1"], True, timeout, out, HOST_COPIES)
+        finally:
+            work.remove(cache)
+            work.remove(out)
     if keep_cache:
         shutil.copytree(work.primed_cache, cache, ignore=shutil.ignore_patterns("locks"))
     else:
