@@ -790,11 +790,11 @@ class Trainer:
         recompiles = self._recompiles()
         self._report_fallbacks(watch)
         self.losses.append(stats.loss)
-        if self.global_step == self.start.start_step + 1:
-            self._record_fla_configs()
         first = self.compile_on and self.global_step == self.start.start_step + 1
         extra = self._first_step_fields(t0) if first else None
         self.step_event(key, stats, lr, grad_norm, t0, wait_s, recompiles, extra)
+        if self.global_step == self.start.start_step + 1:
+            self._record_fla_configs()  # after the step's own time was taken
         if first:
             self._save_artifacts()
         return stats
