@@ -101,6 +101,15 @@ class WarmStart:
     def event(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "sha256"}
 
+    def summary(self) -> str:
+        """A few words for the `compiling` phase's detail (status, watch, launch show it): where the compile comes
+        from, so a person knows whether to expect seconds or minutes."""
+        if not self.used:
+            return "cold: no usable saved artifacts" if not self.reason.startswith("not loaded") else \
+                f"cold: {self.reason.removeprefix('not loaded: ')}"
+        source = "this host's copy" if "this host's copy" in self.reason else "the run's saved artifacts"
+        return f"warm: {source}"
+
 
 def _counts(info: Any) -> dict[str, int]:
     """CacheInfo's artifact lists (inductor, aot_autograd, autotune, pgo, precompile) as counts."""

@@ -612,7 +612,8 @@ class Trainer:
                            if self.compile_on else self.model)
         if self.compile_on:
             assert self.warm is not None
-            self.phase("compiling", detail="the first step compiles the drafter", warm_start=self.warm.event())
+            self.phase("compiling", detail=f"the first step compiles the drafter; {self.warm.summary()}",
+                       warm_start=self.warm.event())
         self.log.info("drafter: %d params, attention %s, compile %s (setup %.1fs)",
                       sum(p.numel() for p in self.params), self.drafter.attention_backend,
                       f"{self.compile_on} ({t.compile_scope})" if self.compile_on else self.compile_on,

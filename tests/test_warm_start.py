@@ -122,6 +122,7 @@ def test_first_compiled_attempt_saves_artifacts_and_reports_a_cold_first_step(pr
     evs = attempt(primed.out)
     warm = compiling(evs)["warm_start"]
     assert warm["used"] is False and "no saved artifacts" in warm["reason"]
+    assert compiling(evs)["detail"] == "the first step compiles the drafter; cold: no usable saved artifacts"
     step = first_step(evs)
     assert step["step"] == 1  # written although log_every is 5
     assert step["warm_start"] is False and step["first_step_s"] > 0
@@ -140,6 +141,7 @@ def test_resume_loads_the_artifacts_and_its_compile_hits_the_caches(primed: Prim
     assert evs[0]["resumed_from"] == 2
     warm = compiling(evs)["warm_start"]
     assert warm["used"] is True and warm["reason"].startswith("loaded "), warm
+    assert compiling(evs)["detail"].endswith("; warm: the run's saved artifacts")  # what status and watch show
     assert warm["artifacts"]["inductor"] >= 1 and warm["artifacts"]["aot_autograd"] >= 1
     assert warm["bytes"] == (primed.out / "compile_cache" / "artifacts.bin").stat().st_size
     step = first_step(evs)
@@ -176,6 +178,7 @@ def test_a_resume_on_an_emptied_cache_gets_the_triton_kernels_back(primed: Prime
                             "TORCHINDUCTOR_CACHE_DIR": str(cache2), "TRITON_CACHE_DIR": str(cache2 / "triton")})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "restored" not in r.stdout and not (cache2 / "triton" / PLANTED).exists()
+    assert compiling(attempt(out2))["detail"].endswith("; cold: DFLASH_WARM_START=0")
 
 
 def test_artifacts_with_another_key_are_ignored_with_the_reason(primed: Primed, tmp_path: Path) -> None:
@@ -266,6 +269,7 @@ def test_a_new_run_of_the_same_graph_starts_warm_from_this_host_s_copy(primed: P
     warm = compiling(evs)["warm_start"]
     assert warm["used"] is True and warm["path"] == str(host / "artifacts.bin"), warm
     assert "this host's copy of the same graph" in warm["reason"]
+    assert compiling(evs)["detail"].endswith("; warm: this host's copy")
     counts = first_step(evs)["compile_cache"]
     assert counts["fxgraph_hit"] >= 1 and counts["fxgraph_miss"] == 0, counts
     assert counts["aotautograd_hit"] >= 1 and counts["aotautograd_miss"] == 0, counts
