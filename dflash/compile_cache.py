@@ -31,6 +31,7 @@ ENV_OFF = "DFLASH_WARM_START"
 HOST_ENV = "DFLASH_HOST_COMPILE_CACHE"
 HOST_DIR = "compile-cache"
 HOST_KEEP = 8  # keys kept per host (27B-like artifacts are ~33 MiB each); the least recently saved go first
+HOST_LOCK_WAIT_S = 30.0  # another run writing its copy takes a second; a stopped holder must not hang a step
 
 
 def warm_start_off() -> bool:
@@ -252,14 +253,14 @@ def _save_host(host: Path, data: bytes, meta: dict[str, Any]) -> str:
 
     try:
         host.mkdir(parents=True, exist_ok=True)
-        with locks.hold(host / ".lock", "this host's compile cache entry", wait=True):
+        with locks.hold(host / ".lock", "this host's compile cache entry", wait=True, timeout_s=HOST_LOCK_WAIT_S):
             if _saved_sha(host) == meta["sha256"]:
                 os.utime(host)  # still in use: the last to be pruned
                 return f"this host's copy unchanged ({host})"
             write_with_key(host, BLOB, data, META, meta)
             os.utime(host)
         pruned = prune_host(host.parent, HOST_KEEP)
-    except OSError as exc:
+    except (OSError, locks.LockBusy) as exc:
         return f"this host's copy not saved: {exc}"
     return f"this host's copy saved in {host}" + (f" ({pruned} older keys removed)" if pruned else "")
 

@@ -32,6 +32,7 @@ MODE_ENV, DIR_ENV = "FLA_CACHE_MODE", "FLA_CONFIG_DIR"
 MODE = "strict"  # exact key or fla's own autotuning: never a config tuned for another shape
 STORE = "fla-configs"
 LOCK = ".store.lock"
+LOCK_WAIT_S = 10.0  # another rank writing takes milliseconds; a stopped holder must not hang a training step
 FLA_MODULE = "fla.ops.utils.cache"  # holds FLA_CACHE_MODE, read once at fla's import
 
 
@@ -173,7 +174,7 @@ def record(path: Path | None, env: MutableMapping[str, str] | None = None) -> st
         triton = _version("triton")
         new = kernels = skipped = 0
         path.mkdir(parents=True, exist_ok=True)
-        with locks.hold(path / LOCK, "the fla kernel config store", wait=True):
+        with locks.hold(path / LOCK, "the fla kernel config store", wait=True, timeout_s=LOCK_WAIT_S):
             for name, objs in sorted(tuners.items()):
                 if len(objs) > 1:
                     skipped += 1
@@ -195,7 +196,7 @@ def record(path: Path | None, env: MutableMapping[str, str] | None = None) -> st
                            "default_config": None})
                 new += len(add)
                 kernels += 1
-    except OSError as exc:
+    except (OSError, locks.LockBusy) as exc:
         return f"fla kernel configs: not recorded in {path}: {exc}"
     if not new:
         return ""

@@ -87,12 +87,13 @@ def _describe(lock_file: Path) -> str:
 
 
 def acquire(lock_file: str | Path, what: str, *, wait: bool = False, log: Callable[[str], None] | None = None,
-            hint: str = "wait for it to end, or use another directory") -> Path:
+            hint: str = "wait for it to end, or use another directory", timeout_s: float | None = None) -> Path:
     """Take the exclusive lock on `lock_file` (created if absent) for this process.
 
     Busy and `wait` False: raise LockBusy naming the holder. Busy and `wait` True: say once (through `log`) whom it
     waits for, then block until the holder is done (cache entries: the second of two runs started at once reuses what
-    the first builds instead of failing)."""
+    the first builds instead of failing), or, with `timeout_s`, raise LockBusy after that long (a training step that
+    shares a host cache must never hang on a stopped holder)."""
     p = Path(lock_file)
     key = str(p.resolve())
     if key in _HELD:
@@ -109,7 +110,19 @@ def acquire(lock_file: str | Path, what: str, *, wait: bool = False, log: Callab
                 raise LockBusy(f"{what} is in use by {who} (lock {p}); {hint}") from None
             if log is not None:
                 log(f"{what} is in use by {who}: waiting for it (lock {p})")
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            if timeout_s is None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            else:
+                deadline = time.monotonic() + timeout_s
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            raise LockBusy(f"{what} is still in use by {who} after {timeout_s:g} s (lock {p})") \
+                                from None
+                        time.sleep(0.05)
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": round(time.time(), 3)})
         os.ftruncate(fd, 0)
         os.pwrite(fd, (info + "\n").encode(), 0)
@@ -134,8 +147,8 @@ def release(lock_file: str | Path) -> None:
 
 @contextlib.contextmanager
 def hold(lock_file: str | Path, what: str, *, wait: bool = False, log: Callable[[str], None] | None = None,
-         hint: str = "wait for it to end, or use another directory") -> Iterator[Path]:
-    p = acquire(lock_file, what, wait=wait, log=log, hint=hint)
+         hint: str = "wait for it to end, or use another directory", timeout_s: float | None = None) -> Iterator[Path]:
+    p = acquire(lock_file, what, wait=wait, log=log, hint=hint, timeout_s=timeout_s)
     try:
         yield p
     finally:

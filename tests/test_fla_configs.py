@@ -169,3 +169,29 @@ def test_the_store_is_per_gpu_and_versions_and_absent_without_fla(tmp_path: Path
     assert fla_configs.store_dir(tmp_path, "NVIDIA H200") == tmp_path / "fla-configs" / "NVIDIA_H200" / \
         "fla-0.6.0_triton-3.6.0"
 
+
+
+def test_a_store_held_by_a_stopped_process_costs_a_line_not_a_hung_step(
+        tmp_path: Path, fla_modules: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another rank writing holds the store's flock for milliseconds; a holder that stopped (SIGSTOP, a hung
+    filesystem) must not hold up the training step that records: it gives up after LOCK_WAIT_S and says so."""
+    import subprocess
+    import time
+
+    store = tmp_path / "store"
+    store.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+                               "os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); "
+                               "time.sleep(60)", str(store / fla_configs.LOCK)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(fla_configs, "LOCK_WAIT_S", 0.3)
+        t0 = time.monotonic()
+        line = fla_configs.record(store, env={})
+        assert time.monotonic() - t0 < 5
+        assert line.startswith(f"fla kernel configs: not recorded in {store}:") and "still in use" in line, line
+        assert not list(store.glob("*.json"))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert "recorded 2 tuned keys" in fla_configs.record(store, env={})  # the lock is free again
