@@ -32,6 +32,7 @@ from dflash.data import DataError, Document, load_tokenizer, read_documents, tok
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
 from dflash.memory import apply_auto_checkpoint
 from dflash.model import DFlashDrafter, compile_step_model, resolve_attention
+from dflash.pace import Pace
 from dflash.pipeline import (
     Feeder,
     RemoteSource,
@@ -306,6 +307,7 @@ class Trainer:
         self._in_training = False  # the `training` phase is entered once (docs/events.md)
         self._flex_warned = self._recompile_warned = False
         self._frames_after_warmup: int | None = None
+        self.pace = Pace()  # this attempt's step time against its own settled pace (the step events' `pace`)
 
     @property
     def global_step(self) -> int:
@@ -855,6 +857,8 @@ class Trainer:
                    recompiles: int, extra: dict[str, Any] | None = None) -> None:
         """`extra` (the first compiled step's fields) is always written, whatever log_every says."""
         step_time = time.perf_counter() - t0
+        if not st.nonfinite:
+            self.pace.note(step_time, time.monotonic())  # every step, logged or not
         step = self.global_step if not st.nonfinite else self.global_step + 1
         if step % self.cfg.train.log_every and step != self.total and not st.nonfinite and not extra:
             return
@@ -862,7 +866,7 @@ class Trainer:
         self.emit("step", step=step, epoch=int(key[0]), loss=st.loss, acc=st.acc, lr=lr, grad_norm=grad_norm,
                   tokens=st.tokens, tokens_per_s=tps, step_time_s=step_time,
                   queue_depth=len(self.feeder.reservoir), queue_wait_s=wait_s, recompiles=recompiles,
-                  total_steps=self.total, buffer=[int(key[0]), int(key[1])], **(extra or {}))
+                  total_steps=self.total, buffer=[int(key[0]), int(key[1])], **self.pace.fields(), **(extra or {}))
         self.log.info("step %d/%d  loss %.4f  acc[1] %.3f  lr %.2e  gnorm %.2f  %.0f tok/s  %.2fs", step,
                       self.total, st.loss, st.acc[0] if st.acc else float("nan"), lr, grad_norm, tps, step_time)
 

@@ -479,6 +479,8 @@ class EventsWatch:
             # a `disk_full` error to notify: once per episode (until a checkpoint that fits ends it)
             self.disk_full: tuple[int | None, str] | None = None
             self.disk_full_told = False
+            self.pace: tuple[Any, Any, int] | None = None  # the last step event's (pace, pace_ref_s, step)
+            self.slow_told = False
 
     def poll(self) -> None:
         if not self.path:
@@ -538,6 +540,7 @@ class EventsWatch:
             st = ev.get("step_time_s")
             if isinstance(st, (int, float)) and st == st and st >= 0:
                 self.step_times.append(float(st))
+            self.pace = (ev.get("pace"), ev.get("pace_ref_s"), ev["step"])
         elif kind == "run_start" and isinstance(ev.get("resumed_from"), int) and self.last_step is None:
             self.last_step = ev["resumed_from"]
         elif kind == "checkpoint" and ev.get("path"):
@@ -576,6 +579,20 @@ class EventsWatch:
             self.tau_told = True
             last = self.tau.latest()
             return (last["step"] if last else 0), evidence
+
+    def take_slowdown(self) -> tuple[int, str] | None:
+        """(step, evidence) of a slowdown not notified yet: once per episode (until the pace is back under
+        SLOW_FACTOR; a new attempt starts a new pace)."""
+        with self.lock:
+            evidence = slowdown(*self.pace) if self.pace is not None else None
+            if evidence is None:
+                self.slow_told = False
+                return None
+            if self.slow_told:
+                return None
+            self.slow_told = True
+            assert self.pace is not None
+            return self.pace[2], evidence
 
     def check_stall(self) -> float | None:
         """The silence in seconds when the run just became stalled (once per stall), else None."""
@@ -741,6 +758,23 @@ def tau_regression(best: float | None, best_step: int | None, now: float | None,
     return (f"best tau {best:.2f} at step {best_step}, now {now:.2f} at step {now_step} "
             f"(-{drop:.2f}, -{100 * drop / best:.0f} %; margin {margin:.2f}: {100 * frac:g} % of the best, "
             f"at least {least:g})")
+
+
+# -- slowdown: a step event's `pace` (dflash/pace.py: the median of the attempt's last 100 step times over the median
+# of its first 100 once 5 minutes of training passed) at or past SLOW_FACTOR. 1.3: a fixed token budget's step time
+# moves a few % with the batch's mix; a third slower for a hundred steps is a throttled or shared GPU, a degraded
+# link, a starved data path, and on a week-long run it costs days.
+SLOW_FACTOR = 1.3
+
+
+def slowdown(pace: Any, ref_s: Any, step: Any) -> str | None:
+    """The one slowdown rule (the wrapper's notify and the clients' alert): its evidence when the step event's
+    pace is at or past SLOW_FACTOR, else None."""
+    p, r = _tau_num(pace), _tau_num(ref_s)
+    if p is None or r is None or p < SLOW_FACTOR:
+        return None
+    return (f"step time {p * r:.2f} s at step {step} (median of its last 100 steps), {p:.2f}x the {r:.2f} s this "
+            f"attempt settled at (alert from {SLOW_FACTOR:g}x)")
 
 
 def attempt_taus(events: str | None, attempts: list[dict[str, Any]]) -> None:
@@ -1004,6 +1038,11 @@ def main() -> None:
         if tau is not None:
             notifier.fire("tau_regression", {"attempt": current["attempt"], "step": tau[0], "reason": tau[1]})
 
+    def tell_slow() -> None:
+        slow = watch.take_slowdown()
+        if slow is not None:
+            notifier.fire("slowdown", {"attempt": current["attempt"], "step": slow[0], "reason": slow[1]})
+
     def stall_monitor() -> None:
         while True:
             time.sleep(0.5)
@@ -1012,6 +1051,7 @@ def main() -> None:
                 continue
             tell_disk_full()
             tell_tau()
+            tell_slow()
             age = watch.check_stall()
             if age is not None:
                 notifier.fire("stalled", {"attempt": current["attempt"], "step": watch.last_step,

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dflash.telemetry import ERROR_CLASSES, RESERVOIR_CAPACITY
-from opsctl.agent_wrapper import tau_regression  # the wrapper's notify fires by the same rule
+from opsctl.agent_wrapper import slowdown, tau_regression  # the wrapper's notify fires by the same rules
 from opsctl.runstate import RunView, phase_progress
 
 WARMUP_STEPS = 3  # recompiles during the first steps are expected (shapes settle); later ones are a bug
@@ -121,6 +121,7 @@ class AlertTracker:
         self.recompile_growth: str | None = None
         self.recompile_errors: list[str] = []
         self.recent_steps: deque[tuple[int, float, float, int]] = deque(maxlen=QUEUE_WINDOW)
+        self.pace: tuple[Any, Any, Any] | None = None  # the last step event's (pace, pace_ref_s, step)
         self.capacity: int | None = None
         self.split_roles = False  # separate target and drafter ranks: only then can the queue starve or back up
         self.training_since: float | None = None
@@ -236,6 +237,7 @@ class AlertTracker:
         loss = _as_float(ev.get("loss"))
         if loss is not None and not math.isfinite(loss) and self.nan is None:
             self.nan = f"loss={loss} at step {step}"
+        self.pace = (ev.get("pace"), ev.get("pace_ref_s"), step)
         rc = ev.get("recompiles")
         if isinstance(step, int) and isinstance(rc, int) and step > WARMUP_STEPS:
             if self.recompile_base is None:
@@ -314,6 +316,9 @@ class AlertTracker:
             idle = self._idle_evidence()
             if idle:
                 yield Alert("gpu_idle", WARNING, "GPU idle while training", idle)
+            slow = slowdown(*self.pace) if self.pace is not None else None
+            if slow:
+                yield Alert("slowdown", WARNING, "run got slower", slow)
         if v.state in ("training", "stalled"):
             yield from self._queue_rules()
         # A fact about the drafter, whatever the process does now: a finished run whose last tau is far below its

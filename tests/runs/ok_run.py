@@ -12,11 +12,13 @@ import time
 from _common import parse, writer
 
 args = parse(steps=5, step_time=0.2, load_time=0.3, ckpt_dir="", signal_log="", disk_full_steps="",
-             checkpoint_steps="")
+             checkpoint_steps="", paces="")
 # Steps after which the run reports a checkpoint that did not fit (a `disk_full` error, as dflash.train writes it) or
 # one that did (a `checkpoint` event), comma-separated.
 disk_full_at = {int(x) for x in args.disk_full_steps.split(",") if x}
 checkpoint_at = {int(x) for x in args.checkpoint_steps.split(",") if x}
+# Per step, the `pace` its event carries (dflash/pace.py; empty: none yet), comma-separated.
+paces = {i + 1: float(x) for i, x in enumerate(args.paces.split(",")) if x}
 stop = {"sig": None}
 
 
@@ -42,7 +44,7 @@ while step < args.steps and stop["sig"] is None:
     step += 1
     w.emit("step", step=step, epoch=0, loss=5.0 / step, acc=[0.1, 0.05], lr=1e-3, grad_norm=1.0, tokens=100,
            tokens_per_s=500.0, step_time_s=args.step_time, queue_depth=0, queue_wait_s=0.0, recompiles=0,
-           total_steps=args.steps)
+           total_steps=args.steps, **({"pace": paces[step], "pace_ref_s": 0.5} if step in paces else {}))
     print(f"step {step} loss {5.0 / step:.3f}", flush=True)
     if step in checkpoint_at:
         w.emit("checkpoint", path=f"/ckpt/step-{step}", step=step, manifest_sha256="0" * 64, bytes=10, seconds=0.0,
