@@ -28,6 +28,7 @@ STEP_TAGS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "epoch": "train/epoch",
     "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "tokens": "perf/tokens",
     "queue_depth": "queue/depth", "queue_wait_s": "queue/wait_s", "recompiles": "compile/recompiles",
+    "pace": "perf/pace",  # once the attempt's pace settled (dflash/pace.py): 1.3 or more is a `slowdown`
 }
 HEARTBEAT_TAGS = {"rss_mb": "rss_mb", "gpu_mem_mb": "gpu_mem_mb", "gpu_reserved_mb": "gpu_reserved_mb"}  # per rank: rank{R}/... (group: node{N}/rank{R}/...)
 GPU_TAGS = {"util": "util_pct", "mem_used_mb": "mem_used_mb", "power_w": "power_w", "temp_c": "temp_c",
