@@ -112,7 +112,10 @@ def enable(path: Path | None, env: MutableMapping[str, str] | None = None) -> st
     env[MODE_ENV], env[DIR_ENV] = MODE, str(path)
     mod = sys.modules.get(FLA_MODULE)  # fla already imported: its mode was read at import
     if mod is not None and hasattr(mod, "FlaCacheMode"):
-        mod.FLA_CACHE_MODE = mod.FlaCacheMode(MODE)
+        try:
+            mod.FLA_CACHE_MODE = mod.FlaCacheMode(MODE)
+        except Exception as exc:  # noqa: BLE001 - an fla without this mode: it autotunes, as it would anyway
+            return f"fla kernel configs: not used: the imported fla has no {MODE!r} mode ({exc})"
     return (f"fla kernel configs: {entries} tuned keys of {kernels} kernels from {path} ({MODE_ENV}={MODE}: a kernel "
             "whose key is there compiles that config alone, without autotuning)")
 
@@ -139,9 +142,12 @@ def autotuners() -> dict[str, list[Any]]:
         if mod is None or not (name == "fla" or name.startswith("fla.")):
             continue
         for value in list(getattr(mod, "__dict__", {}).values()):
-            for obj in _unwrap(value):
-                if _is_autotuner(obj):
-                    found[id(obj)] = obj
+            try:
+                for obj in _unwrap(value):
+                    if _is_autotuner(obj):
+                        found[id(obj)] = obj
+            except Exception:  # noqa: BLE001 - a lazy proxy whose attributes raise: not an autotuner
+                continue
     by_name: dict[str, list[Any]] = {}
     for obj in found.values():
         by_name.setdefault(obj.kernel_name, []).append(obj)
@@ -198,6 +204,8 @@ def record(path: Path | None, env: MutableMapping[str, str] | None = None) -> st
                 kernels += 1
     except (OSError, locks.LockBusy) as exc:
         return f"fla kernel configs: not recorded in {path}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - an odd object in fla's modules must not end a training step
+        return f"fla kernel configs: not recorded in {path}: {type(exc).__name__}: {exc}"
     if not new:
         return ""
     extra = f"; {skipped} kernel names shared by several autotuners not recorded" if skipped else ""

@@ -195,3 +195,13 @@ def test_a_store_held_by_a_stopped_process_costs_a_line_not_a_hung_step(
         holder.kill()
         holder.wait()
     assert "recorded 2 tuned keys" in fla_configs.record(store, env={})  # the lock is free again
+
+
+def test_an_odd_object_in_fla_s_modules_is_passed_over(tmp_path: Path, fla_modules: types.ModuleType
+                                                                 ) -> None:
+    class Odd:  # a lazy proxy whose attribute access fails with something other than AttributeError
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError("lazy import failed")
+
+    fla_modules.odd = Odd()  # skipped: the kernels beside it are still recorded
+    assert "recorded 2 tuned keys of 2 kernels" in fla_configs.record(tmp_path / "store", env={})
