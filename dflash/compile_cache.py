@@ -272,7 +272,13 @@ def prune_host(root: Path, keep: int) -> int:
 
     keys = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and len(p.name) == 16
             and all(c in "0123456789abcdef" for c in p.name)]
-    keys.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    def mtime(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:  # removed meanwhile by another run's prune
+            return 0.0
+
+    keys.sort(key=mtime, reverse=True)
     gone = 0
     for p in keys[keep:]:
         shutil.rmtree(p, ignore_errors=True)
