@@ -17,6 +17,7 @@ up for the other), and a user's own FLA_CACHE_MODE / FLA_CONFIG_DIR are left as 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
@@ -110,14 +111,19 @@ def enable(path: Path | None, env: MutableMapping[str, str] | None = None) -> st
         return (f"fla kernel configs: none recorded yet in {path}: fla autotunes, and this run records its choices "
                 "after its first step")
     env[MODE_ENV], env[DIR_ENV] = MODE, str(path)
-    mod = sys.modules.get(FLA_MODULE)  # fla already imported: its mode was read at import
-    if mod is not None and hasattr(mod, "FlaCacheMode"):
-        try:
-            mod.FLA_CACHE_MODE = mod.FlaCacheMode(MODE)
-        except Exception as exc:  # noqa: BLE001 - an fla without this mode: it autotunes, as it would anyway
-            return f"fla kernel configs: not used: the imported fla has no {MODE!r} mode ({exc})"
+    try:
+        # fla reads its mode once, at import: imported now (all of it: fla's package imports every op) under the
+        # mode just set, or switched if something imported it before
+        mod = sys.modules.get(FLA_MODULE) or importlib.import_module(FLA_MODULE)
+        mod.FLA_CACHE_MODE = mod.FlaCacheMode(MODE)
+        adopted = adopt()
+    except Exception as exc:  # noqa: BLE001 - an fla without this store or mode: it autotunes, as it would anyway
+        env.pop(MODE_ENV, None)
+        env.pop(DIR_ENV, None)
+        return f"fla kernel configs: not used: {type(exc).__name__}: {exc}"
     return (f"fla kernel configs: {entries} tuned keys of {kernels} kernels from {path} ({MODE_ENV}={MODE}: a kernel "
-            "whose key is there compiles that config alone, without autotuning)")
+            f"whose key is there compiles that config alone, without autotuning; {adopted} plain Triton autotuners "
+            "of fla given the same lookup)")
 
 
 def _unwrap(obj: Any) -> Iterator[Any]:
@@ -129,10 +135,44 @@ def _unwrap(obj: Any) -> Iterator[Any]:
         obj = getattr(obj, "fn", None)
 
 
+def kernel_name(obj: Any) -> str | None:
+    """The name fla's store files a kernel under: CachedAutotuner's `kernel_name`, else (a plain Triton Autotuner)
+    its innermost function's name, which is what CachedAutotuner would compute (`fn.fn.__name__`)."""
+    name = getattr(obj, "kernel_name", None)
+    if isinstance(name, str):
+        return name
+    name = getattr(getattr(obj, "base_fn", None), "__name__", None)
+    return name if isinstance(name, str) else None
+
+
 def _is_autotuner(obj: Any) -> bool:
-    """fla's CachedAutotuner (a triton Autotuner): its `cache` maps an autotune key to the triton.Config chosen."""
-    return (isinstance(getattr(obj, "kernel_name", None), str) and isinstance(getattr(obj, "cache", None), dict)
-            and isinstance(getattr(obj, "keys", None), (list, tuple)))
+    """A Triton Autotuner (fla's CachedAutotuner or a plain one): `cache` maps an autotune key to the chosen
+    triton.Config."""
+    return (kernel_name(obj) is not None and isinstance(getattr(obj, "cache", None), dict)
+            and isinstance(getattr(obj, "keys", None), (list, tuple)) and isinstance(getattr(obj, "configs", None), list))
+
+
+def adopt() -> int:
+    """Give fla's plain Triton autotuners fla's own CachedAutotuner class, so the store serves every fla kernel.
+
+    Why: fla decorates only some kernels with its `fla_cache_autotune` (the chunked Gated DeltaNet's KKT, WY and
+    state kernels); others that the same forward runs use Triton's plain `autotune` (fla/ops/utils/cumsum.py,
+    fla/ops/common/chunk_o.py), and fla's own switch for them (`configure_fla_cache_autotune`) must run before fla is
+    imported, which importing it defeats. CachedAutotuner is a subclass of Triton's Autotuner that adds only the store
+    lookup before Triton's own `run`, and needs only `kernel_name` besides, so an instance's class is swapped in
+    place (every wrapper that holds it sees the change). Returns how many were adopted."""
+    cached = getattr(sys.modules.get(FLA_MODULE), "CachedAutotuner", None)
+    plain = getattr(sys.modules.get("triton.runtime.autotuner"), "Autotuner", None)
+    if not isinstance(cached, type) or not isinstance(plain, type) or not issubclass(cached, plain):
+        return 0
+    n = 0
+    for objs in autotuners().values():
+        for obj in objs:
+            if type(obj) is plain:
+                obj.kernel_name = kernel_name(obj)
+                obj.__class__ = cached
+                n += 1
+    return n
 
 
 def autotuners() -> dict[str, list[Any]]:
@@ -150,7 +190,7 @@ def autotuners() -> dict[str, list[Any]]:
                 continue
     by_name: dict[str, list[Any]] = {}
     for obj in found.values():
-        by_name.setdefault(obj.kernel_name, []).append(obj)
+        by_name.setdefault(str(kernel_name(obj)), []).append(obj)
     return by_name
 
 
@@ -212,4 +252,5 @@ def record(path: Path | None, env: MutableMapping[str, str] | None = None) -> st
     return f"fla kernel configs: recorded {new} tuned keys of {kernels} kernels in {path}{extra}"
 
 
-__all__ = ["DIR_ENV", "MODE", "MODE_ENV", "autotuners", "enable", "key_hash", "record", "store_dir"]
+__all__ = ["DIR_ENV", "MODE", "MODE_ENV", "adopt", "autotuners", "enable", "kernel_name", "key_hash", "record",
+           "store_dir"]

@@ -37,6 +37,7 @@ class Tuner:  # fla's CachedAutotuner: what autotune chose per key
     keys: list[str]
     cache: dict[tuple[Any, ...], Config] = field(default_factory=dict)
     fn: Any = None
+    configs: list[Config] = field(default_factory=lambda: [Config({"BK": 32}), Config({"BK": 64})])
 
 
 @dataclass
@@ -205,3 +206,56 @@ def test_an_odd_object_in_fla_s_modules_is_passed_over(tmp_path: Path, fla_modul
 
     fla_modules.odd = Odd()  # skipped: the kernels beside it are still recorded
     assert "recorded 2 tuned keys of 2 kernels" in fla_configs.record(tmp_path / "store", env={})
+
+
+def test_enable_without_an_importable_fla_leaves_the_environment_as_it_was(tmp_path: Path,
+                                                                           fla_modules: types.ModuleType,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "store"
+    fla_configs.record(store, env={})
+    monkeypatch.setitem(sys.modules, fla_configs.FLA_MODULE, None)  # `import` of it raises, as without fla
+    env: dict[str, str] = {}
+    assert fla_configs.enable(store, env).startswith("fla kernel configs: not used: ")
+    assert env == {}
+
+
+def test_fla_s_plain_triton_autotuners_get_its_store_lookup(tmp_path: Path, fla_modules: types.ModuleType,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some fla kernels use Triton's plain autotune (cumsum, chunk_o): they are recorded under their function's name
+    and, when the store is used, take fla's CachedAutotuner class (Triton's Autotuner and fla's subclass here are
+    stand-ins with their documented attributes: `base_fn`, `cache`, `keys`, `configs`)."""
+
+    class Autotuner:  # triton.runtime.autotuner.Autotuner
+        def __init__(self, fn_name: str, cache: dict[tuple[Any, ...], Config]) -> None:
+            self.base_fn = types.FunctionType(compile("def f(): pass", "k", "exec").co_consts[0], {}, fn_name)
+            self.cache, self.keys, self.configs = cache, ["BT"], [Config({"BT": 16}), Config({"BT": 64})]
+
+    class CachedAutotuner(Autotuner):  # fla.ops.utils.cache.CachedAutotuner: adds the store lookup, kernel_name
+        pass
+
+    class FlaCacheMode(enum.Enum):
+        STRICT = "strict"
+
+    triton_mod = types.ModuleType("triton.runtime.autotuner")
+    triton_mod.Autotuner = Autotuner
+    cache_mod = types.ModuleType(fla_configs.FLA_MODULE)
+    cache_mod.CachedAutotuner, cache_mod.FlaCacheMode, cache_mod.FLA_CACHE_MODE = CachedAutotuner, FlaCacheMode, None
+    monkeypatch.setitem(sys.modules, "triton.runtime.autotuner", triton_mod)
+    monkeypatch.setitem(sys.modules, fla_configs.FLA_MODULE, cache_mod)
+    fla_modules.cumsum = Heuristics(Autotuner("chunk_local_cumsum_kernel", {(8, "torch.float32"): Config({"BT": 64})}))
+    elsewhere = types.ModuleType("not_fla.kernels")  # not fla's: never touched
+    elsewhere.k = Autotuner("other_kernel", {})
+    monkeypatch.setitem(sys.modules, elsewhere.__name__, elsewhere)
+
+    store = tmp_path / "store"
+    assert "recorded 3 tuned keys of 3 kernels" in fla_configs.record(store, env={})
+    assert json.loads((store / "chunk_local_cumsum_kernel.json").read_text())["kernel_name"] == \
+        "chunk_local_cumsum_kernel"
+    env: dict[str, str] = {}
+    assert "1 plain Triton autotuners of fla given the same lookup" in fla_configs.enable(store, env)
+    adopted = fla_modules.cumsum.fn
+    assert type(adopted) is CachedAutotuner and adopted.kernel_name == "chunk_local_cumsum_kernel"
+    assert adopted.cache == {(8, "torch.float32"): Config({"BT": 64})}  # the same object, its state kept
+    assert type(elsewhere.k) is Autotuner and not hasattr(elsewhere.k, "kernel_name")
+    assert type(fla_modules.wy) is Tuner  # fla's own cached autotuners (stand-ins here) stay as they are
+    assert fla_configs.adopt() == 0  # nothing left to adopt

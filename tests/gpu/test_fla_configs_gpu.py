@@ -30,7 +30,7 @@ assert hasattr(Autotuner, "_bench"), "Triton's Autotuner has no _bench: count th
 benched = []
 timed = Autotuner._bench
 def counting(self, *args, **kwargs):  # instrumentation only: which autotuner times a candidate
-    benched.append(getattr(self, "kernel_name", "?"))
+    benched.append(fla_configs.kernel_name(self) or "?")
     return timed(self, *args, **kwargs)
 Autotuner._bench = counting
 sys.path.insert(0, "tests/gpu")
@@ -69,10 +69,12 @@ def test_recorded_configs_skip_autotuning_and_give_the_same_hidden_states(tmp_pa
         res[name] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(name, res[name], proc.stderr.strip().splitlines()[:1])
     rec, load = res["record"], res["load"]
+    recorded = {p.stem for p in store.glob("*.json")}
     assert rec["mode"] is None and rec["benched"] > 0 and "recorded" in rec["record"]
-    assert sorted(p.stem for p in store.glob("*.json")) == sorted(set(rec["kernels"])), "every tuned kernel recorded"
+    assert set(rec["kernels"]) <= recorded, f"tuned, not recorded: {set(rec['kernels']) - recorded}"
     assert load["mode"] == "strict"
-    assert load["benched"] == 0, f"autotuned although recorded: {load['kernels']}"
+    assert not set(load["kernels"]) & recorded, f"autotuned although recorded: {load['kernels']}"
+    assert load["benched"] == 0, f"fla kernels the store does not reach: {load['kernels']}"
     assert load["record"] == ""  # nothing new to add
     assert torch.equal(torch.load(tmp_path / "record.pt"), torch.load(tmp_path / "load.pt"))
     print(f"first packed forward: {rec['first_s']:.1f} s autotuning, {load['first_s']:.1f} s from the store")
