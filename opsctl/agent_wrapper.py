@@ -571,27 +571,29 @@ class EventsWatch:
         margin of its best)."""
         with self.lock:
             evidence = self.tau.regression(self.tau_drop.get("drop_frac"), self.tau_drop.get("drop_min"))
-            if evidence is None:
-                self.tau_told = False
+            if not self._new_episode("tau_told", evidence) or evidence is None:
                 return None
-            if self.tau_told:
-                return None
-            self.tau_told = True
             last = self.tau.latest()
             return (last["step"] if last else 0), evidence
+
+    def _new_episode(self, told: str, evidence: str | None) -> bool:
+        """True once per episode of a condition (`evidence` not None), False while it lasts and after it ended;
+        `told` names the attribute that remembers whether this episode was notified."""
+        if evidence is None:
+            setattr(self, told, False)
+            return False
+        if getattr(self, told):
+            return False
+        setattr(self, told, True)
+        return True
 
     def take_slowdown(self) -> tuple[int, str] | None:
         """(step, evidence) of a slowdown not notified yet: once per episode (until the pace is back under
         SLOW_FACTOR; a new attempt starts a new pace)."""
         with self.lock:
             evidence = slowdown(*self.pace) if self.pace is not None else None
-            if evidence is None:
-                self.slow_told = False
+            if not self._new_episode("slow_told", evidence) or evidence is None or self.pace is None:
                 return None
-            if self.slow_told:
-                return None
-            self.slow_told = True
-            assert self.pace is not None
             return self.pace[2], evidence
 
     def check_stall(self) -> float | None:
