@@ -4,8 +4,8 @@ kernel instead of autotuning every candidate (issue 24: the cold first step).
 fla 0.6 has its own store for this (fla/ops/utils/cache.py): with FLA_CACHE_MODE=strict its autotuners look up
 FLA_CONFIG_DIR/{kernel}.json for the exact autotune key before they benchmark anything, and autotune as before when
 the key is not there. fla ships no configs in its wheel, and its autotuning (dozens of candidate kernels compiled and
-timed) is, we expect (not yet measured), most of the 37.7-49.5 s a fresh H200 spends in the 27B-like target's first forward (docs/perf.md). Triton's
-own cache of those results (fla's `cache_results`) lives in the Triton cache dir, which opsctl's default `clear`
+timed) is, we expect (not yet measured), most of the 37.7-49.5 s a fresh H200 spends in the 27B-like target's first
+forward (docs/perf.md). Triton's own cache of those results (fla's `cache_results`) lives in the Triton cache dir, which opsctl's default `clear`
 policy empties at every launch and which a new run dir does not carry (dflash/triton_carry.py carries it per run).
 So: after a run's first step this module writes what fla's autotuners chose into a host store
 ($DFLASH_CACHE/fla-configs/GPU/fla-V_triton-V/, one file per kernel, fla's own format), and every later start of a
@@ -149,7 +149,8 @@ def _is_autotuner(obj: Any) -> bool:
     """A Triton Autotuner (fla's CachedAutotuner or a plain one): `cache` maps an autotune key to the chosen
     triton.Config."""
     return (kernel_name(obj) is not None and isinstance(getattr(obj, "cache", None), dict)
-            and isinstance(getattr(obj, "keys", None), (list, tuple)) and isinstance(getattr(obj, "configs", None), list))
+            and isinstance(getattr(obj, "keys", None), (list, tuple))
+            and isinstance(getattr(obj, "configs", None), list))
 
 
 def adopt() -> int:

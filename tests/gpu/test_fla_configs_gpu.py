@@ -100,8 +100,10 @@ def test_dflash_train_records_after_its_first_step_and_the_next_run_loads(tmp_pa
         proc = subprocess.run([sys.executable, "-c", _TRAIN, str(tmp_path / name)], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "0", proc.stderr[-3000:]
-        logs[name] = [ln for ln in (tmp_path / name / "train.log").read_text().splitlines() if "fla kernel configs" in ln]
+        text = (tmp_path / name / "train.log").read_text()
+        logs[name] = [ln for ln in text.splitlines() if "fla kernel configs" in ln]
         print(name, logs[name])
     store = next((tmp_path / "cache" / "fla-configs").glob("*/*"))
-    assert "none recorded yet" in logs["first"][0] and "recorded" in logs["first"][1] and str(store) in logs["first"][1]
-    assert len(logs["second"]) == 1 and f"from {store}" in logs["second"][0] and "without autotuning" in logs["second"][0]
+    first, second = logs["first"], logs["second"]
+    assert "none recorded yet" in first[0] and "recorded" in first[1] and str(store) in first[1]
+    assert len(second) == 1 and f"from {store}" in second[0] and "without autotuning" in second[0]
