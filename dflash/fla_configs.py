@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash import locks
+from dflash.kernels import package_version
 
 MODE_ENV, DIR_ENV = "FLA_CACHE_MODE", "FLA_CONFIG_DIR"
 MODE = "strict"  # exact key or fla's own autotuning: never a config tuned for another shape
@@ -38,12 +39,8 @@ FLA_MODULE = "fla.ops.utils.cache"  # holds FLA_CACHE_MODE, read once at fla's i
 
 
 def _version(*dists: str) -> str | None:
-    for d in dists:
-        try:
-            return importlib.metadata.version(d)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    """The first of these distributions that is installed (fla is `fla-core` or `flash-linear-attention`)."""
+    return next((v for d in dists if (v := package_version(d)) is not None), None)
 
 
 def _safe(name: str) -> str:

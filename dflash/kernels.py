@@ -139,7 +139,8 @@ def varlen_usable(kernels: dict[str, str]) -> bool:
     return kernels.get("chunk_gated_delta_rule") == "fla" and kernels.get("causal_conv1d_fn") == "causal_conv1d"
 
 
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
+    """An installed distribution's version; None when it is not installed."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -150,16 +151,16 @@ def versions() -> dict[str, str | None]:
     """The versions `run_start` reports: a missing kernel package is None, not an error."""
     import transformers
 
-    dflash_version = _version("dflash-ops")
+    dflash_version = package_version("dflash-ops")
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
         "dflash": dflash_version,
-        "fla": _version("flash-linear-attention") or _version("fla-core"),
-        "causal_conv1d": _version("causal-conv1d") or _version("causal_conv1d"),
-        "triton": _version("triton"),
+        "fla": package_version("flash-linear-attention") or package_version("fla-core"),
+        "causal_conv1d": package_version("causal-conv1d") or package_version("causal_conv1d"),
+        "triton": package_version("triton"),
     }
 
 
@@ -302,7 +303,7 @@ def dynamo_counts() -> dict[str, int]:
 
 
 def _triton_version() -> tuple[int, ...] | None:
-    text = _version("triton")
+    text = package_version("triton")
     if text is None:
         return None
     return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
