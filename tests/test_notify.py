@@ -122,29 +122,31 @@ def test_notify_on_stall_once_never_blocks_and_kill_is_silent(tmp_path: Path, ss
     assert len(lines(out, 1)) == 1 and not (tmp_path / "host-notes").exists()
 
 
-def test_notify_on_disk_full_once_per_episode_then_finished(tmp_path: Path, sshd, ct: int) -> None:
-    """A checkpoint that did not fit notifies once; more of the same do not until a checkpoint fits again."""
+def run_ok_and_collect(tmp_path: Path, sshd: Any, ct: int, n: int, *args: str) -> list[list[str]]:
+    """tests/runs/ok_run.py with `args`, launched and followed to its end with the recorder as notify: its n
+    notifications, checked to be all of them (nothing more comes a second later)."""
     out = tmp_path / "notes"
-    run = script_run(tmp_path, "ok_run.py", "--steps", "6", "--step-time", "0.6", "--disk-full-steps", "2,3,5",
-                     "--checkpoint-steps", "4")
+    run = script_run(tmp_path, "ok_run.py", *args)
     hosts = hosts_with_notify(sshd, tmp_path / "hosts.yaml", ct, {"r": run}, recorder(out))
     assert opsctl(hosts, "launch", "box", "r", "--follow").returncode == commands.EXIT_OK
-    got = lines(out, 3)
+    got = lines(out, n)
     time.sleep(1.0)  # nothing more may come
-    assert lines(out, 3) == got and [g[3:5] for g in got] == [["disk_full", "2"], ["disk_full", "5"],
-                                                              ["finished", "6"]], got
+    assert lines(out, n) == got and len(got) == n, got
+    return got
+
+
+def test_notify_on_disk_full_once_per_episode_then_finished(tmp_path: Path, sshd, ct: int) -> None:
+    """A checkpoint that did not fit notifies once; more of the same do not until a checkpoint fits again."""
+    got = run_ok_and_collect(tmp_path, sshd, ct, 3, "--steps", "6", "--step-time", "0.6", "--disk-full-steps",
+                             "2,3,5", "--checkpoint-steps", "4")
+    assert [g[3:5] for g in got] == [["disk_full", "2"], ["disk_full", "5"], ["finished", "6"]], got
     assert got[0][5] == "checkpoint step-2 not saved: No space left on device"
 
 
 def test_notify_on_slowdown_once_per_episode(tmp_path: Path, sshd, ct: int) -> None:
     """A run whose step events say it got slower (`pace` >= 1.3) notifies once; again only after it was back to
     speed. A step a second apart: the wrapper, polling twice a second, sees each."""
-    out = tmp_path / "notes"
-    run = script_run(tmp_path, "ok_run.py", "--steps", "7", "--step-time", "1.0", "--paces", ",1.4,1.5,1.0,1.0,1.35,")
-    hosts = hosts_with_notify(sshd, tmp_path / "hosts.yaml", ct, {"r": run}, recorder(out))
-    assert opsctl(hosts, "launch", "box", "r", "--follow").returncode == commands.EXIT_OK
-    got = lines(out, 3)
-    time.sleep(1.0)  # nothing more may come
-    assert lines(out, 3) == got and [g[3:5] for g in got] == [["slowdown", "2"], ["slowdown", "6"],
-                                                              ["finished", "7"]], got
+    got = run_ok_and_collect(tmp_path, sshd, ct, 3, "--steps", "7", "--step-time", "1.0", "--paces",
+                             ",1.4,1.5,1.0,1.0,1.35,")
+    assert [g[3:5] for g in got] == [["slowdown", "2"], ["slowdown", "6"], ["finished", "7"]], got
     assert got[0][5].startswith("step time 0.70 s at step 2 (median of its last 100 steps), 1.40x the 0.50 s"), got
