@@ -538,6 +538,12 @@ class DFlashDrafter(nn.Module):
 
         regions = self._regional()
         run = regions.layer if regions is not None else layer_step
+        if regions is not None and not x.requires_grad:
+            # Layer 0's input comes from the frozen embedding and needs no grad, the other layers' inputs do: dynamo
+            # guards requires_grad, so layer 0 would compile a graph of its own (forward, recompute and backward:
+            # about a third of a 5-layer drafter's cold compile). Asking for its grad (one [M, H] leaf, dropped
+            # with the graph; its q-projection input grad is the only extra work) lets one layer graph serve all.
+            x = x.detach().requires_grad_(True)
         for i, (layer, attend) in enumerate(zip(self.layers, self._attenders(anchors, docs, m), strict=True)):
             recompute = i < self.checkpoint_layers and self.training and torch.is_grad_enabled()
             x = run(layer, x, ctx, rope_q, rope_kv, attend, recompute)
