@@ -13,6 +13,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -240,22 +241,34 @@ def time_cuda(fn: Callable[[], Any], repeats: int, dev: Dev, warmup: int = 1) ->
 
 
 def count_host_syncs(fn: Callable[[], Any], dev: Dev) -> tuple[int, list[str]]:
-    """How many synchronising CUDA calls `fn` makes (torch's sync debug mode), with the first few call sites."""
+    """How many synchronising CUDA calls `fn` makes (torch's sync debug mode), with the first few call sites: the
+    innermost Python frame, and after `<` the innermost frame of dflash's own code that led to it (a sync raised in
+    torch's or inductor's code is placed by the dflash line that called it)."""
     if not dev.cuda:
         fn()
         return 0, ["n/a on cpu"]
+    sites: list[str] = []
+
+    def record(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        if "synchroniz" not in str(message).lower():
+            return
+        site = f"{Path(filename).name}:{lineno}"
+        ours = [f for f in traceback.extract_stack()[:-1] if "dflash" in Path(f.filename).parts]
+        if ours and Path(ours[-1].filename).name != Path(filename).name:
+            site += f" < {Path(ours[-1].filename).name}:{ours[-1].lineno}"
+        sites.append(site)
+
     prev = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record
             fn()
             torch.cuda.synchronize()
     finally:
         torch.cuda.set_sync_debug_mode(prev)
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
-    where = [f"{Path(w.filename).name}:{w.lineno}" for w in syncs[:8]]
-    return len(syncs), where
+    return len(sites), sites[:8]
 
 
 def kernel_ms(prof: Any, steps: int, prefix: str = "phase:") -> dict[str, float]:

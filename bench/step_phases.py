@@ -14,6 +14,7 @@ forward.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -233,6 +234,20 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     eval_report = eval_cost(args, cfg, drafter, target, s("step")) if args.eval_every is not None else None
     syncs, where = benchlib.count_host_syncs(lambda: run_target(target, prepare_buffer(
         corpus, buffers[-1], n, target.packing, fixed_shape=fixed_shape), n), dev)
+    # The drafter's fwd+bwd too: a sync there makes the host wait for the target forward before it can enqueue the
+    # rest of the drafter (its host_enqueue_ms then holds that wait), and leaves the GPU idle while it does.
+    dbatch = run_target(target, prepare_buffer(corpus, buffers[-1], n, target.packing, fixed_shape=fixed_shape),
+                        n).to(device)
+
+    def drafter_once(b: Any) -> None:
+        anchors, keep = sample_anchors(b, dcfg.num_anchors, dcfg.block_size, gen)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dev.cuda):
+            out = step_model(b, target.embed_tokens, target.lm_head, anchors=anchors, keep=keep)
+        out.loss.backward()
+
+    dsyncs, dwhere = benchlib.count_host_syncs(functools.partial(drafter_once, dbatch), dev)
+    opt.zero_grad(set_to_none=True)
+    del dbatch
     g = target.graphs
     return {
         "config": args.config, "device": dev.name(), "torch": torch.__version__,
@@ -251,6 +266,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         "phases": phases, "peak_memory_gib": round(peak_mem, 1), "recompiles_after_warmup": recompiles,
         "recompile_limit_hits": limit_hits, "fallbacks": fallbacks[:5],
         "host_syncs_per_target_forward": syncs, "host_sync_sites": where,
+        "host_syncs_per_drafter_step": dsyncs, "drafter_sync_sites": dwhere,
         "losses_first_last": [per_step[0]["loss"], per_step[-1]["loss"]],
         "profile": profile, "eval": eval_report,
     }
@@ -305,7 +321,8 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{r['phase']:22} {r['ms']:9.1f} {r['tflop']:8.2f} {tps} {mfu}  {other or ''}")
     print(f"peak memory {report['peak_memory_gib']} GiB; recompiles after warm-up {report['recompiles_after_warmup']}; "
           f"recompile-limit fallbacks {report['recompile_limit_hits']} {report['fallbacks'] or ''}; "
-          f"host syncs per target forward {report['host_syncs_per_target_forward']} {report['host_sync_sites']}")
+          f"host syncs per target forward {report['host_syncs_per_target_forward']} {report['host_sync_sites']}, "
+          f"per drafter fwd+bwd {report['host_syncs_per_drafter_step']} {report['drafter_sync_sites']}")
     if report.get("profile"):
         pr = report["profile"]
         print(f"profiled {pr['steps']} steps: kernel ms {pr['kernel_ms']}; event ms {pr['event_ms']}; "
