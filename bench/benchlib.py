@@ -203,6 +203,11 @@ class Dev:
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated() if self.cuda else 0
 
+    def alloc_retries(self) -> int:
+        """The caching allocator's retries so far: each one freed cached blocks (cudaFree, a device-wide sync that
+        torch's sync debug mode does not count) to satisfy an allocation."""
+        return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if self.cuda else 0
+
     def name(self) -> str:
         return torch.cuda.get_device_name() if self.cuda else "cpu (smoke run: not GPU figures)"
 

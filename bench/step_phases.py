@@ -116,7 +116,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     n = cfg.data.token_budget
     per_step: list[dict[str, Any]] = []
     fallbacks: list[str] = []
-    frames_warm = hits_warm = 0
+    frames_warm = hits_warm = retries_warm = 0
     first_split: dict[str, float] = {}
     rf = torch.profiler.record_function
 
@@ -161,6 +161,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
             dev.sync()
             dev.reset_peak()
             frames_warm, hits_warm = dynamo_counts()["frames"], recompile_limit_hits()
+            retries_warm = dev.alloc_retries()
         rec = one_step(i, pieces)
         per_step.append(rec)
         if i == 0:
@@ -193,6 +194,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     peak_mem = dev.peak() / 2**30
     recompiles = dynamo_counts()["frames"] - frames_warm
     limit_hits = recompile_limit_hits() - hits_warm
+    alloc_retries = dev.alloc_retries() - retries_warm
     timed = per_step[args.warmup:]
     hidden, vocab = target.hidden_size, target.vocab_size
     rows_ms: dict[str, list[float]] = {k: [] for k in ("target", "drafter", "optimizer", "gap", "step")}
@@ -266,7 +268,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         "phases": phases, "peak_memory_gib": round(peak_mem, 1), "recompiles_after_warmup": recompiles,
         "recompile_limit_hits": limit_hits, "fallbacks": fallbacks[:5],
         "host_syncs_per_target_forward": syncs, "host_sync_sites": where,
-        "host_syncs_per_drafter_step": dsyncs, "drafter_sync_sites": dwhere,
+        "host_syncs_per_drafter_step": dsyncs, "drafter_sync_sites": dwhere, "alloc_retries_timed": alloc_retries,
         "losses_first_last": [per_step[0]["loss"], per_step[-1]["loss"]],
         "profile": profile, "eval": eval_report,
     }
@@ -322,7 +324,8 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"peak memory {report['peak_memory_gib']} GiB; recompiles after warm-up {report['recompiles_after_warmup']}; "
           f"recompile-limit fallbacks {report['recompile_limit_hits']} {report['fallbacks'] or ''}; "
           f"host syncs per target forward {report['host_syncs_per_target_forward']} {report['host_sync_sites']}, "
-          f"per drafter fwd+bwd {report['host_syncs_per_drafter_step']} {report['drafter_sync_sites']}")
+          f"per drafter fwd+bwd {report['host_syncs_per_drafter_step']} {report['drafter_sync_sites']}; "
+          f"allocator retries in the timed steps {report['alloc_retries_timed']}")
     if report.get("profile"):
         pr = report["profile"]
         print(f"profiled {pr['steps']} steps: kernel ms {pr['kernel_ms']}; event ms {pr['event_ms']}; "
