@@ -143,12 +143,16 @@ class Live:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def heartbeat(self) -> dict[str, Any]:
-        gpu = reserved = None
+        gpu = reserved = retries = None
         if self.device.type == "cuda":
             gpu = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
             # reserved - allocated is the caching allocator's slack: fragmentation shows as it grows over hours
             reserved = round(torch.cuda.memory_reserved(self.device) / 2**20, 1)
-        return {"phase": self.phase, "step": self.step, "gpu_mem_mb": gpu, "gpu_reserved_mb": reserved}
+            # ... until reserved reaches the card's limit: then it shows as retries (the allocator frees its whole
+            # cache, a device-wide sync, and tries again), each a stall, the last one before an OOM
+            retries = int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+        return {"phase": self.phase, "step": self.step, "gpu_mem_mb": gpu, "gpu_reserved_mb": reserved,
+                "gpu_alloc_retries": retries}
 
 
 class SignalGate:

@@ -30,6 +30,10 @@ MEM_SETTLE_S = 600.0
 MEM_WINDOW = 12  # heartbeats (a minute at the default heartbeat_s of 5)
 MEM_GROWTH_FRAC = 0.2  # of the baseline, and at least
 MEM_GROWTH_MIN_MB = 2048.0
+# The caching allocator retrying (it freed its whole cache to satisfy an allocation: a device-wide sync each time)
+# after MEM_SETTLE_S of training: memory at the card's limit or fragmented, where reserved memory can no longer grow
+# and memory_growth sees nothing. Any retry within the last RETRY_WINDOW_S counts; none for that long clears it.
+RETRY_WINDOW_S = 600.0
 CRITICAL = "critical"
 WARNING = "warning"
 
@@ -133,6 +137,8 @@ class AlertTracker:
         self._in_traceback = False
         # per (rank, heartbeat key): (baseline samples, recent samples); samples are (ts, step, MB)
         self.mem: dict[tuple[int, str], tuple[list[tuple[float, int, float]], deque[tuple[float, int, float]]]] = {}
+        # per rank: (ts, step, gpu_alloc_retries) from RETRY_WINDOW_S before the latest heartbeat on
+        self.retries: dict[int, deque[tuple[float, int, int]]] = {}
 
     # -- input ---------------------------------------------------------------------------
     def observe(self, msg: dict[str, Any]) -> None:
@@ -205,6 +211,14 @@ class AlertTracker:
         if (self.training_since is None or not _finite(ts) or float(ts) < self.training_since + MEM_SETTLE_S
                 or not isinstance(step, int) or not isinstance(rank, int)):
             return
+        count = ev.get("gpu_alloc_retries")
+        if isinstance(count, int) and not isinstance(count, bool):
+            seen = self.retries.setdefault(rank, deque())
+            if seen and count < seen[-1][2]:
+                seen.clear()  # another process on this rank (its counter starts again)
+            seen.append((float(ts), step, count))
+            while len(seen) > 1 and seen[1][0] <= float(ts) - RETRY_WINDOW_S:
+                seen.popleft()
         for key in ("rss_mb", "gpu_mem_mb", "gpu_reserved_mb"):
             mb = ev.get(key)
             if not _finite(mb):
@@ -228,6 +242,20 @@ class AlertTracker:
             grew.append(f"rank {rank} {names[key]} {b / 1024:.1f} GiB at step {base[0][1]} -> {now / 1024:.1f} GiB "
                         f"at step {recent[-1][1]} (+{(now - b) / 1024:.1f} GiB in {hours:.1f} h)")
         return "; ".join(grew) or None
+
+    def _retry_evidence(self) -> str | None:
+        found = []
+        for rank, seen in sorted(self.retries.items()):
+            if len(seen) < 2 or seen[-1][2] <= seen[0][2]:
+                continue
+            (t0, s0, c0), (t1, s1, c1) = seen[0], seen[-1]
+            found.append(f"rank {rank}: {c1 - c0} allocator retries in {(t1 - t0) / 60:.0f} min (steps {s0}-{s1}; "
+                         f"{c1} since its process started)")
+        if not found:
+            return None
+        return ("; ".join(found) + ": the CUDA caching allocator had to free its whole cache (a device-wide sync) to "
+                "find memory: fragmentation or memory at the card's limit, often the step before an OOM; "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True usually ends it")
 
     def _observe_step(self, ev: dict[str, Any]) -> None:
         ts = ev.get("ts")
@@ -312,6 +340,9 @@ class AlertTracker:
             grew = self._memory_evidence()
             if grew:
                 yield Alert("memory_growth", WARNING, "memory keeps growing", grew)
+            retried = self._retry_evidence()
+            if retried:
+                yield Alert("alloc_retries", WARNING, "GPU allocator retrying", retried)
         if v.state == "training":
             idle = self._idle_evidence()
             if idle:

@@ -30,7 +30,9 @@ STEP_TAGS = {
     "queue_depth": "queue/depth", "queue_wait_s": "queue/wait_s", "recompiles": "compile/recompiles",
     "pace": "perf/pace",  # once the attempt's pace settled (dflash/pace.py): 1.3 or more is a `slowdown`
 }
-HEARTBEAT_TAGS = {"rss_mb": "rss_mb", "gpu_mem_mb": "gpu_mem_mb", "gpu_reserved_mb": "gpu_reserved_mb"}  # per rank: rank{R}/... (group: node{N}/rank{R}/...)
+# per rank: rank{R}/... (group: node{N}/rank{R}/...)
+HEARTBEAT_TAGS = {"rss_mb": "rss_mb", "gpu_mem_mb": "gpu_mem_mb", "gpu_reserved_mb": "gpu_reserved_mb",
+                  "gpu_alloc_retries": "gpu_alloc_retries"}
 GPU_TAGS = {"util": "util_pct", "mem_used_mb": "mem_used_mb", "power_w": "power_w", "temp_c": "temp_c",
             "sm_clock_mhz": "sm_clock_mhz"}  # per GPU: gpu{I}/... (group: node{N}/gpu{I}/...)
 

@@ -326,3 +326,44 @@ def test_a_refused_run_raises_a_critical_alert_with_the_refusal_and_no_disk_full
     assert a.severity == "critical" and a.title == "run refused to start"
     assert a.evidence.startswith("config: refusing to resume: drafter.num_layers: 3 in the checkpoint")
     assert a.evidence.endswith("run_end refused; exit code 2")
+
+
+def _retry_beats(r: Run, t0: float, t1: float, count: Any, rank: int = 0) -> None:
+    """Heartbeats every 5 s from t0 to t1 with gpu_alloc_retries count(t) (cumulative, as torch counts them)."""
+    t = t0
+    while t <= t1:
+        r.feed(ev("heartbeat", t, phase="training", step=int(t - T0), rank=rank, rss_mb=3000.0, gpu_mem_mb=60000.0,
+                  gpu_reserved_mb=70000.0, gpu_alloc_retries=count(t)))
+        t += 5.0
+
+
+def test_allocator_retries_while_training_are_an_alert_until_ten_minutes_pass_without_one() -> None:
+    r = Run(stall_after_s=1e9)
+    _training(r)
+    # Compiling and the first minutes may retry: not counted (the same settling time as memory_growth).
+    _retry_beats(r, T0 + 5, T0 + 600, lambda t: int((t - T0) // 60))
+    _retry_beats(r, T0 + 605, T0 + 3600, lambda t: 10)
+    assert "alloc_retries" not in r.alerts(T0 + 3601)
+    # Reserved memory at the card's limit: a retry every 2 minutes from 1 h on (memory_growth sees nothing).
+    _retry_beats(r, T0 + 3605, T0 + 4800, lambda t: 10 + int((t - T0 - 3600) // 120))
+    a = r.alerts(T0 + 4801)["alloc_retries"]
+    assert a.severity == "warning" and a.title == "GPU allocator retrying"
+    assert a.evidence.startswith("rank 0: 5 allocator retries in 10 min (steps 4200-4800; 20 since its process "
+                                 "started): the CUDA caching allocator had to free its whole cache"), a.evidence
+    assert "expandable_segments:True" in a.evidence and "memory_growth" not in r.alerts(T0 + 4801)
+    # No retry for ten minutes: cleared.
+    _retry_beats(r, T0 + 4805, T0 + 5395, lambda t: 20)
+    assert "alloc_retries" in r.alerts(T0 + 5396)  # the last retry (step 4800) is 595 s old
+    _retry_beats(r, T0 + 5400, T0 + 5500, lambda t: 20)
+    assert "alloc_retries" not in r.alerts(T0 + 5501)
+
+
+def test_a_new_process_on_a_rank_or_a_cpu_run_is_no_retry_alert_and_another_rank_is_named() -> None:
+    r = Run(stall_after_s=1e9)
+    _training(r)
+    _retry_beats(r, T0 + 605, T0 + 1200, lambda t: 40, rank=1)
+    _retry_beats(r, T0 + 1205, T0 + 1800, lambda t: 0, rank=1)  # a restarted process: its counter starts again
+    _retry_beats(r, T0 + 605, T0 + 1800, lambda t: None, rank=0)  # a CPU rank writes null
+    assert "alloc_retries" not in r.alerts(T0 + 1801)
+    _retry_beats(r, T0 + 1805, T0 + 1900, lambda t: 1 if t > T0 + 1850 else 0, rank=1)
+    assert r.alerts(T0 + 1901)["alloc_retries"].evidence.startswith("rank 1: 1 allocator retries in 10 min")

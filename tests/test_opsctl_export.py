@@ -35,7 +35,8 @@ def _attempt(w: EventWriter, first: int, last: int, resumed_from: int | None, lo
                grad_norm=2.0, tokens=100, tokens_per_s=400.0 + step, step_time_s=0.25, queue_depth=3,
                queue_wait_s=0.01, recompiles=0, total_steps=20,
                **({"pace": 1.0 + step / 100, "pace_ref_s": 0.25} if step >= 9 else {}))  # once it settled
-        w.emit("heartbeat", phase="training", step=step, rss_mb=1000.0 + step, gpu_mem_mb=None)
+        w.emit("heartbeat", phase="training", step=step, rss_mb=1000.0 + step, gpu_mem_mb=None,
+               gpu_alloc_retries=step // 4)
     w.emit("checkpoint", path="/ckpt", step=last, manifest_sha256="0" * 64, bytes=2**30, seconds=1.5,
            free_bytes=(40 - last) * 2**30)
 
@@ -67,6 +68,7 @@ def test_export_writes_tensorboard_scalars_that_its_reader_reads_back_resume_and
     assert _scalars(out, "queue/depth")[0][1] == 3.0
     assert [(s, round(v, 2)) for s, v in _scalars(out, "perf/pace")] == [(s, 1.0 + s / 100) for s in (9, 10, 11, 12)]
     assert _scalars(out, "rank0/rss_mb")[-1] == (12, pytest.approx(1012.0))
+    assert _scalars(out, "rank0/gpu_alloc_retries")[-1] == (12, 3.0)
     assert _scalars(out, "checkpoint/gib")[-1] == (12, pytest.approx(1.0))
     assert _scalars(out, "checkpoint/free_gib")[-1] == (12, pytest.approx(28.0))  # the space left, over the run
     state = json.loads((out / STATE_FILE).read_text())

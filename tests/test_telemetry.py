@@ -140,3 +140,26 @@ def test_validate_rejects_bool_where_int_expected() -> None:
         validate_event(ev)
     ev["exit_code"] = 0
     assert parse_line(json.dumps(ev))["exit_code"] == 0
+
+
+def test_a_gpu_rank_s_heartbeat_carries_its_allocator_retries_and_a_cpu_rank_s_null(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dflash.train.Live.heartbeat, the state every heartbeat writes. No GPU exists here, so torch.cuda's three
+    counters are stand-ins returning what their documented interface returns (bytes; memory_stats' flat dict with
+    "num_alloc_retries"); tests/gpu runs the trainer on a real card."""
+    import torch
+
+    from dflash.train import Live
+
+    stats = {"num_alloc_retries": 7, "num_ooms": 0, "allocated_bytes.all.current": 5 * 2**20}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 5 * 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 8 * 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
+    gpu = Live(phase="training", step=4, device=torch.device("cuda", 0)).heartbeat()
+    assert gpu == {"phase": "training", "step": 4, "gpu_mem_mb": 5.0, "gpu_reserved_mb": 8.0, "gpu_alloc_retries": 7}
+    cpu = Live(phase="training", step=4).heartbeat()
+    assert cpu["gpu_alloc_retries"] is None and cpu["gpu_mem_mb"] is None
+    with EventWriter(tmp_path / "e.jsonl", run_id="r") as w:  # both are valid heartbeats of the contract
+        w.emit("heartbeat", rss_mb=1.0, **gpu)
+        w.emit("heartbeat", rss_mb=1.0, **cpu)
+    assert [e.get("gpu_alloc_retries") for e in read_events(tmp_path / "e.jsonl")] == [7, None]
