@@ -481,6 +481,8 @@ class EventsWatch:
             self.disk_full_told = False
             self.pace: tuple[Any, Any, int] | None = None  # the last step event's (pace, pace_ref_s, step)
             self.slow_told = False
+            self.memory = MemoryWatch()  # memory_growth and alloc_retries, once per episode each
+            self.growth_told = self.retries_told = False
 
     def poll(self) -> None:
         if not self.path:
@@ -531,6 +533,9 @@ class EventsWatch:
         if kind == "error" and ev.get("fatal") and ev.get("message"):
             self.fatal = str(ev["message"])
         self.tau.note(ev)
+        if kind == "run_start":
+            self.memory = MemoryWatch()
+        self.memory.note(ev)
         if kind in ("run_start", "phase", "heartbeat", "step", "checkpoint"):
             self.last_progress = float(ts)
             self.stalled = False
@@ -595,6 +600,17 @@ class EventsWatch:
             if not self._new_episode("slow_told", evidence) or evidence is None or self.pace is None:
                 return None
             return self.pace[2], evidence
+
+    def take_memory(self) -> list[tuple[str, int | None, str]]:
+        """(state, step, evidence) of memory_growth / alloc_retries not notified yet: once per episode each (until
+        the rule no longer holds; a new attempt starts new windows)."""
+        out = []
+        with self.lock:
+            for state, told, evidence in (("memory_growth", "growth_told", self.memory.growth()),
+                                          ("alloc_retries", "retries_told", self.memory.alloc_retries())):
+                if self._new_episode(told, evidence) and evidence is not None:
+                    out.append((state, self.memory.last_step(), evidence))
+        return out
 
     def check_stall(self) -> float | None:
         """The silence in seconds when the run just became stalled (once per stall), else None."""
@@ -777,6 +793,99 @@ def slowdown(pace: Any, ref_s: Any, step: Any) -> str | None:
         return None
     return (f"step time {p * r:.2f} s at step {step} (median of its last 100 steps), {p:.2f}x the {r:.2f} s this "
             f"attempt settled at (alert from {SLOW_FACTOR:g}x)")
+
+
+# -- memory: a rank's heartbeats (docs/events.md) once MEM_SETTLE_S of training passed (loading, compiling and the
+# first caches have grown memory by then). memory_growth: the median of the last MEM_WINDOW heartbeats of a figure
+# (host RSS, GPU allocated, GPU reserved) more than max(MEM_GROWTH_FRAC, MEM_GROWTH_MIN_MB) above the median of its
+# first MEM_WINDOW: a leak or fragmentation that ends a week-long run (medians: one spike is not growth).
+# alloc_retries: the CUDA caching allocator retried (freed its whole cache, a device-wide sync, to find memory)
+# within the last RETRY_WINDOW_S: memory at the card's limit or fragmented, where reserved memory cannot grow and
+# growth sees nothing; none for that long ends it.
+MEM_SETTLE_S = 600.0
+MEM_WINDOW = 12  # heartbeats (a minute at the default heartbeat_s of 5)
+MEM_GROWTH_FRAC = 0.2
+MEM_GROWTH_MIN_MB = 2048.0
+RETRY_WINDOW_S = 600.0
+MEM_NAMES = {"rss_mb": "host RSS", "gpu_mem_mb": "GPU allocated", "gpu_reserved_mb": "GPU reserved"}
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class MemoryWatch:
+    """The memory rules over one attempt's events (the wrapper's notify and the clients' alerts use this one)."""
+
+    def __init__(self) -> None:
+        self.training_since: float | None = None
+        # per (rank, heartbeat key): (baseline samples, recent samples); samples are (ts, step, MB)
+        self.mem: dict[tuple[int, str], tuple[list[tuple[float, int, float]],
+                                              collections.deque[tuple[float, int, float]]]] = {}
+        # per rank: (ts, step, gpu_alloc_retries) from RETRY_WINDOW_S before its latest heartbeat on
+        self.retries: dict[int, collections.deque[tuple[float, int, int]]] = {}
+
+    def note(self, ev: dict[str, Any]) -> None:
+        """Feed every event of the attempt in order (a run_start begins a new attempt: start a new MemoryWatch)."""
+        kind, ts = ev.get("kind"), ev.get("ts")
+        if not _num(ts):
+            return
+        if self.training_since is None and (kind == "step" or (kind == "phase" and ev.get("phase") == "training")):
+            self.training_since = float(ts)
+        if kind != "heartbeat":
+            return
+        step, rank = ev.get("step"), ev.get("rank")
+        if (self.training_since is None or float(ts) < self.training_since + MEM_SETTLE_S
+                or not isinstance(step, int) or not isinstance(rank, int)):
+            return
+        count = ev.get("gpu_alloc_retries")
+        if isinstance(count, int) and not isinstance(count, bool):
+            seen = self.retries.setdefault(rank, collections.deque())
+            if seen and count < seen[-1][2]:
+                seen.clear()  # another process on this rank (its counter starts again)
+            seen.append((float(ts), step, count))
+            while len(seen) > 1 and seen[1][0] <= float(ts) - RETRY_WINDOW_S:
+                seen.popleft()
+        for key in MEM_NAMES:
+            mb = ev.get(key)
+            if not _num(mb):
+                continue
+            base, recent = self.mem.setdefault((rank, key), ([], collections.deque(maxlen=MEM_WINDOW)))
+            if len(base) < MEM_WINDOW:
+                base.append((float(ts), step, float(mb)))
+            recent.append((float(ts), step, float(mb)))
+
+    def growth(self) -> str | None:
+        grew = []
+        for (rank, key), (base, recent) in sorted(self.mem.items()):
+            if len(base) < MEM_WINDOW or len(recent) < MEM_WINDOW or recent[0][0] <= base[-1][0]:
+                continue  # the two windows must not overlap
+            b = statistics.median(x[2] for x in base)
+            now = statistics.median(x[2] for x in recent)
+            if now - b < max(MEM_GROWTH_FRAC * b, MEM_GROWTH_MIN_MB):
+                continue
+            hours = max(recent[-1][0] - base[0][0], 1.0) / 3600
+            grew.append(f"rank {rank} {MEM_NAMES[key]} {b / 1024:.1f} GiB at step {base[0][1]} -> "
+                        f"{now / 1024:.1f} GiB at step {recent[-1][1]} (+{(now - b) / 1024:.1f} GiB in {hours:.1f} h)")
+        return "; ".join(grew) or None
+
+    def alloc_retries(self) -> str | None:
+        found = []
+        for rank, seen in sorted(self.retries.items()):
+            if len(seen) < 2 or seen[-1][2] <= seen[0][2]:
+                continue
+            (t0, s0, c0), (t1, s1, c1) = seen[0], seen[-1]
+            found.append(f"rank {rank}: {c1 - c0} allocator retries in {(t1 - t0) / 60:.0f} min (steps {s0}-{s1}; "
+                         f"{c1} since its process started)")
+        if not found:
+            return None
+        return ("; ".join(found) + ": the CUDA caching allocator had to free its whole cache (a device-wide sync) to "
+                "find memory: fragmentation or memory at the card's limit, often the step before an OOM; "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True usually ends it")
+
+    def last_step(self) -> int | None:
+        steps = [recent[-1][1] for _, recent in self.mem.values() if recent]
+        return max(steps) if steps else None
 
 
 def attempt_taus(events: str | None, attempts: list[dict[str, Any]]) -> None:
@@ -1044,6 +1153,8 @@ def main() -> None:
         slow = watch.take_slowdown()
         if slow is not None:
             notifier.fire("slowdown", {"attempt": current["attempt"], "step": slow[0], "reason": slow[1]})
+        for state, step, reason in watch.take_memory():
+            notifier.fire(state, {"attempt": current["attempt"], "step": step, "reason": reason})
 
     def stall_monitor() -> None:
         while True:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dflash.telemetry import ERROR_CLASSES, RESERVOIR_CAPACITY
-from opsctl.agent_wrapper import slowdown, tau_regression  # the wrapper's notify fires by the same rules
+from opsctl.agent_wrapper import MemoryWatch, slowdown, tau_regression  # the wrapper's notify: the same rules
 from opsctl.runstate import RunView, phase_progress
 
 WARMUP_STEPS = 3  # recompiles during the first steps are expected (shapes settle); later ones are a bug
@@ -23,17 +23,6 @@ GPU_IDLE_AFTER_S = 30.0
 STARVED_FRACTION = 0.5  # drafter waits more than half of its step for hidden states
 QUEUE_WINDOW = 5  # steps looked at for starvation / backlog
 QUEUE_MIN_STEPS = 3
-# Memory that keeps growing while training (a leak, host or GPU; allocator fragmentation): the baseline is the median
-# of MEM_WINDOW heartbeats once MEM_SETTLE_S of training has passed (caches and compiled graphs are built by then),
-# compared with the median of the last MEM_WINDOW. Medians: one spike is not growth.
-MEM_SETTLE_S = 600.0
-MEM_WINDOW = 12  # heartbeats (a minute at the default heartbeat_s of 5)
-MEM_GROWTH_FRAC = 0.2  # of the baseline, and at least
-MEM_GROWTH_MIN_MB = 2048.0
-# The caching allocator retrying (it freed its whole cache to satisfy an allocation: a device-wide sync each time)
-# after MEM_SETTLE_S of training: memory at the card's limit or fragmented, where reserved memory can no longer grow
-# and memory_growth sees nothing. Any retry within the last RETRY_WINDOW_S counts; none for that long clears it.
-RETRY_WINDOW_S = 600.0
 CRITICAL = "critical"
 WARNING = "warning"
 
@@ -135,10 +124,7 @@ class AlertTracker:
         self.gpus_with_procs: set[int] = set()
         self.log_exception: str | None = None
         self._in_traceback = False
-        # per (rank, heartbeat key): (baseline samples, recent samples); samples are (ts, step, MB)
-        self.mem: dict[tuple[int, str], tuple[list[tuple[float, int, float]], deque[tuple[float, int, float]]]] = {}
-        # per rank: (ts, step, gpu_alloc_retries) from RETRY_WINDOW_S before the latest heartbeat on
-        self.retries: dict[int, deque[tuple[float, int, int]]] = {}
+        self.memory = MemoryWatch()  # memory_growth and alloc_retries (opsctl/agent_wrapper.py: notify's rules too)
 
     # -- input ---------------------------------------------------------------------------
     def observe(self, msg: dict[str, Any]) -> None:
@@ -175,6 +161,8 @@ class AlertTracker:
         ts = ev.get("ts")
         if kind == "run_start":
             self._reset_run()
+        self.memory.note(ev)
+        if kind == "run_start":
             kernels = ev.get("kernels") or {}
             # On a CPU run the PyTorch fallback is the only implementation there is: not worth an alert.
             on_cpu = str(ev.get("device") or "").startswith("cpu")
@@ -188,8 +176,6 @@ class AlertTracker:
                 self.training_since = float(ts)
         elif kind == "step":
             self._observe_step(ev)
-        elif kind == "heartbeat":
-            self._observe_memory(ev)
         elif kind == "checkpoint":
             self.disk_full = None  # a checkpoint that fit; a warning that the next one will not follows it
         elif kind == "error":
@@ -205,57 +191,6 @@ class AlertTracker:
             elif cls in (RECOMPILE, UNCOMPILED_FLEX):
                 self.recompile_errors.append(f"{cls}: {message}")
                 del self.recompile_errors[:-5]
-
-    def _observe_memory(self, ev: dict[str, Any]) -> None:
-        ts, step, rank = ev.get("ts"), ev.get("step"), ev.get("rank")
-        if (self.training_since is None or not _finite(ts) or float(ts) < self.training_since + MEM_SETTLE_S
-                or not isinstance(step, int) or not isinstance(rank, int)):
-            return
-        count = ev.get("gpu_alloc_retries")
-        if isinstance(count, int) and not isinstance(count, bool):
-            seen = self.retries.setdefault(rank, deque())
-            if seen and count < seen[-1][2]:
-                seen.clear()  # another process on this rank (its counter starts again)
-            seen.append((float(ts), step, count))
-            while len(seen) > 1 and seen[1][0] <= float(ts) - RETRY_WINDOW_S:
-                seen.popleft()
-        for key in ("rss_mb", "gpu_mem_mb", "gpu_reserved_mb"):
-            mb = ev.get(key)
-            if not _finite(mb):
-                continue
-            base, recent = self.mem.setdefault((rank, key), ([], deque(maxlen=MEM_WINDOW)))
-            if len(base) < MEM_WINDOW:
-                base.append((float(ts), step, float(mb)))
-            recent.append((float(ts), step, float(mb)))
-
-    def _memory_evidence(self) -> str | None:
-        names = {"rss_mb": "host RSS", "gpu_mem_mb": "GPU allocated", "gpu_reserved_mb": "GPU reserved"}
-        grew = []
-        for (rank, key), (base, recent) in sorted(self.mem.items()):
-            if len(base) < MEM_WINDOW or len(recent) < MEM_WINDOW or recent[0][0] <= base[-1][0]:
-                continue  # the two windows must not overlap
-            b = statistics.median(x[2] for x in base)
-            now = statistics.median(x[2] for x in recent)
-            if now - b < max(MEM_GROWTH_FRAC * b, MEM_GROWTH_MIN_MB):
-                continue
-            hours = max(recent[-1][0] - base[0][0], 1.0) / 3600
-            grew.append(f"rank {rank} {names[key]} {b / 1024:.1f} GiB at step {base[0][1]} -> {now / 1024:.1f} GiB "
-                        f"at step {recent[-1][1]} (+{(now - b) / 1024:.1f} GiB in {hours:.1f} h)")
-        return "; ".join(grew) or None
-
-    def _retry_evidence(self) -> str | None:
-        found = []
-        for rank, seen in sorted(self.retries.items()):
-            if len(seen) < 2 or seen[-1][2] <= seen[0][2]:
-                continue
-            (t0, s0, c0), (t1, s1, c1) = seen[0], seen[-1]
-            found.append(f"rank {rank}: {c1 - c0} allocator retries in {(t1 - t0) / 60:.0f} min (steps {s0}-{s1}; "
-                         f"{c1} since its process started)")
-        if not found:
-            return None
-        return ("; ".join(found) + ": the CUDA caching allocator had to free its whole cache (a device-wide sync) to "
-                "find memory: fragmentation or memory at the card's limit, often the step before an OOM; "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True usually ends it")
 
     def _observe_step(self, ev: dict[str, Any]) -> None:
         ts = ev.get("ts")
@@ -337,10 +272,10 @@ class AlertTracker:
             parts = ([self.recompile_growth] if self.recompile_growth else []) + self.recompile_errors
             yield Alert("recompile", WARNING, "recompiles after warm-up", "; ".join(parts))
         if v.state in ("training", "stalled"):
-            grew = self._memory_evidence()
+            grew = self.memory.growth()
             if grew:
                 yield Alert("memory_growth", WARNING, "memory keeps growing", grew)
-            retried = self._retry_evidence()
+            retried = self.memory.alloc_retries()
             if retried:
                 yield Alert("alloc_retries", WARNING, "GPU allocator retrying", retried)
         if v.state == "training":

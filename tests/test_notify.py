@@ -150,3 +150,42 @@ def test_notify_on_slowdown_once_per_episode(tmp_path: Path, sshd, ct: int) -> N
                              ",1.4,1.5,1.0,1.0,1.35,")
     assert [g[3:5] for g in got] == [["slowdown", "2"], ["slowdown", "6"], ["finished", "7"]], got
     assert got[0][5].startswith("step time 0.70 s at step 2 (median of its last 100 steps), 1.40x the 0.50 s"), got
+
+
+def test_notify_on_allocator_retries_once_per_episode(tmp_path: Path, sshd, ct: int) -> None:
+    """Heartbeats whose gpu_alloc_retries rise while training (ten minutes in: the memory rules' settling time)
+    notify `alloc_retries` once; again only after ten minutes without one (their clock: two minutes a step)."""
+    got = run_ok_and_collect(tmp_path, sshd, ct, 3, "--steps", "10", "--step-time", "1.0", "--alloc-retries",
+                             "0,0,1,1,1,1,1,1,2,2")
+    assert [g[3:5] for g in got] == [["alloc_retries", "3"], ["alloc_retries", "9"], ["finished", "10"]], got
+    assert got[0][5].startswith("rank 0: 1 allocator retries in 4 min (steps 1-3; 1 since its process started): "
+                                "the CUDA caching allocator had to free its whole cache"), got
+
+
+def test_the_wrapper_tells_memory_growth_once_by_the_alerts_rule(tmp_path: Path) -> None:
+    """EventsWatch (the wrapper's reader of the events file) over a real events file: GPU reserved memory that grew
+    past the memory_growth margin is told once, with watch's evidence, and not again while it lasts."""
+    from dflash.telemetry import EventWriter
+    from opsctl.agent_wrapper import MEM_SETTLE_S, EventsWatch
+    from opsctl.alerts import AlertTracker
+
+    path = tmp_path / "events.jsonl"
+    path.touch()
+    watch = EventsWatch(str(path), None)
+    w = EventWriter(path, run_id="r")
+    events = [w.emit("phase", phase="training")]
+    t0 = events[0]["ts"]
+    for i in range(48):  # 4 minutes of heartbeats from the settling time on; +20 GiB reserved after the first two
+        ts = t0 + MEM_SETTLE_S + 5 * i
+        events.append(w.emit("heartbeat", ts=ts, phase="training", step=100 + i, rss_mb=100.0, gpu_mem_mb=60000.0,
+                             gpu_reserved_mb=70000.0 + (20480.0 if i >= 24 else 0.0)))
+    w.close()
+    watch.poll()
+    told = watch.take_memory()
+    assert told == [("memory_growth", 147, "rank 0 GPU reserved 68.4 GiB at step 100 -> 88.4 GiB at step 147 "
+                                           "(+20.0 GiB in 0.1 h)")]
+    assert watch.take_memory() == []  # the same episode
+    tracker = AlertTracker()  # watch's alert: the same evidence from the same events
+    for ev in events:
+        tracker.observe({"t": "event", "event": ev})
+    assert tracker.memory.growth() == told[0][2]

@@ -12,13 +12,16 @@ import time
 from _common import parse, writer
 
 args = parse(steps=5, step_time=0.2, load_time=0.3, ckpt_dir="", signal_log="", disk_full_steps="",
-             checkpoint_steps="", paces="")
+             checkpoint_steps="", paces="", alloc_retries="")
 # Steps after which the run reports a checkpoint that did not fit (a `disk_full` error, as dflash.train writes it) or
 # one that did (a `checkpoint` event), comma-separated.
 disk_full_at = {int(x) for x in args.disk_full_steps.split(",") if x}
 checkpoint_at = {int(x) for x in args.checkpoint_steps.split(",") if x}
 # Per step, the `pace` its event carries (dflash/pace.py; empty: none yet), comma-separated.
 paces = {i + 1: float(x) for i, x in enumerate(args.paces.split(",")) if x}
+# Per step, the gpu_alloc_retries of a heartbeat written after it (empty: none), comma-separated. Its `ts` is a
+# synthetic clock, ten minutes into training and two minutes a step (the memory rules look at that much time).
+alloc_retries = {i + 1: int(x) for i, x in enumerate(args.alloc_retries.split(",")) if x}
 stop = {"sig": None}
 
 
@@ -37,7 +40,7 @@ w = writer(args.events, args.steps)
 print("loading model", flush=True)
 w.emit("phase", phase="loading_target", i=1, n=1)
 time.sleep(args.load_time)
-w.emit("phase", phase="training")
+training_ts = w.emit("phase", phase="training")["ts"]
 step = 0
 while step < args.steps and stop["sig"] is None:
     time.sleep(args.step_time)
@@ -46,6 +49,9 @@ while step < args.steps and stop["sig"] is None:
            tokens_per_s=500.0, step_time_s=args.step_time, queue_depth=0, queue_wait_s=0.0, recompiles=0,
            total_steps=args.steps, **({"pace": paces[step], "pace_ref_s": 0.5} if step in paces else {}))
     print(f"step {step} loss {5.0 / step:.3f}", flush=True)
+    if step in alloc_retries:
+        w.emit("heartbeat", ts=training_ts + 600 + 120 * step, phase="training", step=step, rss_mb=100.0,
+               gpu_mem_mb=60000.0, gpu_reserved_mb=70000.0, gpu_alloc_retries=alloc_retries[step])
     if step in checkpoint_at:
         w.emit("checkpoint", path=f"/ckpt/step-{step}", step=step, manifest_sha256="0" * 64, bytes=10, seconds=0.0,
                free_bytes=5)
