@@ -1676,9 +1676,10 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     tau = _W["TauTrack"]()  # the run's evaluations across its attempts: the latest and the best tau so far
     eta = _W["EtaClock"]()  # every step of the attempt, not only the last ones sent: the ETA watch shows too
     bad: list[Any] = [0, None]  # lines since the last run_start that are no event: how many, the last one's why
+    mem = _W["MemoryWatch"]()  # memory_growth / alloc_retries need the attempt's heartbeats, not the last one
     if run.events and os.path.exists(run.events):
         with open(run.events, "rb") as fh:
-            off = fold_resume(run, fh, since, steps, errors, last, bad, tau, eta)
+            off = fold_resume(run, fh, since, steps, errors, last, bad, tau, eta, mem)
             scanned_from = off
             for head, length, complete in long_lines(fh, MAX_EVENT_LINE):
                 start, off = off, off + length + complete
@@ -1698,6 +1699,8 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                     errors.clear()
                     last.clear()
                     bad[:] = [0, None]
+                    mem.__init__()
+                mem.note(ev)
                 if kind == "step":
                     steps.append((start, off, ev))
                 elif kind == "error":
@@ -1706,7 +1709,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                     last[kind] = (start, off, ev)
             size = off
             if size - scanned_from >= FOLD_AFTER_BYTES:
-                fold_save(run, fh, since, size, steps, errors, last, bad, tau, eta)
+                fold_save(run, fh, since, size, steps, errors, last, bad, tau, eta, mem)
     taus = [e["ref"] for e in (tau.best(), tau.latest()) if e is not None]
     for item in list(last.values()) + list(steps) + list(errors) + taus:
         picked[item[0]] = (item[1], item[2])
@@ -1725,7 +1728,8 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     emit("status", name=run.name, proc=snap, killed_by_opsctl=killed is not None, killed=killed,
          launched_ts=launch.get("ts"), session=run.session, session_exists=sess["exists"],
          pane_dead=sess["pane_dead"], log=run.log, log_size=log_size, events=run.events, events_size=size,
-         bad_events=bad[0], bad_event=bad[1], eta_clock=eta.state())
+         bad_events=bad[0], bad_event=bad[1], eta_clock=eta.state(), memory_growth=mem.growth(),
+         alloc_retries=mem.alloc_retries())
     return EXIT_CODES["ok"]
 
 
@@ -1734,7 +1738,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
 # (STATE_DIR/FOLD_FILE) with the byte offset it reached, and the next status goes on from there when the file is
 # still the same one (inode, and the FOLD_CHECK bytes before the offset) and the attempt is the same (`since`).
 FOLD_FILE = "status-fold.json"
-FOLD_FORMAT = 1
+FOLD_FORMAT = 2  # 2: the memory rules' windows (MemoryWatch) too
 FOLD_AFTER_BYTES = 4 << 20
 FOLD_CHECK = 4096
 
@@ -1747,7 +1751,7 @@ def _fold_mark(fh: Any, offset: int) -> dict[str, Any]:
 
 
 def fold_resume(run: Run, fh: Any, since: float, steps: Any, errors: Any, last: dict[str, Any], bad: list[Any],
-                tau: Any, eta: Any) -> int:
+                tau: Any, eta: Any, mem: Any) -> int:
     """Restore a saved fold of this events file and attempt into the given accumulators, leave `fh` at its
     offset and return it; 0 (nothing restored, `fh` at the start) when there is none that fits."""
     saved = read_json(run.state_file(FOLD_FILE))
@@ -1766,6 +1770,7 @@ def fold_resume(run: Run, fh: Any, since: float, steps: Any, errors: Any, last: 
         bad[:] = saved["bad"]
         tau.evals = saved["tau"]
         eta.load(saved["eta"])
+        mem.load(saved["memory"])
     except (KeyError, TypeError, ValueError, OSError):
         steps.clear()
         errors.clear()
@@ -1773,6 +1778,7 @@ def fold_resume(run: Run, fh: Any, since: float, steps: Any, errors: Any, last: 
         bad[:] = [0, None]
         tau.evals = []
         eta.__init__()
+        mem.__init__()
         fh.seek(0)
         return 0
     fh.seek(offset)
@@ -1780,14 +1786,14 @@ def fold_resume(run: Run, fh: Any, since: float, steps: Any, errors: Any, last: 
 
 
 def fold_save(run: Run, fh: Any, since: float, offset: int, steps: Any, errors: Any, last: dict[str, Any],
-              bad: list[Any], tau: Any, eta: Any) -> None:
+              bad: list[Any], tau: Any, eta: Any, mem: Any) -> None:
     """Save the fold at `offset` (atomic; never raises: status works the same without it). Only where a launch
     made STATE_DIR: status creates nothing."""
     if not os.path.isdir(run.state_dir):
         return
     state = {"format": FOLD_FORMAT, "events": run.events, "since": since, "mark": _fold_mark(fh, offset),
              "steps": list(steps), "errors": list(errors), "last": last, "bad": bad, "tau": tau.evals,
-             "eta": eta.state()}
+             "eta": eta.state(), "memory": mem.state()}
     tmp = run.state_file(f".{FOLD_FILE}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w") as out:

@@ -887,6 +887,20 @@ class MemoryWatch:
         steps = [recent[-1][1] for _, recent in self.mem.values() if recent]
         return max(steps) if steps else None
 
+    def state(self) -> dict[str, Any]:
+        """JSON for status's saved fold (opsctl/agent.py fold_save): a later status goes on from it."""
+        return {"since": self.training_since,
+                "mem": [[rank, key, base, list(recent)] for (rank, key), (base, recent) in self.mem.items()],
+                "retries": [[rank, list(seen)] for rank, seen in self.retries.items()]}
+
+    def load(self, st: dict[str, Any]) -> None:
+        self.training_since = st["since"]
+        self.mem = {(int(rank), str(key)): ([tuple(x) for x in base],  # type: ignore[misc]
+                                            collections.deque((tuple(x) for x in recent), maxlen=MEM_WINDOW))
+                    for rank, key, base, recent in st["mem"]}
+        self.retries = {int(rank): collections.deque(tuple(x) for x in seen)  # type: ignore[misc]
+                        for rank, seen in st["retries"]}
+
 
 def attempt_taus(events: str | None, attempts: list[dict[str, Any]]) -> None:
     """Each attempt's last and best tau (and their steps) from the events file: the eval events between its start

@@ -125,6 +125,7 @@ class AlertTracker:
         self.log_exception: str | None = None
         self._in_traceback = False
         self.memory = MemoryWatch()  # memory_growth and alloc_retries (opsctl/agent_wrapper.py: notify's rules too)
+        self.status_memory: tuple[Any, Any] = (None, None)  # the same rules' verdicts, from a `status` answer
 
     # -- input ---------------------------------------------------------------------------
     def observe(self, msg: dict[str, Any]) -> None:
@@ -138,6 +139,8 @@ class AlertTracker:
             self._observe_gpu(msg)
         elif t == "link":
             self.set_link(str(msg.get("state")), str(msg.get("detail") or ""), msg.get("local_ts"))
+        elif t == "status":  # status reads every heartbeat of the attempt but sends only the last: its verdicts
+            self.status_memory = (msg.get("memory_growth"), msg.get("alloc_retries"))
         elif t == "hello":
             self.set_link("up", f"agent {msg.get('agent_version', '?')} on {msg.get('host', '?')}", msg.get("local_ts"))
 
@@ -272,10 +275,10 @@ class AlertTracker:
             parts = ([self.recompile_growth] if self.recompile_growth else []) + self.recompile_errors
             yield Alert("recompile", WARNING, "recompiles after warm-up", "; ".join(parts))
         if v.state in ("training", "stalled"):
-            grew = self.memory.growth()
+            grew = self.memory.growth() or self.status_memory[0]
             if grew:
                 yield Alert("memory_growth", WARNING, "memory keeps growing", grew)
-            retried = self.memory.alloc_retries()
+            retried = self.memory.alloc_retries() or self.status_memory[1]
             if retried:
                 yield Alert("alloc_retries", WARNING, "GPU allocator retrying", retried)
         if v.state == "training":

@@ -101,3 +101,51 @@ def test_a_replaced_file_or_a_new_attempt_is_read_in_full(tmp_path: Path) -> Non
     fold.unlink()
     assert _status(args) == again
     assert again[1]["eta_clock"]["last"][0] == 20_050
+
+
+def _beats(first: int, last: int, retries: Any) -> str:
+    """A step event each second and a heartbeat every 5 with gpu_alloc_retries retries(step)."""
+    out = []
+    for s in range(first, last + 1):
+        out.append(_line("step", s, step=s, loss=1.0 / s, acc=[0.5], lr=1e-3, grad_norm=1.0, tokens=100,
+                         tokens_per_s=500.0, step_time_s=1.0, pad="x" * 200, total_steps=100_000))
+        if s % 5 == 0:
+            out.append(_line("heartbeat", s, phase="training", step=s, rss_mb=100.0, gpu_mem_mb=60000.0,
+                             gpu_reserved_mb=70000.0, gpu_alloc_retries=retries(s)))
+    return "".join(out)
+
+
+def _memory_alert(args: dict[str, Any]) -> str | None:
+    """The alloc_retries alert `status` raises (the client's AlertTracker over the agent's answer)."""
+    import dataclasses
+
+    from opsctl.alerts import AlertTracker
+    from opsctl.runstate import RunState
+
+    rc, msgs = drive("status", args)
+    assert rc == 0
+    tracker, state = AlertTracker(), RunState()
+    for m in msgs:
+        tracker.observe(m)
+        state.apply(m)
+    # no process was ever started here; the rule holds while a run trains (or stalls), as this one would be
+    view = dataclasses.replace(state.view(), state="training")
+    alerts = {a.key: a.evidence for a in tracker.evaluate(view, time.time())}
+    return alerts.get("alloc_retries")
+
+
+def test_status_raises_the_allocator_alert_from_every_heartbeat_of_the_attempt_read_whole_or_from_the_fold(
+        tmp_path: Path) -> None:
+    """status sends one heartbeat, but its agent runs the memory rules over all of them (a saved fold carries their
+    windows): allocator retries within the last 10 minutes of the attempt are an alert either way."""
+    args, events, fold = _setup(tmp_path)
+    events.write_text(_line("run_start", 0, total_steps=100_000, resumed_from=None)
+                      + _line("phase", 1, phase="training") + _beats(1, 20_000, lambda s: 0))
+    assert _memory_alert(args) is None and fold.is_file()
+    with events.open("a") as fh:  # two retries near the end: the window's base (step 19700) is in the fold
+        fh.write(_beats(20_001, 20_300, lambda s: 2 if s >= 20_200 else 0))
+    resumed = _memory_alert(args)
+    assert resumed is not None and resumed.startswith(
+        "rank 0: 2 allocator retries in 10 min (steps 19700-20300; 2 since its process started)"), resumed
+    fold.unlink()
+    assert _memory_alert(args) == resumed  # a full read: the same
