@@ -2,7 +2,8 @@
 # The cold first step with and without fla's tuned kernel configs (issue 24; dflash/fla_configs.py), in one device
 # call: run `autotune` starts with empty Triton and inductor caches and an empty config store (fla autotunes every
 # kernel, then the run records its choices), run `store` starts with new empty caches and that store (fla compiles
-# one config per kernel). The first step's split (target forward = fla's first calls) of each is printed last.
+# one config per kernel). The first step's split (target forward = fla's first calls) of each is printed last;
+# the recorded store is copied to $OUT/store.
 # Usage on the GPU machine (repo root; fla / causal-conv1d wheels on PYTHONPATH, e.g. /tmp/site):
 #   OUT=/some/dir bash bench/fla_cold_start.sh bench/h200-27b-like.yaml --vocab 248320 --compile-scope regional
 set -euo pipefail
@@ -15,7 +16,10 @@ for run in autotune store; do
   TRITON_CACHE_DIR="$work/triton-$run" TORCHINDUCTOR_CACHE_DIR="$work/inductor-$run" \
     python3 bench/step_phases.py "$cfg" --steps 2 --warmup 1 --profile-steps 0 --fla-configs "$work/store" "$@" \
     --json "$OUT/cold-$run.json" > "$OUT/cold-$run.log" 2>&1 || { tail -30 "$OUT/cold-$run.log"; exit 1; }
-  grep -E "first step|fla kernel configs|target built" "$OUT/cold-$run.log" || true
+  grep -E "first step|fla kernel configs|target built|host syncs" "$OUT/cold-$run.log" || true
+  # the recorded store as soon as it exists (what dflash/fla_seed ships is copied from here): a call cut short by
+  # its time limit still brings it back
+  [[ $run == autotune ]] && cp -r "$work/store" "$OUT/store"
 done
 python3 - "$OUT" <<'PY'
 import json, sys
