@@ -19,7 +19,7 @@ for run in autotune store; do
   grep -E "first step|fla kernel configs|target built|host syncs" "$OUT/cold-$run.log" || true
   # the recorded store as soon as it exists (what dflash/fla_seed ships is copied from here): a call cut short by
   # its time limit still brings it back
-  [[ $run == autotune ]] && cp -r "$work/store" "$OUT/store"
+  if [[ $run == autotune ]]; then cp -r "$work/store" "$OUT/store"; fi
 done
 python3 - "$OUT" <<'PY'
 import json, sys
