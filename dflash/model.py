@@ -542,7 +542,8 @@ class DFlashDrafter(nn.Module):
             # Layer 0's input comes from the frozen embedding and needs no grad, the other layers' inputs do: dynamo
             # guards requires_grad, so layer 0 would compile a graph of its own (forward, recompute and backward:
             # about a third of a 5-layer drafter's cold compile). Asking for its grad (one [M, H] leaf, dropped
-            # with the graph; its q-projection input grad is the only extra work) lets one layer graph serve all.
+            # with the graph; the extra work is layer 0's input grad through its input norm and the block rows' q/k/v
+            # projections) lets one layer graph serve all.
             x = x.detach().requires_grad_(True)
         for i, (layer, attend) in enumerate(zip(self.layers, self._attenders(anchors, docs, m), strict=True)):
             recompute = i < self.checkpoint_layers and self.training and torch.is_grad_enabled()
