@@ -540,8 +540,9 @@ class DFlashDrafter(nn.Module):
         run = regions.layer if regions is not None else layer_step
         if regions is not None and not x.requires_grad:
             # Layer 0's input comes from the frozen embedding and needs no grad, the other layers' inputs do: dynamo
-            # guards requires_grad, so layer 0 would compile a graph of its own (forward, recompute and backward:
-            # about a third of a 5-layer drafter's cold compile). Asking for its grad (one [M, H] leaf, dropped
+            # guards requires_grad, so layer 0 would compile a graph of its own (its forward, recompute and backward
+            # generated and compiled again: 6 -> 4 FX graphs on CPU, docs/warm-start.md). Asking for its grad (one
+            # [M, H] leaf, dropped
             # with the graph; the extra work is layer 0's input grad through its input norm and the block rows' q/k/v
             # projections) lets one layer graph serve all.
             x = x.detach().requires_grad_(True)
