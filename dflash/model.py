@@ -542,9 +542,8 @@ class DFlashDrafter(nn.Module):
             # Layer 0's input comes from the frozen embedding and needs no grad, the other layers' inputs do: dynamo
             # guards requires_grad, so layer 0 would compile a graph of its own (its forward, recompute and backward
             # generated and compiled again: 6 -> 4 FX graphs on CPU, docs/warm-start.md). Asking for its grad (one
-            # [M, H] leaf, dropped
-            # with the graph; the extra work is layer 0's input grad through its input norm and the block rows' q/k/v
-            # projections) lets one layer graph serve all.
+            # [M, H] leaf, dropped with the graph; the extra work is layer 0's input grad through its input norm and
+            # the block rows' q/k/v projections) lets one layer graph serve all.
             x = x.detach().requires_grad_(True)
         for i, (layer, attend) in enumerate(zip(self.layers, self._attenders(anchors, docs, m), strict=True)):
             recompute = i < self.checkpoint_layers and self.training and torch.is_grad_enabled()
