@@ -810,10 +810,6 @@ RETRY_WINDOW_S = 600.0
 MEM_NAMES = {"rss_mb": "host RSS", "gpu_mem_mb": "GPU allocated", "gpu_reserved_mb": "GPU reserved"}
 
 
-def _num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 class MemoryWatch:
     """The memory rules over one attempt's events (the wrapper's notify and the clients' alerts use this one)."""
 
@@ -828,7 +824,7 @@ class MemoryWatch:
     def note(self, ev: dict[str, Any]) -> None:
         """Feed every event of the attempt in order (a run_start begins a new attempt: start a new MemoryWatch)."""
         kind, ts = ev.get("kind"), ev.get("ts")
-        if not _num(ts):
+        if not _finite(ts):
             return
         if self.training_since is None and (kind == "step" or (kind == "phase" and ev.get("phase") == "training")):
             self.training_since = float(ts)
@@ -848,7 +844,7 @@ class MemoryWatch:
                 seen.popleft()
         for key in MEM_NAMES:
             mb = ev.get(key)
-            if not _num(mb):
+            if not _finite(mb):
                 continue
             base, recent = self.mem.setdefault((rank, key), ([], collections.deque(maxlen=MEM_WINDOW)))
             if len(base) < MEM_WINDOW:

@@ -164,8 +164,6 @@ class AlertTracker:
         ts = ev.get("ts")
         if kind == "run_start":
             self._reset_run()
-        self.memory.note(ev)
-        if kind == "run_start":
             kernels = ev.get("kernels") or {}
             # On a CPU run the PyTorch fallback is the only implementation there is: not worth an alert.
             on_cpu = str(ev.get("device") or "").startswith("cpu")
@@ -194,6 +192,7 @@ class AlertTracker:
             elif cls in (RECOMPILE, UNCOMPILED_FLEX):
                 self.recompile_errors.append(f"{cls}: {message}")
                 del self.recompile_errors[:-5]
+        self.memory.note(ev)  # after run_start's reset: the new attempt's watch sees its own run_start
 
     def _observe_step(self, ev: dict[str, Any]) -> None:
         ts = ev.get("ts")
