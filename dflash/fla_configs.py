@@ -10,8 +10,9 @@ policy empties at every launch and which a new run dir does not carry (dflash/tr
 So: after a run's first step this module writes what fla's autotuners chose into a host store
 ($DFLASH_CACHE/fla-configs/GPU/fla-V_triton-V/, one file per kernel, fla's own format), and every later start of a
 target rank on that host, GPU and versions points fla at it. Nothing here ever fails a run: an unreadable store is
-ignored (fla then autotunes), a kernel name two autotuners share is never recorded (a config of one would be looked
-up for the other), and a user's own FLA_CACHE_MODE / FLA_CONFIG_DIR are left as set.
+ignored (fla then autotunes), a kernel name several autotuners share (most of fla's: one function name in many op
+modules) is filed under the name qualified by its module, for recording and lookup alike, and a user's own
+FLA_CACHE_MODE / FLA_CONFIG_DIR are left as set.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.metadata
+import inspect
 import json
 import os
 import re
@@ -142,6 +144,36 @@ def kernel_name(obj: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def _module(obj: Any) -> str | None:
+    """The module that defines an autotuner's kernel function (Triton's Autotuner keeps it as `base_fn`, else it is
+    the plain function at the end of the `.fn` chain)."""
+    fn = getattr(obj, "base_fn", None)
+    if not inspect.isfunction(fn):
+        fn = next((o for o in _unwrap(obj) if inspect.isfunction(o)), None)
+    mod = getattr(fn, "__module__", None)
+    return mod if isinstance(mod, str) else None
+
+
+def store_names() -> dict[str, Any]:
+    """Every fla autotuner loaded in this process by the name its configs are filed under in the store.
+
+    fla 0.6 files configs by the kernel function's name alone, and most of its autotuned kernels share that name with
+    another op's (the session-15 H200 store held 4 kernels and left 8 shared names out). A shared name is therefore
+    qualified by the defining module (`chunk_fwd_kernel_o__fla_ops_common_chunk_o`): the name depends only on the
+    code, so the run that records and the run that looks up agree, and two kernels never read each other's file.
+    Names still shared after that (one module defining a kernel twice) are left out."""
+    named: dict[str, list[Any]] = {}
+    for name, objs in autotuners().items():
+        if len(objs) == 1:
+            named.setdefault(name, []).append(objs[0])
+            continue
+        for obj in objs:
+            mod = _module(obj)
+            if mod is not None:
+                named.setdefault(f"{name}__{re.sub(r'[^0-9A-Za-z]+', '_', mod)}", []).append(obj)
+    return {name: objs[0] for name, objs in named.items() if len(objs) == 1 and re.fullmatch(r"[A-Za-z0-9_]+", name)}
+
+
 def _is_autotuner(obj: Any) -> bool:
     """A Triton Autotuner (fla's CachedAutotuner or a plain one): `cache` maps an autotune key to the chosen
     triton.Config."""
@@ -151,7 +183,8 @@ def _is_autotuner(obj: Any) -> bool:
 
 
 def adopt() -> int:
-    """Give fla's plain Triton autotuners fla's own CachedAutotuner class, so the store serves every fla kernel.
+    """Give fla's plain Triton autotuners fla's own CachedAutotuner class, so the store serves every fla kernel, and
+    every autotuner its store name (store_names: CachedAutotuner looks up `self.kernel_name`).
 
     Why: fla decorates only some kernels with its `fla_cache_autotune` (the chunked Gated DeltaNet's KKT, WY and
     state kernels); others that the same forward runs use Triton's plain `autotune` (fla/ops/utils/cumsum.py,
@@ -164,12 +197,12 @@ def adopt() -> int:
     if not isinstance(cached, type) or not isinstance(plain, type) or not issubclass(cached, plain):
         return 0
     n = 0
-    for objs in autotuners().values():
-        for obj in objs:
-            if type(obj) is plain:
-                obj.kernel_name = kernel_name(obj)
-                obj.__class__ = cached
-                n += 1
+    for name, obj in store_names().items():
+        if type(obj) is plain:
+            obj.__class__ = cached
+            n += 1
+        if isinstance(obj, cached):
+            obj.kernel_name = name
     return n
 
 
@@ -214,21 +247,19 @@ def record(path: Path | None, env: MutableMapping[str, str] | None = None) -> st
     if path is None or ((env.get(MODE_ENV) or env.get(DIR_ENV)) and env.get(DIR_ENV) != str(path)):
         return ""  # the user's own fla settings: not ours to write into
     try:
-        tuners = autotuners()
+        tuners = store_names()
+        skipped = sum(len(objs) for objs in autotuners().values()) - len(tuners)
         triton = _version("triton")
-        new = kernels = skipped = 0
+        new = kernels = 0
         path.mkdir(parents=True, exist_ok=True)
         with locks.hold(path / LOCK, "the fla kernel config store", wait=True, timeout_s=LOCK_WAIT_S):
-            for name, objs in sorted(tuners.items()):
-                if len(objs) > 1:
-                    skipped += 1
-                    continue
+            for name, obj in sorted(tuners.items()):
                 entries = {}
-                for key, cfg in objs[0].cache.items():
+                for key, cfg in obj.cache.items():
                     jkey, jcfg = _json_key(key), _config(cfg)
                     if jkey is not None and jcfg is not None:
                         entries[key_hash(jkey)] = {"autotune_key": jkey, "config": jcfg}
-                if not entries or not re.fullmatch(r"[A-Za-z0-9_]+", name):
+                if not entries:
                     continue
                 f = path / f"{name}.json"
                 data = _read(f) or {}
@@ -246,9 +277,9 @@ def record(path: Path | None, env: MutableMapping[str, str] | None = None) -> st
         return f"fla kernel configs: not recorded in {path}: {type(exc).__name__}: {exc}"
     if not new:
         return ""
-    extra = f"; {skipped} kernel names shared by several autotuners not recorded" if skipped else ""
+    extra = f"; {skipped} autotuners without a name of their own not recorded" if skipped else ""
     return f"fla kernel configs: recorded {new} tuned keys of {kernels} kernels in {path}{extra}"
 
 
 __all__ = ["DIR_ENV", "MODE", "MODE_ENV", "adopt", "autotuners", "enable", "kernel_name", "key_hash", "record",
-           "store_dir"]
+           "store_dir", "store_names"]

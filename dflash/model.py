@@ -147,7 +147,9 @@ def flex_mask_mod(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int
     """
     n = doc_ids.shape[0]
     limit = window if window is not None else n + anchors.shape[0] * block_size
-    window_t = torch.tensor(limit, dtype=torch.long, device=doc_ids.device)
+    # filled on the device, not copied from a host int: torch.tensor(limit, device=cuda) is a pageable host-to-device
+    # copy, which makes the host wait for the GPU twice per drafter step (bench/step_phases.py, host_syncs)
+    window_t = torch.full((), limit, dtype=torch.long, device=doc_ids.device)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return block_attention_rule(q_idx, kv_idx, anchors, doc_ids, n, block_size, window_t)

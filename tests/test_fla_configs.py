@@ -94,15 +94,45 @@ def test_record_writes_fla_s_config_files_and_a_later_record_only_adds(tmp_path:
     assert not list(store.glob(".*.tmp"))
 
 
-def test_a_kernel_name_two_autotuners_share_and_unjsonable_keys_are_never_recorded(
+def kernel_fn(name: str, module: str) -> types.FunctionType:
+    """A kernel's Python function as Triton's Autotuner keeps it (`base_fn`): its name and defining module."""
+    fn = types.FunctionType(compile("def f(): pass", "k", "exec").co_consts[0], {"__name__": module}, name)
+    assert fn.__module__ == module
+    return fn
+
+
+def test_a_kernel_name_several_autotuners_share_is_filed_under_its_module_and_unjsonable_keys_never(
         tmp_path: Path, fla_modules: types.ModuleType) -> None:
+    """fla 0.6 files configs by function name, and most of its kernels share one with another op's (8 of 12 names on
+    the H200 in session 15): each is recorded under the name qualified by its module, and looked up under it."""
+    fla_modules.wy.base_fn = kernel_fn("recompute_w_u_fwd_kernel", "fla.ops.gated_delta_rule.wy_fast")
     fla_modules.other = Tuner("recompute_w_u_fwd_kernel", ["H"], {(8, "torch.float16"): Config({"BK": 16})})
+    fla_modules.other.fn = types.SimpleNamespace(fn=kernel_fn("recompute_w_u_fwd_kernel", "fla.ops.gla.wy"))
+    fla_modules.twin = Tuner("twin_kernel", ["H"], {(1, "torch.float16"): Config({"BK": 16})})
+    fla_modules.twin2 = Tuner("twin_kernel", ["H"], {(2, "torch.float16"): Config({"BK": 16})})
+    for t in (fla_modules.twin, fla_modules.twin2):  # one module defining a name twice: no name of its own
+        t.base_fn = kernel_fn("twin_kernel", "fla.ops.twice")
     fla_modules.odd = Tuner("odd_kernel", ["X"], {((1, 2), "torch.bfloat16"): Config({"BK": 16}),
                                                    (object(),): Config({"BK": 16})})
     line = fla_configs.record(tmp_path, env={})
-    assert "recorded 1 tuned keys of 1 kernels" in line
-    assert "1 kernel names shared by several autotuners not recorded" in line
-    assert sorted(f.name for f in tmp_path.glob("*.json")) == ["chunk_fwd_kkt_kernel.json"]
+    assert "recorded 3 tuned keys of 3 kernels" in line
+    assert "2 autotuners without a name of their own not recorded" in line
+    qualified = ["recompute_w_u_fwd_kernel__fla_ops_gated_delta_rule_wy_fast", "recompute_w_u_fwd_kernel__fla_ops_gla_wy"]
+    assert sorted(f.stem for f in tmp_path.glob("*.json")) == ["chunk_fwd_kkt_kernel", *qualified]
+    gla = json.loads((tmp_path / f"{qualified[1]}.json").read_text())
+    assert gla["kernel_name"] == qualified[1]
+    assert [e["autotune_key"] for e in gla["autotune_entries"].values()] == [[8, "torch.float16"]]
+
+    # the run that uses the store looks each one up under that name (CachedAutotuner reads self.kernel_name)
+    cache_mod = types.ModuleType(fla_configs.FLA_MODULE)
+    cache_mod.CachedAutotuner = Tuner
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, fla_configs.FLA_MODULE, cache_mod)
+        mp.setitem(sys.modules, "triton.runtime.autotuner", types.SimpleNamespace(Autotuner=object))
+        fla_configs.adopt()
+    assert (fla_modules.wy.kernel_name, fla_modules.other.kernel_name) == tuple(qualified)
+    assert fla_modules.kkt.fn.kernel_name == "chunk_fwd_kkt_kernel"
+    assert fla_modules.twin.kernel_name == fla_modules.twin2.kernel_name == "twin_kernel"
 
 
 def test_a_damaged_file_is_replaced_and_an_unwritable_store_is_a_line_not_an_error(

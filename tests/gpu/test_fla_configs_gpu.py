@@ -29,8 +29,9 @@ from triton.runtime.autotuner import Autotuner
 assert hasattr(Autotuner, "_bench"), "Triton's Autotuner has no _bench: count the candidates another way"
 benched = []
 timed = Autotuner._bench
-def counting(self, *args, **kwargs):  # instrumentation only: which autotuner times a candidate
-    benched.append(fla_configs.kernel_name(self) or "?")
+def counting(self, *args, **kwargs):  # instrumentation only: which autotuner times a candidate, by its store name
+    names = {id(obj): name for name, obj in fla_configs.store_names().items()}
+    benched.append(names.get(id(self)) or fla_configs.kernel_name(self) or "?")
     return timed(self, *args, **kwargs)
 Autotuner._bench = counting
 sys.path.insert(0, "tests/gpu")
