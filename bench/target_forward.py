@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed calls per row after one warm-up (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-fixed-shape", action="store_true", help="skip the fixed-shape row")
+    p.add_argument("--fused", action="store_true",
+                   help="add a row with the target's norms and MLP activation compiled into fused kernels "
+                        "(dflash/target_fusion.py), over the last --attention")
     p.add_argument("--json", help="also write the report here")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run on the CPU to check this script end to end (tiny configs; packed rows fail there: no fla)")
@@ -165,6 +168,32 @@ def run(args: argparse.Namespace, dev: benchlib.Dev) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - one candidate failing must not lose the others' figures
             print(f"project varlen ({attention}): FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             rows.append({"phase": f"project varlen ({attention})", "error": f"{type(exc).__name__}: {exc}"[:500]})
+    if args.fused:
+        from dflash import target_fusion
+
+        fusion = target_fusion.fuse(model)
+        print(target_fusion.describe(fusion), flush=True)
+        host = prepare_buffer(corpus, pieces, n_budget, "varlen")
+        assert host.packed_ids is not None and host.cu_seqlens is not None
+        attention = args.attention[-1]
+        try:
+            model.set_attn_implementation(register_varlen_attention() if attention == "varlen" else "sdpa")
+
+            def fused(pid: torch.Tensor = host.packed_ids, cu: torch.Tensor = host.cu_seqlens) -> Any:
+                with fusion.on():
+                    return target.hidden_states_packed(pid, cu)
+
+            t0 = time.perf_counter()
+            fused()  # the compile, outside the timing (measure's warm-up would hide it)
+            compile_s = time.perf_counter() - t0
+            out = measure(f"project varlen fused ({attention})", fused, proj_flops, real,
+                          {"compile_s": round(compile_s, 1), "checked": fusion.checked, "refused": fusion.refused})
+            rows[-1]["max_rel_err_vs_padded"] = round(worst_doc_error(out[0]), 5)
+        except Exception as exc:  # noqa: BLE001 - as above
+            print(f"project varlen fused ({attention}): FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            rows.append({"phase": f"project varlen fused ({attention})",
+                         "error": f"{type(exc).__name__}: {exc}"[:500]})
+        target_fusion.unfuse(model)
     model.set_attn_implementation("sdpa")
     refs.clear()  # 1-2 GB at the 27B shape
 
