@@ -82,6 +82,8 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     if args.cuda_graph is not None:
         cfg.target.cuda_graph = args.cuda_graph
+    if args.fused_elementwise is not None:
+        cfg.target.fused_elementwise = args.fused_elementwise
     fla_store = Path(args.fla_configs) if args.fla_configs else None
     fla_lines = {"dir": str(fla_store) if fla_store else None, "enable": fla_configs.enable(fla_store), "record": ""}
     if fla_lines["enable"]:
@@ -262,6 +264,10 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
         "real_tokens_per_step": round(mean_fl["tokens"]),
         "target": {"layers_run": max(taps) + 1, "of": target.num_layers, "vocab": vocab, "packing": target.packing,
                    "attention": target.attention, "fixed_shape": args.fixed_shape,
+                   "fused_elementwise": {"setting": cfg.target.fused_elementwise,
+                                         "patched": target.fusion.patched if target.fusion else {},
+                                         "checked": target.fusion.checked if target.fusion else {},
+                                         "refused": target.fusion.refused if target.fusion else {}},
                    "cuda_graph": {"setting": cfg.target.cuda_graph, "active": g is not None,
                                   "captures": g.captures if g else 0, "replays": g.replays if g else 0,
                                   "rows_run_eagerly": g.unfit if g else 0, "capture_failed": g.failed if g else None}},
@@ -341,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, help="override target.arch.vocab_size (e.g. 248320, the real LM-head cost)")
     p.add_argument("--attention", choices=("sdpa", "varlen"), help="override target.attention")
     p.add_argument("--fixed-shape", action="store_true", help="pad every packed target row to token_budget")
+    p.add_argument("--fused-elementwise", choices=("off", "on"),
+                   help="override target.fused_elementwise: the packed forward's norms and activation as compiled "
+                        "fused kernels (dflash/target_fusion.py)")
     p.add_argument("--cuda-graph", choices=("off", "auto", "on"),
                    help="override target.cuda_graph: capture the packed target forward as CUDA graphs (issue 24)")
     p.add_argument("--profile-steps", type=int, default=2,

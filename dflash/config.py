@@ -31,6 +31,7 @@ from dflash.target_config import (
     DEFAULT_FAMILY,
     DTYPE_NAMES,
     FAMILIES,
+    FUSED_ELEMENTWISE,
     PACKINGS,
     TargetConfig,
     check_arch,
@@ -270,6 +271,7 @@ class TargetSection(TargetConfig):
     _packing = _v(_one_of(*PACKINGS), "packing")
     _attention = _v(_one_of(*ATTENTIONS), "attention")
     _cuda_graph = _v(_one_of(*CUDA_GRAPHS), "cuda_graph")
+    _fused = _v(_one_of(*FUSED_ELEMENTWISE), "fused_elementwise")
 
     _family = _v(_one_of(*FAMILIES), "family")
 

@@ -37,6 +37,7 @@ from dflash.target_config import (  # noqa: F401 (re-exported: the config types 
     TargetRegenConfig,
     check_arch,
 )
+from dflash.target_fusion import Fusion, fuse
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # float32, bfloat16, float16
 VARLEN_ATTENTION = "document_varlen"  # registered in transformers' AttentionInterface ("flash" in a name means flash-attn to it)
@@ -320,6 +321,11 @@ class Target:
             self.model.set_attn_implementation(register_varlen_attention())
         self.use_cuda_graph = resolve_cuda_graph(cfg.cuda_graph, self.device, self.packing)
         self.graphs: PackedGraphs | None = None
+        # target.fused_elementwise: the packed forward's norms and activation as compiled fused kernels (decoding and
+        # the padded path keep transformers' eager modules: their shapes never reach the compiler)
+        self.fusion: Fusion | None = None
+        if getattr(cfg, "fused_elementwise", "off") == "on":
+            self.fusion = fuse(self.model, log=lambda line: print(line, file=sys.stderr, flush=True))
 
     def enable_cuda_graph(self, token_budget: int, min_doc_len: int, max_doc_len: int,
                           log: Callable[[str], None]) -> bool:
@@ -339,8 +345,12 @@ class Target:
         return base
 
     # ---------------------------------------------------------------- forward
-    def _tapped(self, **forward_kwargs: Any) -> Tensor:
-        """Run the decoder up to the deepest tapped layer and concatenate the taps along the feature axis."""
+    def _tapped(self, fused: bool = False, **forward_kwargs: Any) -> Tensor:
+        """Run the decoder up to the deepest tapped layer and concatenate the taps along the feature axis; `fused`:
+        the packed forward, where target.fused_elementwise applies."""
+        if fused and self.fusion is not None:
+            with self.fusion.on():
+                return self._tapped(**forward_kwargs)
         captured: dict[int, Tensor] = {}
         deepest = max(self.tap_layers)
         wanted = set(self.tap_layers)
@@ -408,13 +418,13 @@ class Target:
         if self.graphs is not None:  # target.cuda_graph: fixed-shape inputs, replayed (the tail's states are junk)
             return self.graphs(input_ids, cu_seqlens)[:, : input_ids.shape[1]]
         idx = packed_indices(cu_seqlens, input_ids.shape[1])
-        return self._tapped(**packed_forward_kwargs(idx, input_ids, self.device))
+        return self._tapped(fused=True, **packed_forward_kwargs(idx, input_ids, self.device))
 
     def hidden_states_fixed(self, fixed: FixedPackedInputs) -> Tensor:
         """The eager forward over fixed-shape inputs ([1, token_budget, K*H]): what a graph captures, run directly."""
         if self.packing != "varlen":
             raise RuntimeError(f"hidden_states_fixed needs packing=varlen; this target uses {self.packing!r}")
-        return self._tapped(**packed_forward_kwargs(fixed, fixed.input_ids, self.device))
+        return self._tapped(fused=True, **packed_forward_kwargs(fixed, fixed.input_ids, self.device))
 
 
 @dataclass
@@ -770,12 +780,12 @@ class PackedGraphs:
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
-                for _ in range(2):  # Triton autotuning, lazy init and cuBLAS workspaces happen outside the capture
-                    self.target._tapped(**kwargs)
+                for _ in range(2):  # Triton autotuning, lazy init, cuBLAS workspaces, fused kernels' compile and
+                    self.target._tapped(fused=True, **kwargs)  # first-call check happen outside the capture
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self.target._tapped(**kwargs)
+                out = self.target._tapped(fused=True, **kwargs)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[fixed.slots] = (graph, static, out)

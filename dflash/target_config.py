@@ -80,6 +80,7 @@ PACKINGS = ("auto", "pad", "varlen")
 # cache (regen, eval) always runs sdpa. (transformers' flex_attention path is not offered: Qwen3.5 models refuse it.)
 ATTENTIONS = ("auto", "sdpa", "varlen")
 CUDA_GRAPHS = ("off", "auto", "on")  # target.cuda_graph (dflash/target.py resolve_cuda_graph)
+FUSED_ELEMENTWISE = ("off", "on")  # target.fused_elementwise (dflash/target_fusion.py)
 _ARCH_POSITIVE = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "vocab_size")
 
@@ -126,6 +127,9 @@ class TargetConfig:
     # The packed forward captured as CUDA graphs over fixed-shape inputs (issue 24): off | auto (CUDA + packing
     # varlen, else nothing) | on (refused where it cannot apply). Off until a GPU session has measured it.
     cuda_graph: str = "off"
+    # The packed forward's Qwen3.5 norms, gated norms and SiLU*mul compiled into fused kernels (dflash/target_fusion.py;
+    # issue 24): off | on. Decoding and the padded path stay eager either way. Off until measured on a GPU.
+    fused_elementwise: str = "off"
 
 
 def check_arch(family: str, arch: dict[str, Any], keys: bool = True) -> None:

@@ -58,6 +58,7 @@ from dflash.rundir import (
     select_start,
 )
 from dflash.target import Target, probe_kernels, target_shape
+from dflash.target_fusion import describe as describe_fusion
 from dflash.telemetry import Heartbeat, hostname, stderr_line
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
@@ -517,6 +518,8 @@ class Trainer:
                                              lambda msg: self.log.info("%s", msg)):
                 self.log.info("target.cuda_graph: %s: the packed forward is captured per document-slot bucket %s",
                               cfg.target.cuda_graph, self.target.graphs.buckets if self.target.graphs else [])
+            if self.target.fusion is not None:
+                self.log.info("%s", describe_fusion(self.target.fusion))
             info = TargetInfo.from_target(self.target)
             if self.target.vocab_size < vocab:
                 raise UsageError(f"target vocab {self.target.vocab_size} is smaller than the tokenizer's {vocab}")

@@ -103,3 +103,23 @@ def test_the_functions_restate_transformers_formulas_in_bf16() -> None:
         assert torch.equal(target_fusion.rms_norm(x, norm.weight, norm.eps), norm(x))
         assert torch.equal(target_fusion.rms_norm_gated(x, gate, gated.weight, gated.variance_epsilon), gated(x, gate))
         assert torch.equal(target_fusion.silu_mul(x, gate), nn.functional.silu(x) * gate)
+
+
+def test_the_setting_is_checked_and_only_the_packed_forward_takes_the_fused_path() -> None:
+    from dflash.config import ConfigError, config_from_dict
+    from dflash.target import Target
+
+    with pytest.raises(ConfigError, match=r"target.fused_elementwise.*expected one of off, on, got 'yes'"):
+        config_from_dict({"target": {"fused_elementwise": "yes"}})
+    assert config_from_dict({"target": {"fused_elementwise": "on"}}).target.fused_elementwise == "on"
+    assert Target(TargetConfig(), num_draft_layers=2, device=torch.device("cpu")).fusion is None  # off by default
+
+    t = Target(TargetConfig(fused_elementwise="on", seed=4), num_draft_layers=2, device=torch.device("cpu"))
+    assert t.fusion is not None and t.fusion.patched[NORM] > 0
+    ids = torch.randint(0, t.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    padded = t.hidden_states(ids, mask)  # the padded path (and cached decoding): eager, never compiled
+    assert t.fusion.checked == {}
+    packed = t._tapped(fused=True, input_ids=ids, attention_mask=mask)  # what the packed paths call
+    assert set(t.fusion.checked) == {NORM, GATED_NORM, MLP} and not t.fusion.refused
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
