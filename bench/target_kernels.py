@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=2, help="profiled forwards after one warm-up (default 2)")
     p.add_argument("--top", type=int, default=25, help="kernels listed by time (default 25)")
     p.add_argument("--layers", type=int, help="keep only the first N target layers (smoke runs)")
+    p.add_argument("--fused", action="store_true",
+                   help="profile with target.fused_elementwise on (the norms and activation as compiled kernels)")
     p.add_argument("--json", help="also write the report here")
     p.add_argument("--cpu-smoke", action="store_true", help="run on the CPU (checks the script; no GPU figures)")
     args = p.parse_args(argv)
@@ -67,10 +69,13 @@ def main(argv: list[str] | None = None) -> int:
             arch["layer_types"] = arch["layer_types"][:args.layers]
         taps = [t for t in (cfg.target.tap_layers or []) if t < args.layers] or [args.layers - 1]
         cfg.target = dataclasses.replace(cfg.target, arch=arch, tap_layers=taps)
+    if args.fused:
+        cfg.target = dataclasses.replace(cfg.target, fused_elementwise="on")
     from dflash.target import Target
 
     target = Target(cfg.target, cfg.drafter.num_layers, dev.device, vocab=cfg.data.vocab_size)
-    print(f"target: {target.num_layers} layers, packing {target.packing}, kernels {target.kernels}", flush=True)
+    print(f"target: {target.num_layers} layers, packing {target.packing}, kernels {target.kernels}, "
+          f"fused_elementwise {cfg.target.fused_elementwise}", flush=True)
     corpus, buffers = benchlib.synthetic_buffers(cfg, 1)
     host = prepare_buffer(corpus, buffers[0], cfg.data.token_budget, "varlen")
     assert host.packed_ids is not None and host.cu_seqlens is not None
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             return target.hidden_states(ids, att)
 
     forward()
+    forward()  # fused: the first call checks each kind against eager
     dev.sync()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, ms in top:
         print(f"  {ms:8.2f} ms {ms / total * 100:5.1f}%  [{kind_of(name)}] {name[:110]}")
     report = {"config": args.config, "device": dev.name(), "torch": torch.__version__, "calls": args.calls,
+              "fused_elementwise": cfg.target.fused_elementwise,
               "total_ms": round(total, 2), "kinds_ms": {k: round(v, 2) for k, v in kinds.items()},
               "top": [{"kernel": n, "ms": round(ms, 3), "kind": kind_of(n)} for n, ms in top]}
     if args.json:
