@@ -48,6 +48,10 @@ def load(path: str, vocab: int | None = None, attention: str | None = None) -> R
         if mask is not None and mask >= vocab:  # the config's reserved id is past the smaller vocabulary
             cfg.drafter = dataclasses.replace(cfg.drafter, mask_token_id=vocab - 1)
             print(f"--vocab {vocab}: drafter.mask_token_id {mask} -> {vocab - 1}", file=sys.stderr)
+    if cfg.drafter.mask_token_id is None:  # `dflash train` takes it from the tokenizer; a bench has none
+        rows = int((changes.get("arch") or cfg.target.arch).get("vocab_size") or cfg.data.vocab_size)
+        cfg.drafter = dataclasses.replace(cfg.drafter, mask_token_id=rows - 1)
+        print(f"drafter.mask_token_id unset (no tokenizer here): the last embedding row, {rows - 1}", file=sys.stderr)
     if attention is not None:
         changes["attention"] = attention
     if changes:
