@@ -32,8 +32,8 @@ from dflash.pipeline import prepare_buffer  # noqa: E402
 # Triton kernels by their Python names, PyTorch's flash / varlen attention, ATen's elementwise and reduction
 # templates, inductor's generated triton_* kernels).
 KINDS: list[tuple[str, str]] = [
+    ("full attention", r"flash_fwd|flash|fmha|attention|attn"),
     ("matmul", r"gemm|cutlass|sm90_xmma|sm80_xmma|nvjet|cublas|ampere_.*_s16816|Kernel2"),
-    ("full attention", r"flash|fmha|attention|attn"),
     ("fla (linear attention)", r"chunk_|gated_delta|fused_recurrent|l2norm|recompute_w_u|solve_tril|kkt|cumsum|"
                                r"prepare_|merge_"),
     ("conv1d", r"causal_conv1d|conv1d|conv_"),
