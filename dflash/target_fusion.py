@@ -4,7 +4,8 @@
 Eager transformers runs each Qwen3.5 RMSNorm as separate fp32 passes over [tokens, width] (cast, square, mean, rsqrt,
 two products, cast back), the gated norm of every Gated DeltaNet layer the same plus a SiLU, and the MLP's
 silu(gate) * up as two more. Here the same expressions, written out once, are compiled by torch.compile into one
-kernel each (one graph per input shape, shared by every layer: a weight is an argument, not a guard on a module).
+kernel each (graphs shared by every layer: a weight is an argument, not a guard on a module; a row length that
+varies from step to step is compiled once as a symbolic size).
 Only the packed training forward uses them (`Target` turns them on around its own call): cached decoding, the
 padded path and the regen/eval loops keep transformers' eager modules, so their shapes never reach the compiler.
 Each kind is checked once against the eager module on its first real input; a kind whose result differs by more
@@ -64,6 +65,9 @@ class Fusion:
     fns: dict[str, Callable[..., Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # dynamic=None (dynamo's automatic dynamic): a fixed-shape row (the CUDA graph's, the bench's) compiles one
+        # static graph; a run whose packed rows vary in length recompiles once with the token count symbolic, then
+        # every length reuses it (static shapes would recompile per length until dynamo's limit sent it to eager).
         # inductor computes a bf16 expression in fp32 and rounds once at the store; eager rounds every bf16
         # intermediate (the gated norm's weight product, silu(gate) before the multiply). Emulating those roundings
         # keeps the fused states on eager's (measured on an H100 at 4B-like without it: 2.1x eager's error against the
@@ -71,7 +75,7 @@ class Fusion:
         options = {"emulate_precision_casts": True} if self.backend == "inductor" else None
 
         def compiled(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-            return torch.compile(fn, backend=self.backend, fullgraph=True, dynamic=False, options=options)
+            return torch.compile(fn, backend=self.backend, fullgraph=True, dynamic=None, options=options)
 
         self.fns = {NORM: compiled(rms_norm), GATED_NORM: compiled(rms_norm_gated), MLP: compiled(silu_mul)}
 

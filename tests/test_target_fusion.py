@@ -129,3 +129,29 @@ def test_the_setting_is_checked_and_only_the_packed_forward_takes_the_fused_path
     packed = t._tapped(fused=True, input_ids=ids, attention_mask=mask)  # what the packed paths call
     assert set(t.fusion.checked) == {NORM, GATED_NORM, MLP} and not t.fusion.refused
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_of_every_length_reuse_the_compiled_graphs(model: nn.Module) -> None:
+    """Training's packed rows vary in length (no fixed shape without the CUDA graph): after one recompile with the
+    token count symbolic, no length compiles again (static shapes recompiled per length until dynamo's limit)."""
+    from torch._dynamo.utils import counters
+
+    fusion = fuse(model)
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        with fusion.on():
+            for n in (40, 41, 57):
+                hidden(model, torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(n)))
+            after_three = counters["stats"]["unique_graphs"]
+            for n in (23, 64, 99, 130, 31):
+                out = hidden(model, torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(n)))
+        assert counters["stats"]["unique_graphs"] == after_three
+        # norms of [1, T, H] and [1, T, heads, d] (q/k norms), the gated norm, the MLP: each static, then symbolic
+        assert after_three <= 2 * 5
+        assert not fusion.refused
+        eager = (target_fusion.unfuse(model), hidden(model, torch.randint(0, 97, (1, 31),
+                                                                           generator=torch.Generator().manual_seed(31))))[1]
+        torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    finally:
+        target_fusion.unfuse(model)
