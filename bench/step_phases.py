@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, help="override target.arch.vocab_size (e.g. 248320, the real LM-head cost)")
     p.add_argument("--attention", choices=("sdpa", "varlen"), help="override target.attention")
     p.add_argument("--fixed-shape", action="store_true", help="pad every packed target row to token_budget")
-    p.add_argument("--fused-elementwise", choices=("off", "on"),
+    p.add_argument("--fused-elementwise", choices=("off", "auto", "on"),
                    help="override target.fused_elementwise: the packed forward's norms and activation as compiled "
                         "fused kernels (dflash/target_fusion.py)")
     p.add_argument("--cuda-graph", choices=("off", "auto", "on"),

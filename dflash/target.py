@@ -28,6 +28,7 @@ from dflash.target_config import (  # noqa: F401 (re-exported: the config types 
     DEFAULT_FAMILY,
     DTYPE_NAMES,
     FAMILIES,
+    FUSED_ELEMENTWISE,
     PACKINGS,
     TINY_ARCH,
     TINY_QWEN3_ARCH,
@@ -324,7 +325,7 @@ class Target:
         # target.fused_elementwise: the packed forward's norms and activation as compiled fused kernels (decoding and
         # the padded path keep transformers' eager modules: their shapes never reach the compiler)
         self.fusion: Fusion | None = None
-        if getattr(cfg, "fused_elementwise", "off") == "on":
+        if resolve_fused_elementwise(cfg.fused_elementwise, self.packing):
             self.fusion = fuse(self.model, log=lambda line: print(line, file=sys.stderr, flush=True))
 
     def enable_cuda_graph(self, token_budget: int, min_doc_len: int, max_doc_len: int,
@@ -703,6 +704,18 @@ def fla_tensor_cache_off() -> Iterator[None]:
         yield
     finally:
         mod.FLA_DISABLE_TENSOR_CACHE = before
+
+
+def resolve_fused_elementwise(choice: str, packing: str) -> bool:
+    """target.fused_elementwise -> whether to fuse: off never; auto where the packed varlen forward runs (the only
+    path that uses the fused kernels), silently not elsewhere; on the same, refused where it would do nothing."""
+    if choice not in FUSED_ELEMENTWISE:
+        raise ValueError(f"target.fused_elementwise must be one of {', '.join(FUSED_ELEMENTWISE)}; got {choice!r}")
+    if choice == "on" and packing != "varlen":
+        raise ValueError(f"target.fused_elementwise=on fuses the packed varlen target forward; this target packs "
+                         f"{packing!r} (varlen needs CUDA with fla and causal-conv1d). Use fused_elementwise: auto "
+                         "or off.")
+    return choice != "off" and packing == "varlen"
 
 
 def resolve_cuda_graph(choice: str, device: torch.device, packing: str) -> bool:

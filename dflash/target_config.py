@@ -80,7 +80,7 @@ PACKINGS = ("auto", "pad", "varlen")
 # cache (regen, eval) always runs sdpa. (transformers' flex_attention path is not offered: Qwen3.5 models refuse it.)
 ATTENTIONS = ("auto", "sdpa", "varlen")
 CUDA_GRAPHS = ("off", "auto", "on")  # target.cuda_graph (dflash/target.py resolve_cuda_graph)
-FUSED_ELEMENTWISE = ("off", "on")  # target.fused_elementwise (dflash/target_fusion.py)
+FUSED_ELEMENTWISE = ("off", "auto", "on")  # target.fused_elementwise (dflash/target.py resolve_fused_elementwise)
 _ARCH_POSITIVE = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                   "num_key_value_heads", "vocab_size")
 
@@ -128,7 +128,8 @@ class TargetConfig:
     # varlen, else nothing) | on (refused where it cannot apply). Off until a GPU session has measured it.
     cuda_graph: str = "off"
     # The packed forward's Qwen3.5 norms, gated norms and SiLU*mul compiled into fused kernels (dflash/target_fusion.py;
-    # issue 24): off | on. Decoding and the padded path stay eager either way. Off until measured on a GPU.
+    # issue 24): off | auto (where the packed varlen forward runs, else nothing) | on (refused where it cannot apply).
+    # Decoding and the padded path stay eager either way. Off until a training step has been measured with it.
     fused_elementwise: str = "off"
 
 

@@ -18,6 +18,7 @@ import contextlib
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,16 @@ class Fusion:
     def use(self, kind: str) -> bool:
         return self.active and kind not in self.refused
 
+    def call(self, kind: str, *args: Any) -> Tensor | None:
+        """The fused function of a kind, or None (the caller runs eager) once it has failed: a compile error (another
+        torch, a backend missing on this machine) costs one log line and that kind's speed, never the step."""
+        try:
+            return self.fns[kind](*args)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: eager is always right
+            self.refused[kind] = f"the compiled function failed: {type(exc).__name__}: {str(exc)[:300]}"
+            self.log(f"target.fused_elementwise: {kind} back to eager: {self.refused[kind]}")
+            return None
+
     def check(self, kind: str, fused: Tensor, eager: Tensor) -> Tensor:
         """The first real call of a kind: keep the fused path only where it equals eager to the dtype's rounding."""
         scale = float(eager.detach().abs().max().float().clamp_min(1e-30))
@@ -104,18 +115,19 @@ class Fusion:
 
 def _norm_forward(fusion: Fusion) -> Callable[..., Tensor]:
     def forward(self: nn.Module, x: Tensor) -> Tensor:
-        if not fusion.use(NORM):
+        out = fusion.call(NORM, x, self.weight, float(self.eps)) if fusion.use(NORM) else None
+        if out is None:
             return type(self).forward(self, x)
-        out = fusion.fns[NORM](x, self.weight, float(self.eps))
         return out if NORM in fusion.checked else fusion.check(NORM, out, type(self).forward(self, x))
     return forward
 
 
 def _gated_forward(fusion: Fusion) -> Callable[..., Tensor]:
     def forward(self: nn.Module, hidden_states: Tensor, gate: Tensor) -> Tensor:
-        if not fusion.use(GATED_NORM):
+        out = (fusion.call(GATED_NORM, hidden_states, gate, self.weight, float(self.variance_epsilon))
+               if fusion.use(GATED_NORM) else None)
+        if out is None:
             return type(self).forward(self, hidden_states, gate)
-        out = fusion.fns[GATED_NORM](hidden_states, gate, self.weight, float(self.variance_epsilon))
         if GATED_NORM in fusion.checked:
             return out
         return fusion.check(GATED_NORM, out, type(self).forward(self, hidden_states, gate))
@@ -124,9 +136,10 @@ def _gated_forward(fusion: Fusion) -> Callable[..., Tensor]:
 
 def _mlp_forward(fusion: Fusion) -> Callable[..., Tensor]:
     def forward(self: nn.Module, x: Tensor) -> Tensor:
-        if not fusion.use(MLP):
+        act = fusion.call(MLP, self.gate_proj(x), self.up_proj(x)) if fusion.use(MLP) else None
+        if act is None:
             return type(self).forward(self, x)
-        out = self.down_proj(fusion.fns[MLP](self.gate_proj(x), self.up_proj(x)))
+        out = self.down_proj(act)
         return out if MLP in fusion.checked else fusion.check(MLP, out, type(self).forward(self, x))
     return forward
 

@@ -113,15 +113,23 @@ def test_the_functions_restate_transformers_formulas_in_bf16() -> None:
 
 def test_the_setting_is_checked_and_only_the_packed_forward_takes_the_fused_path() -> None:
     from dflash.config import ConfigError, config_from_dict
-    from dflash.target import Target
+    from dflash.target import Target, resolve_fused_elementwise
 
-    with pytest.raises(ConfigError, match=r"target.fused_elementwise.*expected one of off, on, got 'yes'"):
+    with pytest.raises(ConfigError, match=r"target.fused_elementwise.*expected one of off, auto, on, got 'yes'"):
         config_from_dict({"target": {"fused_elementwise": "yes"}})
     assert config_from_dict({"target": {"fused_elementwise": "on"}}).target.fused_elementwise == "on"
-    assert Target(TargetConfig(), num_draft_layers=2, device=torch.device("cpu")).fusion is None  # off by default
+    cpu = torch.device("cpu")
+    assert Target(TargetConfig(), num_draft_layers=2, device=cpu).fusion is None  # off by default
+    # only the packed varlen forward (CUDA, fla) uses the fused kernels: auto leaves the padded path alone, on refuses
+    assert Target(TargetConfig(fused_elementwise="auto"), num_draft_layers=2, device=cpu).fusion is None
+    with pytest.raises(ValueError, match=r"^target.fused_elementwise=on fuses the packed varlen target forward; this "
+                                         r"target packs 'pad' .* Use fused_elementwise: auto or off.$"):
+        Target(TargetConfig(fused_elementwise="on"), num_draft_layers=2, device=cpu)
+    assert [resolve_fused_elementwise(c, "varlen") for c in ("off", "auto", "on")] == [False, True, True]
 
-    t = Target(TargetConfig(fused_elementwise="on", seed=4), num_draft_layers=2, device=torch.device("cpu"))
-    assert t.fusion is not None and t.fusion.patched[NORM] > 0
+    t = Target(TargetConfig(seed=4), num_draft_layers=2, device=cpu)
+    t.fusion = fuse(t.model)  # what a varlen target gets (resolved above); the padded path must still ignore it
+    assert t.fusion.patched[NORM] > 0
     ids = torch.randint(0, t.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     padded = t.hidden_states(ids, mask)  # the padded path (and cached decoding): eager, never compiled
@@ -153,5 +161,33 @@ def test_rows_of_every_length_reuse_the_compiled_graphs(model: nn.Module) -> Non
         eager = (target_fusion.unfuse(model), hidden(model, torch.randint(0, 97, (1, 31),
                                                                            generator=torch.Generator().manual_seed(31))))[1]
         torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    finally:
+        target_fusion.unfuse(model)
+
+
+def test_a_compiled_function_that_fails_costs_a_log_line_not_the_step(model: nn.Module) -> None:
+    """A compiler error at the first fused call (another torch, no C++ compiler, a Triton bug): that kind runs eager
+    from then on, the forward's result is eager's, and the run goes on."""
+    ids = torch.randint(0, 97, (1, 33), generator=torch.Generator().manual_seed(9))
+    eager = hidden(model, ids)
+    lines: list[str] = []
+    fusion = fuse(model, backend="eager", log=lines.append)
+    calls = {"n": 0}
+
+    def broken(*args: object) -> torch.Tensor:
+        calls["n"] += 1
+        raise RuntimeError("InductorError: no working C++ compiler")
+
+    fusion.fns[GATED_NORM] = broken
+    try:
+        with fusion.on():
+            out = hidden(model, ids)
+            again = hidden(model, ids)
+        assert calls["n"] == 1  # refused after the first failure: never tried again
+        assert set(fusion.refused) == {GATED_NORM}
+        assert fusion.refused[GATED_NORM].startswith("the compiled function failed: RuntimeError: InductorError")
+        assert lines == [f"target.fused_elementwise: {GATED_NORM} back to eager: {fusion.refused[GATED_NORM]}"]
+        torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(again, eager, rtol=1e-5, atol=1e-5)
     finally:
         target_fusion.unfuse(model)
