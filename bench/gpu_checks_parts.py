@@ -93,12 +93,15 @@ PARTS: dict[str, tuple[Check, ...]] = {
         Check(G + "test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_back", 420,
               "2026-12-05: not done in 260 s alone on a warm machine with 4 shapes (now 3)"),
     ),
-    # fla's tuned configs: each check starts processes with empty Triton caches (two cold fla JITs, one autotuned)
+    # fla's tuned configs: each check starts processes with empty Triton caches (two cold fla JITs, one autotuned);
+    # and the CUDA graph over the fused kernels
     "part7": (
         Check(K + "test_recorded_configs_skip_autotuning_and_give_the_same_hidden_states", 120,
               "2026-12-05: 91 s on an H100 (its own empty Triton caches: a fresh machine costs the same)"),
         Check(K + "test_dflash_train_records_after_its_first_step_and_the_next_run_loads", 160,
               "2026-12-05: 127 s on an H100 (empty Triton caches of its own)"),
+        Check(U + "test_a_captured_graph_replays_the_fused_kernels", 100,
+              "guess: part5's fusion check (80.7 s) plus one capture (here for room: part5 is full)"),
     ),
 }
 

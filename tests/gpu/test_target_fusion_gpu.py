@@ -37,3 +37,33 @@ def test_fused_packed_forward_equals_eager_to_bf16_rounding() -> None:
     assert set(fusion.checked) == {target_fusion.NORM, target_fusion.GATED_NORM, target_fusion.MLP}
     assert rel < 1e-2
     assert torch.equal(t.hidden_states_packed(ids, cu), eager)  # off again: eager, bit for bit
+
+
+def test_a_captured_graph_replays_the_fused_kernels() -> None:
+    """target.cuda_graph on with target.fused_elementwise on: the fused kernels compile and pass their first-call check
+    in the warm-up before the capture, the capture holds them, and the replay equals the fused eager forward over
+    the same fixed-shape inputs bit for bit (and eager transformers to bf16 rounding)."""
+    from test_cuda_graph_target import BUDGET, MAX_LEN, MIN_LEN
+
+    from dflash.target import fixed_packed_inputs
+
+    logs: list[str] = []
+    t = Target(TargetConfig(arch=ARCH, cuda_graph="on", fused_elementwise="on"), num_draft_layers=2,
+               device=torch.device("cuda"))
+    assert t.packing == "varlen" and t.fusion is not None, t.kernels
+    assert t.enable_cuda_graph(BUDGET, MIN_LEN, MAX_LEN, logs.append)
+    ids, cu = _row([300, 1000, 77, 2000, 1, 619], seed=6)
+    n = ids.shape[1]
+    replayed = t.hidden_states_packed(ids, cu).clone()
+    assert t.graphs is not None and t.graphs.failed is None, (t.graphs.failed, logs)
+    assert t.graphs.captures == 1 and not t.fusion.refused, (t.fusion.refused, logs)
+    assert set(t.fusion.checked) == {target_fusion.NORM, target_fusion.GATED_NORM, target_fusion.MLP}
+    fixed = fixed_packed_inputs(ids, cu, BUDGET, MAX_LEN, t.graphs.buckets)
+    assert torch.equal(replayed, t.hidden_states_fixed(fixed)[:, :n])  # fused eager, the same kernels
+    t.fusion.active = False
+    fusion, t.fusion = t.fusion, None  # transformers' eager modules over the same inputs
+    eager = t.hidden_states_fixed(fixed)[:, :n]
+    t.fusion = fusion
+    rel = float((replayed.double() - eager.double()).norm() / eager.double().norm())
+    print(f"graph + fused vs eager: rel {rel:.2e}; logs {logs}")
+    assert rel < 1e-2
