@@ -7,8 +7,9 @@ Run: `python bench/ops_latency.py [--lines 2000] [--cpu-seconds 30]`; it prints 
 two of them silent (accept, never answer), asked in series (as before) and at once (as now). `--only long` times
 `status HOST RUN --json` of a week-long run (--long-steps step events, an evaluation every 1000) on the local host:
 reading the whole events file (no saved fold) against going on from the fold the previous status saved; and
-`watch HOST --once` of the same run with every step event of its backlog (OPSCTL_WATCH_FULL_HISTORY=1) against the
-thinned backlog watch asks for; and `export HOST RUN --tensorboard DIR` of it.
+`watch HOST --once` of the same run with every step event of its backlog (OPSCTL_WATCH_FULL_HISTORY=1), the thinned
+backlog read whole (the first watch) and from the agent's saved backlog fold (every later watch); and
+`export HOST RUN --tensorboard DIR` of it.
 """
 
 from __future__ import annotations
@@ -364,7 +365,7 @@ def watch_report(hosts: Path, seconds: float, repeats: int) -> dict[str, Any]:
 def long_run_status(base: Path, steps: int, repeats: int) -> dict[str, Any]:
     """status of one run whose events file holds `steps` step events: full read vs the saved fold (opsctl.agent
     FOLD_FILE), each `repeats` times, alternating; the local host (no SSH: the agent's reading is what differs)."""
-    from opsctl.agent import FOLD_FILE
+    from opsctl.agent import BACKLOG_FOLD_FILE, FOLD_FILE
     from opsctl.watch import FULL_HISTORY_ENV
 
     base.mkdir(parents=True)
@@ -398,11 +399,14 @@ def long_run_status(base: Path, steps: int, repeats: int) -> dict[str, Any]:
             r = _opsctl(hosts, "status", "box", "r", "--json")
             sink.append(time.perf_counter() - t0)
             assert r.returncode == 0, r.stderr
-    # watch --once (the dashboard's first frame folds the same backlog): every step event vs the thinned backlog
+    # watch --once (the dashboard's first frame folds the same backlog): every step event vs the thinned backlog,
+    # read whole (the first watch of the file) and from the agent's backlog fold (BACKLOG_FOLD_FILE: every later one)
     watch_full: list[float] = []
     watch_thin: list[float] = []
+    watch_fold: list[float] = []
     for _ in range(repeats):
-        for sink, full_history in ((watch_full, "1"), (watch_thin, "0")):
+        (state / BACKLOG_FOLD_FILE).unlink(missing_ok=True)
+        for sink, full_history in ((watch_full, "1"), (watch_thin, "0"), (watch_fold, "0")):
             os.environ[FULL_HISTORY_ENV] = full_history
             t0 = time.perf_counter()
             r = _opsctl(hosts, "watch", "box", "--once")
@@ -418,6 +422,8 @@ def long_run_status(base: Path, steps: int, repeats: int) -> dict[str, Any]:
             "watch_once_full_s": [round(x, 3) for x in watch_full], "watch_once_thinned_s": [round(x, 3) for x in watch_thin],
             "watch_full_median_s": round(statistics.median(watch_full), 3),
             "watch_thinned_median_s": round(statistics.median(watch_thin), 3),
+            "watch_once_from_fold_s": [round(x, 3) for x in watch_fold],
+            "watch_from_fold_median_s": round(statistics.median(watch_fold), 3),
             "export_s": round(export_s, 2), "export_mb": round(sum(f.stat().st_size for f in (base / "tb").iterdir()) / 1e6, 1),
             "full_read_s": [round(x, 3) for x in full], "from_fold_s": [round(x, 3) for x in folded],
             "full_median_s": round(statistics.median(full), 3), "fold_median_s": round(statistics.median(folded), 3)}

@@ -710,44 +710,61 @@ def thin_stride(path: str, offset: int) -> int:
 
 class HistoryThinner:
     """Holds the last THIN_TAIL messages of a backlog and lets older ones out in order, dropping the step events
-    nobody would miss (see THIN_POINTS). `push` and `flush` return the messages to send now."""
+    nobody would miss (see THIN_POINTS). `push` and `flush` return the messages to send now. With `kept` a list,
+    every message let out before the tail is also recorded there as (kind, fields, pinned) for the backlog fold:
+    pinned messages are kept at any stride, the others only for being on this one."""
 
     def __init__(self, stride: int) -> None:
         self.stride = stride
         self.ring: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
         self.head = 0  # step events let out since the last run_start
+        self.kept: list[tuple[str, dict[str, Any], bool]] | None = None
 
     def push(self, kind: str, fields: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         self.ring.append((kind, fields))
         out = []
         while len(self.ring) > THIN_TAIL:
             item = self.ring.popleft()
-            if self._keep(item):
+            keep, pinned = self._judge(item)
+            if keep:
                 out.append(item)
+                if self.kept is not None:
+                    self.kept.append((item[0], item[1], pinned))
         return out
 
     def flush(self) -> list[tuple[str, dict[str, Any]]]:
         for item in self.ring:  # the tail goes whole; its run_starts still reset the counters for what follows
-            self._keep(item)
+            self._judge(item)
         out, self.ring = list(self.ring), collections.deque()
         return out
 
-    def _keep(self, item: tuple[str, dict[str, Any]]) -> bool:
+    def _judge(self, item: tuple[str, dict[str, Any]]) -> tuple[bool, bool]:
+        """(send it, pinned: sent whatever the stride)."""
         kind, fields = item
         ev = fields.get("event") if kind == "event" else None
         if not isinstance(ev, dict):
-            return True
+            return True, True
         if ev.get("kind") == "run_start":
             self.head = 0
-            return True
+            return True, True
         if ev.get("kind") != "step":
-            return True
+            return True, True
         self.head += 1
         step, loss = ev.get("step"), ev.get("loss")
-        if (self.head <= THIN_HEAD or not isinstance(step, int) or step % self.stride == 0
-                or not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss)):
-            return True
-        return False
+        if (self.head <= THIN_HEAD or not isinstance(step, int) or not isinstance(loss, (int, float))
+                or isinstance(loss, bool) or not math.isfinite(loss)):
+            return True, True
+        return step % self.stride == 0, False
+
+
+# The thinned backlog of a long events file costs the agent a parse of every line (~1 s for a week-long run's 70 MB)
+# at every `watch`. After catching up a backlog of BACKLOG_FOLD_AFTER_BYTES or more, the agent saves what it let out
+# before the tail (with whether each is pinned), the tail itself and the thinner's counter, at the byte offset it
+# reached (STATE_DIR/BACKLOG_FOLD_FILE, marked as the status fold is); the next `watch` of the same file sends the
+# saved messages again (re-thinned to its possibly larger stride) and reads only what was appended since.
+BACKLOG_FOLD_FILE = "watch-fold.json"
+BACKLOG_FOLD_FORMAT = 1
+BACKLOG_FOLD_AFTER_BYTES = 4 << 20
 
 
 class Follower:
@@ -820,8 +837,68 @@ class Follower:
 
     def _flush_thinner(self) -> None:
         if self.thinner is not None:
+            self.thinner.kept = None  # a reset mid-backlog (or the end): nothing more to fold
             for k, f in self.thinner.flush():
                 emit(k, **f)
+
+    def _resume_backlog(self, thinner: HistoryThinner) -> None:
+        """Send a saved backlog fold of this events file again, re-thinned to `thinner`'s stride, and go on reading
+        from its offset; nothing (a full read follows) when there is none that fits the file as it is now."""
+        assert self.events is not None
+        saved = read_json(self.run.state_file(BACKLOG_FOLD_FILE))
+        try:
+            if (not saved or saved.get("format") != BACKLOG_FOLD_FORMAT or saved.get("events") != self.events.path
+                    or int(saved["stride"]) > thinner.stride or thinner.stride % int(saved["stride"])):
+                return
+            mark = saved["mark"]
+            offset = int(mark["offset"])
+            with open(self.events.path, "rb") as fh:
+                if offset > os.fstat(fh.fileno()).st_size or _backlog_mark(fh, offset) != mark:
+                    return
+            middle = [(str(k), f, bool(p)) for k, f, p in saved["middle"]]
+            ring = [(str(k), f) for k, f in saved["ring"]]
+            head = int(saved["head"])
+        except (KeyError, TypeError, ValueError, OSError):
+            return
+        kept: list[tuple[str, dict[str, Any], bool]] = []
+        for kind, fields, pinned in middle:
+            ev = fields.get("event") if kind == "event" else None
+            if not pinned and isinstance(ev, dict) and ev.get("step", 0) % thinner.stride:
+                continue  # on the old stride, not on this one
+            if isinstance(ev, dict):
+                self._note(ev)
+            emit(kind, **fields)
+            kept.append((kind, fields, pinned))
+        thinner.head, thinner.kept = head, kept
+        for kind, fields in ring:
+            ev = fields.get("event") if kind == "event" else None
+            if isinstance(ev, dict):
+                self._note(ev)
+            for k, f in thinner.push(kind, fields):
+                emit(k, **f)
+        self.events.offset = offset
+
+    def _save_backlog(self, thinner: HistoryThinner) -> None:
+        """Save the fold of the backlog just read (atomic; never raises: watch works the same without it). Only
+        where a launch made STATE_DIR."""
+        assert self.events is not None and thinner.kept is not None
+        if not os.path.isdir(self.run.state_dir) or self.events.offset < BACKLOG_FOLD_AFTER_BYTES:
+            return
+        tmp = self.run.state_file(f".{BACKLOG_FOLD_FILE}.{os.getpid()}.tmp")
+        try:
+            with open(self.events.path, "rb") as fh:
+                mark = _backlog_mark(fh, self.events.offset)
+            state = {"format": BACKLOG_FOLD_FORMAT, "events": self.events.path, "stride": thinner.stride,
+                     "head": thinner.head, "mark": mark, "middle": thinner.kept,
+                     "ring": [list(item) for item in thinner.ring]}
+            with open(tmp, "w") as out:
+                json.dump(state, out, separators=(",", ":"))
+            os.replace(tmp, self.run.state_file(BACKLOG_FOLD_FILE))
+        except (OSError, TypeError, ValueError):
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
     def _note(self, ev: dict[str, Any]) -> None:
         ts = ev.get("ts")
@@ -851,6 +928,9 @@ class Follower:
         if thin and self.events is not None:
             stride = thin_stride(self.events.path, self.events.offset)
             self.thinner = HistoryThinner(stride) if stride > 1 else None
+            if self.thinner is not None and self.events.position() == 0:  # the whole backlog: fold it
+                self.thinner.kept = []
+                self._resume_backlog(self.thinner)
         goal = [(t, t.size()) for t in (self.log, self.events) if t is not None]
         while True:
             before = [t.position() for t, _ in goal]
@@ -859,6 +939,9 @@ class Follower:
             moved = [t.position() for t, _ in goal] != before
             if not (behind and moved):  # read to the goal, or nothing more to read (truncated meanwhile)
                 break
+        if self.thinner is not None and self.thinner.kept is not None and self.events is not None \
+                and not self.events.buf and not self.events.skipped:
+            self._save_backlog(self.thinner)
         self._flush_thinner()
         self.thinner = None
         emit("backlog_end", **self.offsets())
@@ -1748,6 +1831,14 @@ def _fold_mark(fh: Any, offset: int) -> dict[str, Any]:
     fh.seek(max(0, offset - FOLD_CHECK))
     tail = fh.read(min(offset, FOLD_CHECK))
     return {"ino": st.st_ino, "dev": st.st_dev, "offset": offset, "tail": hashlib.sha256(tail).hexdigest()}
+
+
+def _backlog_mark(fh: Any, offset: int) -> dict[str, Any]:
+    """The status fold's mark and the file's first FOLD_CHECK bytes: a file rewritten in place (same inode) with the
+    same last bytes but other history must not be taken for the one folded (the watch fold sends that history)."""
+    fh.seek(0)
+    head = fh.read(min(offset, FOLD_CHECK))
+    return {**_fold_mark(fh, offset), "head": hashlib.sha256(head).hexdigest()}
 
 
 def fold_resume(run: Run, fh: Any, since: float, steps: Any, errors: Any, last: dict[str, Any], bad: list[Any],

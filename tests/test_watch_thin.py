@@ -137,3 +137,71 @@ def test_a_short_history_is_sent_whole(tmp_path: Path) -> None:
     strip = [[{k: v for k, v in m.items() if k not in ("_rx", "ts", "local_ts")} for m in msgs
               if m["t"] in ("event", "bad_event", "backlog_end")] for msgs in (full, thin)]
     assert strip[0] == strip[1]
+
+
+def _messages(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the client folds, without the transport's timestamps."""
+    return [{k: v for k, v in m.items() if k not in ("_rx", "ts", "local_ts")} for m in msgs
+            if m["t"] in ("event", "bad_event", "backlog_end")]
+
+
+def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Equal message lists (a NaN loss equals itself here)."""
+    return json.dumps(_messages(a), sort_keys=True) == json.dumps(_messages(b), sort_keys=True)
+
+
+def test_the_next_watch_of_a_long_history_resends_the_saved_backlog_and_reads_only_what_was_appended(
+        tmp_path: Path) -> None:
+    """watch's backlog fold (opsctl/agent.py BACKLOG_FOLD_FILE): the first thinned read of a long file saves what it
+    sent; the next sends the same messages without parsing the file again; after the run wrote on (the stride
+    doubles) the saved part is re-thinned to the new stride and equals a fresh thinned read message for message; a
+    file rewritten under the fold is read whole again."""
+    events = tmp_path / "events.jsonl"
+    last_ts = _write_events(events, 40_000, 24_000)
+    (tmp_path / "state").mkdir()
+    fold = tmp_path / "state" / agent.BACKLOG_FOLD_FILE
+    first = _follow(tmp_path, True)
+    saved = json.loads(fold.read_text())
+    assert saved["mark"]["offset"] == events.stat().st_size and saved["stride"] == 16
+    assert len(saved["ring"]) == agent.THIN_TAIL and any(not p for _, _, p in saved["middle"])
+
+    second = _follow(tmp_path, True)
+    assert _same(first, second)
+    # and it came from the fold, not from parsing the file: a mark on a saved message comes back
+    tampered = json.loads(fold.read_text())
+    hb = next(f for k, f, _ in tampered["middle"] if k == "event" and f["event"]["kind"] == "heartbeat")
+    hb["event"]["rss_mb"] = -1.0
+    fold.write_text(json.dumps(tampered))
+    assert any(m["t"] == "event" and m["event"].get("rss_mb") == -1.0 for m in _follow(tmp_path, True))
+    fold.write_text(json.dumps(saved))
+
+    # the run goes on to step 70,000: the stride becomes 32, the fold's middle is re-thinned
+    with open(events, "a") as fh:
+        t = last_ts
+        for n in range(40_001, 70_001):
+            t += 2.0
+            fh.write(json.dumps({"v": 1, "ts": t, "kind": "step", "run_id": "x", "rank": 0, "seq": n, "step": n,
+                                 "epoch": 0, "loss": 4.0 / math.sqrt(n), "acc": [0.5, 0.4], "lr": 1e-3,
+                                 "grad_norm": 1.0, "tokens": 4096, "tokens_per_s": 1365.0, "step_time_s": 2.0,
+                                 "queue_depth": 0, "queue_wait_s": 0.0, "recompiles": 2, "total_steps": 50_000})
+                     + "\n")
+    assert agent.thin_stride(str(events), 0) == 32
+    resumed = _follow(tmp_path, True)
+    assert json.loads(fold.read_text())["stride"] == 32  # saved again, at the new end
+    fold.unlink()
+    fresh = _follow(tmp_path, True)
+    assert _same(resumed, fresh)
+    steps = [m["event"]["step"] for m in resumed if m["t"] == "event" and m["event"]["kind"] == "step"]
+    assert 2_000 < len(steps) < 0.25 * 71_500 and steps[-1] == 70_000
+
+    # a file rewritten under the fold (same path, other bytes before its offset): not trusted, read whole
+    fresh_fold = fold.read_text()
+    lines = events.read_text().splitlines(keepends=True)
+    k = next(i for i, line in enumerate(lines) if '"kind": "step"' in line)  # the first step: always sent
+    ev = json.loads(lines[k])
+    lines[k] = json.dumps({**ev, "loss": 9.5}) + "\n"
+    events.write_text("".join(lines))  # the same inode, the same last bytes
+    fold.write_text(fresh_fold)
+    after = _follow(tmp_path, True)
+    assert [m["event"]["loss"] for m in after if m["t"] == "event" and m["event"].get("step") == ev["step"]][0] == 9.5
+    assert _same(after, (fold.unlink(), _follow(tmp_path, True))[1])
