@@ -760,8 +760,9 @@ class HistoryThinner:
 # The thinned backlog of a long events file costs the agent a parse of every line (~1 s for a week-long run's 70 MB)
 # at every `watch`. After catching up a backlog of BACKLOG_FOLD_AFTER_BYTES or more, the agent saves what it let out
 # before the tail (with whether each is pinned), the tail itself and the thinner's counter, at the byte offset it
-# reached (STATE_DIR/BACKLOG_FOLD_FILE, marked as the status fold is); the next `watch` of the same file sends the
-# saved messages again (re-thinned to its possibly larger stride) and reads only what was appended since.
+# reached (STATE_DIR/BACKLOG_FOLD_FILE, marked as the status fold is and by the file's first bytes); the next `watch`
+# of the same file sends the saved messages again (re-thinned to its possibly larger stride) and reads only what was
+# appended since.
 BACKLOG_FOLD_FILE = "watch-fold.json"
 BACKLOG_FOLD_FORMAT = 1
 BACKLOG_FOLD_AFTER_BYTES = 4 << 20
