@@ -885,21 +885,14 @@ class Follower:
         assert self.events is not None and thinner.kept is not None
         if not os.path.isdir(self.run.state_dir) or self.events.offset < BACKLOG_FOLD_AFTER_BYTES:
             return
-        tmp = self.run.state_file(f".{BACKLOG_FOLD_FILE}.{os.getpid()}.tmp")
         try:
             with open(self.events.path, "rb") as fh:
                 mark = _backlog_mark(fh, self.events.offset)
-            state = {"format": BACKLOG_FOLD_FORMAT, "events": self.events.path, "stride": thinner.stride,
-                     "head": thinner.head, "mark": mark, "middle": thinner.kept,
-                     "ring": [list(item) for item in thinner.ring]}
-            with open(tmp, "w") as out:
-                json.dump(state, out, separators=(",", ":"))
-            os.replace(tmp, self.run.state_file(BACKLOG_FOLD_FILE))
-        except (OSError, TypeError, ValueError):
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        except OSError:
+            return
+        save_state(self.run, BACKLOG_FOLD_FILE, {
+            "format": BACKLOG_FOLD_FORMAT, "events": self.events.path, "stride": thinner.stride, "head": thinner.head,
+            "mark": mark, "middle": thinner.kept, "ring": [list(item) for item in thinner.ring]})
 
     def _note(self, ev: dict[str, Any]) -> None:
         ts = ev.get("ts")
@@ -1883,14 +1876,20 @@ def fold_save(run: Run, fh: Any, since: float, offset: int, steps: Any, errors: 
     made STATE_DIR: status creates nothing."""
     if not os.path.isdir(run.state_dir):
         return
-    state = {"format": FOLD_FORMAT, "events": run.events, "since": since, "mark": _fold_mark(fh, offset),
-             "steps": list(steps), "errors": list(errors), "last": last, "bad": bad, "tau": tau.evals,
-             "eta": eta.state(), "memory": mem.state()}
-    tmp = run.state_file(f".{FOLD_FILE}.{os.getpid()}.tmp")
+    save_state(run, FOLD_FILE, {"format": FOLD_FORMAT, "events": run.events, "since": since,
+                                "mark": _fold_mark(fh, offset), "steps": list(steps), "errors": list(errors),
+                                "last": last, "bad": bad, "tau": tau.evals, "eta": eta.state(),
+                                "memory": mem.state()})
+
+
+def save_state(run: Run, name: str, state: dict[str, Any]) -> None:
+    """STATE_DIR/name as JSON, whole or not at all (a per-process temp file renamed over it: two agents saving at once
+    never mix); never raises, for what it saves (a fold) is only ever a shortcut."""
+    tmp = run.state_file(f".{name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w") as out:
-            json.dump(state, out)
-        os.replace(tmp, run.state_file(FOLD_FILE))
+            json.dump(state, out, separators=(",", ":"))
+        os.replace(tmp, run.state_file(name))
     except (OSError, TypeError, ValueError):
         try:
             os.unlink(tmp)
