@@ -85,7 +85,12 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
     if args.fused_elementwise is not None:
         cfg.target.fused_elementwise = args.fused_elementwise
     fla_store = Path(args.fla_configs) if args.fla_configs else None
-    fla_lines = {"dir": str(fla_store) if fla_store else None, "enable": fla_configs.enable(fla_store), "record": ""}
+    seeded = fla_configs.seed(fla_store, fla_configs.seed_dir(torch.cuda.get_device_name(device))) \
+        if args.fla_seed and fla_store is not None and device.type == "cuda" else ""
+    if seeded:
+        print(seeded, flush=True)
+    fla_lines = {"dir": str(fla_store) if fla_store else None, "seed": seeded, "enable": fla_configs.enable(fla_store),
+                 "record": ""}
     if fla_lines["enable"]:
         print(fla_lines["enable"], flush=True)
     try:
@@ -365,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="load fla's tuned kernel configs from DIR (FLA_CACHE_MODE=strict) when it holds some, and record "
                         "this run's choices there after the first step, as dflash train does with its host store "
                         "(dflash/fla_configs.py; issue 24: the cold first step). Default: off, fla autotunes")
+    p.add_argument("--fla-seed", action="store_true",
+                   help="with --fla-configs: first merge the configs shipped with dflash for this GPU (dflash/fla_seed) "
+                        "into DIR, as dflash train does on a fresh host")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="print the FLOPs model of a step; needs no GPU")
     p.add_argument("--cpu-smoke", action="store_true",

@@ -35,6 +35,9 @@ from dflash.kernels import package_version
 MODE_ENV, DIR_ENV = "FLA_CACHE_MODE", "FLA_CONFIG_DIR"
 MODE = "strict"  # exact key or fla's own autotuning: never a config tuned for another shape
 STORE = "fla-configs"
+# Configs tuned on our own device runs, shipped with dflash: dflash/fla_seed/GPU/fla-V_triton-V/ (the store's layout
+# below its root). A host whose store lacks a kernel's key gets the shipped entry before its first forward.
+SEED_ROOT = Path(__file__).parent / "fla_seed"
 LOCK = ".store.lock"
 LOCK_WAIT_S = 10.0  # another rank writing takes milliseconds; a stopped holder must not hang a training step
 FLA_MODULE = "fla.ops.utils.cache"  # holds FLA_CACHE_MODE, read once at fla's import
@@ -49,13 +52,24 @@ def _safe(name: str) -> str:
     return re.sub(r"[^0-9A-Za-z.]+", "_", name).strip("_") or "unknown"
 
 
-def store_dir(root: Path, gpu_name: str) -> Path | None:
-    """The store for this GPU and these fla/Triton versions (a config names Triton options, and fla's kernels and
-    their keys change between versions); None where fla or Triton is not installed (CPU machines)."""
+def _versions() -> str | None:
     fla, triton = _version("fla-core", "flash-linear-attention"), _version("triton")
     if fla is None or triton is None:
         return None
-    return Path(root) / STORE / _safe(gpu_name) / f"fla-{_safe(fla)}_triton-{_safe(triton)}"
+    return f"fla-{_safe(fla)}_triton-{_safe(triton)}"
+
+
+def store_dir(root: Path, gpu_name: str) -> Path | None:
+    """The store for this GPU and these fla/Triton versions (a config names Triton options, and fla's kernels and
+    their keys change between versions); None where fla or Triton is not installed (CPU machines)."""
+    versions = _versions()
+    return None if versions is None else Path(root) / STORE / _safe(gpu_name) / versions
+
+
+def seed_dir(gpu_name: str, root: Path = SEED_ROOT) -> Path | None:
+    """The shipped configs for this GPU and these versions (None without fla or Triton; may not exist)."""
+    versions = _versions()
+    return None if versions is None else Path(root) / _safe(gpu_name) / versions
 
 
 def key_hash(key: Any) -> str:
@@ -123,6 +137,40 @@ def enable(path: Path | None, env: MutableMapping[str, str] | None = None) -> st
     return (f"fla kernel configs: {entries} tuned keys of {kernels} kernels from {path} ({MODE_ENV}={MODE}: a kernel "
             f"whose key is there compiles that config alone, without autotuning; {adopted} plain Triton autotuners "
             "of fla given the same lookup)")
+
+
+def seed(path: Path | None, src: Path | None) -> str:
+    """Merge the shipped configs for this GPU and these versions into the host store (before `enable`), so even a
+    fresh machine's first forward skips fla's autotuning. Why a copy and not a second lookup dir: fla reads one
+    FLA_CONFIG_DIR, and a host's own tuned entries (its own shapes) must keep winning; an entry already in the host
+    store is never replaced. Returns the log line, "" when nothing was shipped for this GPU or nothing was missing.
+    Never raises: a seed that cannot be merged leaves fla to autotune, as it would without one."""
+    if path is None or src is None or not Path(src).is_dir():
+        return ""
+    try:
+        added = kernels = 0
+        path.mkdir(parents=True, exist_ok=True)
+        with locks.hold(path / LOCK, "the fla kernel config store", wait=True, timeout_s=LOCK_WAIT_S):
+            for f in sorted(src.glob("*.json")):
+                shipped = _read(f)
+                entries = shipped.get("autotune_entries") if shipped else None
+                if not isinstance(entries, dict) or not entries:
+                    continue
+                dest = path / f.name
+                data = _read(dest) or {}
+                have = data.get("autotune_entries") if isinstance(data.get("autotune_entries"), dict) else {}
+                add = {h: e for h, e in entries.items() if h not in have}
+                if not add:
+                    continue
+                _write(dest, {**shipped, **{k: v for k, v in data.items() if k != "autotune_entries"},
+                              "autotune_entries": {**add, **have}})
+                added += len(add)
+                kernels += 1
+    except (OSError, locks.LockBusy) as exc:
+        return f"fla kernel configs: shipped configs not merged into {path}: {exc}"
+    if not added:
+        return ""
+    return f"fla kernel configs: {added} tuned keys of {kernels} kernels shipped with dflash ({src}) added to {path}"
 
 
 def _unwrap(obj: Any) -> Iterator[Any]:
@@ -282,4 +330,4 @@ def record(path: Path | None, env: MutableMapping[str, str] | None = None) -> st
 
 
 __all__ = ["DIR_ENV", "MODE", "MODE_ENV", "adopt", "autotuners", "enable", "kernel_name", "key_hash", "record",
-           "store_dir", "store_names"]
+           "seed", "seed_dir", "store_dir", "store_names"]

@@ -648,15 +648,18 @@ class Trainer:
 
     def _fla_configs(self) -> None:
         """fla's kernel choices recorded by earlier runs on this host and GPU are given to fla (target ranks on a GPU),
-        so the first forward compiles one config per kernel instead of autotuning (dflash/fla_configs.py). A cold
+        so the first forward compiles one config per kernel instead of autotuning (dflash/fla_configs.py); the configs
+        shipped with dflash for this GPU (dflash/fla_seed) are merged in first, for a fresh host. A cold
         start asked for (DFLASH_WARM_START=0) loads none; its choices are still recorded."""
         if self.device.type != "cuda" or not self.roles.is_target:
             return
-        self.fla_store = fla_configs.store_dir(cache_home(), torch.cuda.get_device_name(self.device))
+        gpu = torch.cuda.get_device_name(self.device)
+        self.fla_store = fla_configs.store_dir(cache_home(), gpu)
         if self.fla_store is not None and not compile_cache.warm_start_off():
-            line = fla_configs.enable(self.fla_store)
-            if line:
-                self.log.info("%s", line)
+            for line in (fla_configs.seed(self.fla_store, fla_configs.seed_dir(gpu)),
+                         fla_configs.enable(self.fla_store)):
+                if line:
+                    self.log.info("%s", line)
 
     def _record_fla_configs(self) -> None:
         """After the target's first forward of this attempt (every fla kernel of it has been tuned)."""

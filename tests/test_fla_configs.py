@@ -199,6 +199,51 @@ def test_the_store_is_per_gpu_and_versions_and_absent_without_fla(tmp_path: Path
     monkeypatch.setattr(fla_configs.importlib.metadata, "version", version)
     assert fla_configs.store_dir(tmp_path, "NVIDIA H200") == tmp_path / "fla-configs" / "NVIDIA_H200" / \
         "fla-0.6.0_triton-3.6.0"
+    # the shipped seed has the store's layout below its own root: GPU, then versions
+    assert fla_configs.seed_dir("NVIDIA H200", tmp_path / "seed") == tmp_path / "seed" / "NVIDIA_H200" / \
+        "fla-0.6.0_triton-3.6.0"
+    assert fla_configs.seed_dir("NVIDIA H200").parent.parent == Path(fla_configs.__file__).parent / "fla_seed"
+
+
+def _entries(*keys: tuple[Any, ...]) -> dict[str, Any]:
+    return {fla_configs.key_hash(list(k)): {"autotune_key": list(k), "config": {"kwargs": {"BK": k[0]}, "num_warps": 4,
+                                                                                "num_stages": 2}} for k in keys}
+
+
+def test_the_shipped_seed_fills_what_a_fresh_host_store_lacks_and_never_replaces_a_host_entry(
+        tmp_path: Path) -> None:
+    src, store = tmp_path / "seed" / "NVIDIA_H200" / "fla-0.6.0_triton-3.6.0", tmp_path / "store"
+    src.mkdir(parents=True)
+    (src / "kkt.json").write_text(json.dumps({"kernel_name": "kkt", "triton_version": "3.6.0", "default_config": None,
+                                              "autotune_entries": _entries((64, "bf16"), (32, "bf16"))}))
+    (src / "damaged.json").write_text("{not json")
+    (src / "empty.json").write_text(json.dumps({"kernel_name": "empty", "autotune_entries": {}}))
+    assert fla_configs.seed(None, src) == "" and fla_configs.seed(store, None) == ""
+    assert fla_configs.seed(store, tmp_path / "no-such-seed") == "" and not store.exists()
+
+    # a fresh host: the whole seed copied in fla's format, nothing from the damaged or empty files
+    line = fla_configs.seed(store, src)
+    assert "2 tuned keys of 1 kernels shipped with dflash" in line and str(store) in line
+    assert sorted(f.name for f in store.glob("*.json")) == ["kkt.json"]
+    assert json.loads((store / "kkt.json").read_text())["autotune_entries"] == _entries((64, "bf16"), (32, "bf16"))
+    assert fla_configs.seed(store, src) == ""  # nothing missing any more
+
+    # a host that tuned one of the keys itself keeps its own choice; a key the seed adds later is merged in
+    host = _entries((64, "bf16"))
+    host[next(iter(host))]["config"]["num_warps"] = 8
+    (store / "kkt.json").write_text(json.dumps({"kernel_name": "kkt", "triton_version": "3.6.0", "default_config": None,
+                                                "autotune_entries": host}))
+    line = fla_configs.seed(store, src)
+    assert "1 tuned keys of 1 kernels" in line
+    got = json.loads((store / "kkt.json").read_text())["autotune_entries"]
+    assert got == {**_entries((32, "bf16")), **host}
+    assert fla_configs._count(store) == (1, 2)
+
+    # a store that cannot be made (a file where its directory should be) is a log line; fla then autotunes
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    line = fla_configs.seed(blocked / "store", src)
+    assert line.startswith("fla kernel configs: shipped configs not merged into"), line
 
 
 
