@@ -173,7 +173,6 @@ def test_step_phases_dry_run_prints_the_flops_model_and_refuses_a_gpu_run_withou
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr
 
-
 def test_target_forward_bench_parses_its_rows_and_refuses_a_cpu_run() -> None:
     import subprocess
     import sys
@@ -194,6 +193,20 @@ def test_target_forward_bench_parses_its_rows_and_refuses_a_cpu_run() -> None:
         run = subprocess.run([sys.executable, str(root / "bench" / "target_forward.py"),
                               str(root / "bench" / "h200-27b-like.yaml")], capture_output=True, text=True, timeout=300)
         assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr
+
+    # the summary compares with the plain-transformers rows that ran: one out of memory (the 27B-like shape's
+    # logits on an H100) leaves its ratio None and the best of the others as the reference
+    rows = [{"phase": "project varlen (varlen)", "tok_per_s": 9706},
+            {"phase": "project varlen fused (varlen)", "tok_per_s": 11732},
+            {"phase": "hf padded docs (+LM head)", "error": "OutOfMemoryError: CUDA out of memory"},
+            {"phase": "hf padded docs (decoder only)", "tok_per_s": 4763},
+            {"phase": "hf 8x2048 (decoder only)", "tok_per_s": 9650}]
+    s = target_forward.summarize(rows)
+    assert s["best_project"] == "project varlen fused (varlen)" and s["ratio_vs_hf_padded_docs"] is None
+    assert s["best_hf"] == "hf 8x2048 (decoder only)" and s["ratio_vs_best_hf"] == round(11732 / 9650, 3)
+    assert s["not_run"] == ["hf padded docs (+LM head)"]
+    rows[2] = {"phase": "hf padded docs (+LM head)", "tok_per_s": 4602}
+    assert target_forward.summarize(rows)["ratio_vs_hf_padded_docs"] == round(11732 / 4602, 3)
 
 
 def test_kernel_time_per_labelled_phase_reads_a_real_profiler_run() -> None:
