@@ -173,6 +173,7 @@ def test_step_phases_dry_run_prints_the_flops_model_and_refuses_a_gpu_run_withou
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr
 
+
 def test_target_forward_bench_parses_its_rows_and_refuses_a_cpu_run() -> None:
     import subprocess
     import sys
