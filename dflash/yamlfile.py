@@ -52,6 +52,17 @@ _Loader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:
     |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
 
 
+# libyaml's parser (PyYAML's C extension, shipped in its wheels) builds the node tree ~5x faster than the pure-Python
+# one: a dense file at the size cap reads in 1.94 s instead of 6.65 s (bench/yaml_parse.py, docs/perf.md); the
+# constructor and the resolvers above stay PyYAML's Python classes, so the data is the same. Errors are re-read with the Python parser, whose messages and marks the lines below expect.
+_CLoader: type[yaml.SafeLoader] | None = None
+if getattr(yaml, "__with_libyaml__", False):
+    class _CLoader(yaml.CSafeLoader):  # type: ignore[no-redef]
+        """CSafeLoader with the YAML 1.2 floats of _Loader."""
+
+    _CLoader.yaml_implicit_resolvers = _Loader.yaml_implicit_resolvers
+
+
 @dataclass
 class YamlDoc:
     """A parsed file: `data` as plain Python values, `lines` maps key paths ("a", "b", "0") to 1-based lines."""
@@ -119,19 +130,39 @@ def parse(text: str, file: str) -> YamlDoc:
     line walk below and every consumer of the data (pydantic, JSON dumps) expand them."""
     if len(text) > MAX_CONFIG_BYTES:  # characters <= bytes: a text this long is a file over the cap
         raise YamlFileError(file, [(None, "", _too_big(f"{len(text)} characters, "))])
-    loader = _Loader(text)
     try:
-        node = loader.get_single_node()
-        if node is not None:
-            _check_aliases(node, file)
-        data = loader.construct_document(node) if node is not None else None
+        try:
+            lines, data = _load(text, file, _CLoader or _Loader)
+        except yaml.YAMLError:
+            if _CLoader is None:
+                raise
+            lines, data = _load(text, file, _Loader)  # raises again, in the Python parser's words and lines
     except yaml.YAMLError as exc:
         raise YamlFileError(file, [(_error_line(text, exc), "", f"not valid YAML: {_error_text(exc)}")]) from None
     except RecursionError:
         raise _too_deep(file) from None
+    return YamlDoc(file=file, data=data, lines=lines)
+
+
+def _load(text: str, file: str, loader_cls: type[yaml.SafeLoader]) -> tuple[dict[Loc, int], Any]:
+    """Node tree, then the key lines, then the data. The lines are read before construction because constructing a
+    merge (`<<: *defaults`) rewrites the mapping node in place: walked afterwards, a key the merge brings in and the
+    mapping overrides looked like a duplicate key."""
+    loader = loader_cls(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return {}, None
+        _check_aliases(node, file)
+        lines = _key_lines(node, file)
+        return lines, loader.construct_document(node)
     finally:
         loader.dispose()
-    lines: dict[Loc, int] = {}
+
+
+def _key_lines(node: yaml.Node, file: str) -> dict[Loc, int]:
+    """Every key path's line as written; a key written twice in one mapping is refused with both lines' problem."""
+    lines: dict[Loc, int] = {(): node.start_mark.line + 1}
     dups: list[tuple[int | None, str, str]] = []
 
     def walk(n: yaml.Node, path: Loc) -> None:
@@ -149,15 +180,10 @@ def parse(text: str, file: str) -> YamlDoc:
                 lines[(*path, str(i))] = item.start_mark.line + 1
                 walk(item, (*path, str(i)))
 
-    if node is not None:
-        lines[()] = node.start_mark.line + 1
-        try:
-            walk(node, ())
-        except RecursionError:
-            raise _too_deep(file) from None
+    walk(node, ())
     if dups:
         raise YamlFileError(file, dups)
-    return YamlDoc(file=file, data=data, lines=lines)
+    return lines
 
 
 def _too_deep(file: str) -> YamlFileError:
