@@ -617,17 +617,26 @@ def _finish_host(h: _HostFile, file: str, base_dir: Path) -> HostConfig:
 # public entry points
 
 
+# Top-level keys with this prefix are left out of validation (Docker Compose's extension fields): somewhere to put
+# YAML anchors that hosts and runs share, e.g. `x-run-defaults: &d {workdir: /srv/dflash}` then `<<: *d` in a run.
+EXTENSION_PREFIX = "x-"
+
+
 def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | Path | None = None) -> Inventory:
     """Validate hosts.yaml text; `file` is the name used in messages, `base_dir` anchors relative paths."""
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     raw, lines = _parse_yaml(text, file)
     if not isinstance(raw, dict):
         raise InventoryError([Problem(file, 1, "", "the top level must be a mapping with a `hosts:` key")])
+    for key in [k for k in raw if isinstance(k, str) and k.startswith(EXTENSION_PREFIX)]:
+        del raw[key]  # `x-defaults: &d {...}`: a place for anchors that runs merge with `<<: *d`
     groups_raw = raw.pop("groups", None)  # opsctl.group validates them once the hosts are known
     hosts_raw = raw.get("hosts")
     problems: list[Problem] = []
     if isinstance(hosts_raw, dict):
-        for hname, hval in hosts_raw.items():
+        for hname in list(hosts_raw):
+            # an alias (`b: *a`) makes two entries one dict: each gets its own copy before its name is set in it
+            hval = hosts_raw[hname] = dict(hosts_raw[hname]) if isinstance(hosts_raw[hname], dict) else hosts_raw[hname]
             if not isinstance(hname, str) or not NAME_RE.match(hname):
                 problems.append(Problem(file, _line_for(lines, ("hosts", str(hname))), f"hosts.{hname}",
                                  "host names use letters, digits, '_', '.', '-' and start with a letter or digit"))
@@ -639,6 +648,7 @@ def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | P
                 hval["name"] = str(hname)
                 runs = hval.get("runs")
                 if isinstance(runs, dict):
+                    runs = hval["runs"] = {k: dict(v) if isinstance(v, dict) else v for k, v in runs.items()}
                     for rname, rval in runs.items():
                         if not isinstance(rname, str) or not NAME_RE.match(rname):
                             problems.append(Problem(file, _line_for(lines, ("hosts", str(hname), "runs", str(rname))),

@@ -125,6 +125,35 @@ def test_unknown_key_is_refused_with_a_suggestion() -> None:
                     "unknown key 'ready_timout' (did you mean 'ready_timeout'?)"]
 
 
+def test_runs_share_settings_through_x_anchors_and_merges_and_aliased_runs_keep_their_names() -> None:
+    text = textwrap.dedent("""\
+        x-run: &run
+          workdir: /home/ml/work
+          command: [python3, -m, dflash, train]
+          log: runs/a/train.log
+          ready_timeout: 900
+        hosts:
+          gpu1:
+            ssh: {host: gpu1.example.org, user: ml}
+            runs:
+              a:
+                <<: *run
+                ready_timeout: 60
+              b: *run
+              c: *run
+        """)
+    runs = parse_inventory(text, file="hosts.yaml", base_dir="/srv/x").runs["gpu1"]
+    assert {n: (r.name, r.ready_timeout, r.workdir) for n, r in runs.items()} == {
+        "a": ("a", 60, "/home/ml/work"), "b": ("b", 900, "/home/ml/work"), "c": ("c", 900, "/home/ml/work")}
+    assert {r.tmux_session for r in runs.values()} == {"dflash-a", "dflash-b", "dflash-c"}
+    # only the x- prefix is free: any other unknown top-level key is still a typo
+    errs = errors_of(text.replace("x-run:", "defaults:"))
+    assert errs == ["hosts.yaml:1: defaults: unknown key 'defaults'"]
+    # an unknown key merged in is refused where the run uses it
+    errs = errors_of(text.replace("  ready_timeout: 900", "  ready_timout: 900"))
+    assert errs[0].startswith(f"hosts.yaml:{line_of(text, 'a:')}: hosts.gpu1.runs.a.ready_timout: unknown key"), errs
+
+
 def test_missing_required_field_points_at_its_parent() -> None:
     text = GOOD_SSH.replace("        log: runs/a/train.log\n", "")
     errs = errors_of(text)
