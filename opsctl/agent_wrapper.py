@@ -778,8 +778,8 @@ def tau_regression(best: float | None, best_step: int | None, now: float | None,
             f"at least {least:g})")
 
 
-# -- slowdown: a step event's `pace` (dflash/pace.py: the median of the attempt's last 100 step times over the median
-# of its first 100 once 5 minutes of training passed) at or past SLOW_FACTOR. 1.3: a fixed token budget's step time
+# -- slowdown: a step event's `pace` (dflash/pace.py: the median of the attempt's last 100 step times over the fastest
+# median of 100 it has held, the first taken once 5 minutes of training passed) at or past SLOW_FACTOR. 1.3: a fixed token budget's step time
 # moves a few % with the batch's mix; a third slower for a hundred steps is a throttled or shared GPU, a degraded
 # link, a starved data path, and on a week-long run it costs days.
 SLOW_FACTOR = 1.3
@@ -792,7 +792,7 @@ def slowdown(pace: Any, ref_s: Any, step: Any) -> str | None:
     if p is None or r is None or p < SLOW_FACTOR:
         return None
     return (f"step time {p * r:.2f} s at step {step} (median of its last 100 steps), {p:.2f}x the {r:.2f} s this "
-            f"attempt settled at (alert from {SLOW_FACTOR:g}x)")
+            f"attempt has held at its best (alert from {SLOW_FACTOR:g}x)")
 
 
 # -- memory: a rank's heartbeats (docs/events.md) once MEM_SETTLE_S of training passed (loading, compiling and the

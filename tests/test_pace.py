@@ -1,5 +1,5 @@
 """A run that got slower is said (issue: "told the moment it ... runs slow"): the trainer writes each step's pace
-against the attempt's settled pace (dflash/pace.py), the dashboard and status raise `slowdown` from it, and the
+against the best pace the attempt has held (dflash/pace.py), the dashboard and status raise `slowdown` from it, and the
 run's wrapper notifies once per episode (opsctl/agent_wrapper.py). Real trainings, real event files."""
 
 from __future__ import annotations
@@ -41,6 +41,24 @@ def test_the_pace_is_the_recent_median_over_the_settled_one() -> None:
     assert p.fields()["pace"] == pytest.approx(2.8 / 2.1, abs=1e-3)
 
 
+def test_the_reference_is_the_best_pace_held_so_a_slow_settling_does_not_hide_a_later_slowdown() -> None:
+    """An attempt that settled while another job shared its GPU (2.8 s) speeds up when that job leaves (2.0 s): the
+    reference follows the faster window, so the next slow spell (2.8 s again) is 1.4x, a slowdown, not 1.0x."""
+    p = Pace(settle_s=10, window=10)
+    t = feed(p, [90.0] + [2.8] * 10, 0.0)  # compile step, then settling
+    t = feed(p, [2.8] * 10, t)  # the reference window, while shared
+    assert p.ref == pytest.approx(2.8)
+    t = feed(p, [2.0] * 4, t)  # a few fast steps are not yet a faster pace held
+    assert p.ref == pytest.approx(2.8) and p.fields() == {}
+    t = feed(p, [2.0] * 6, t)  # a whole window at 2.0: the best pace held
+    assert p.ref == pytest.approx(2.0) and p.fields() == {"pace": 1.0, "pace_ref_s": 2.0}
+    t = feed(p, [2.8] * 10, t)
+    assert p.fields()["pace"] == pytest.approx(1.4) and slowdown(p.fields()["pace"], p.ref, 40) is not None
+    assert p.ref == pytest.approx(2.0)  # a slower window never raises the reference
+    t = feed(p, [2.1] * 3 + [1.0] + [2.1] * 6, t)  # one fast outlier step does not move a median of the window
+    assert p.ref == pytest.approx(2.0)
+
+
 def test_slowdown_fires_from_the_factor_and_quotes_both_times() -> None:
     assert slowdown(1.29, 2.0, 500) is None and slowdown(None, 2.0, 500) is None and slowdown(1.5, None, 5) is None
     text = slowdown(SLOW_FACTOR, 2.0, 500)
@@ -53,7 +71,7 @@ def test_the_dashboard_says_slowdown_while_training_and_not_after() -> None:
     assert "slowdown" not in r.alerts(T0 + 1)
     r.feed(ev_step(2, T0 + 2, 1.35, 2.0))
     a = r.alerts(T0 + 2)["slowdown"]
-    assert a.severity == "warning" and "1.35x the 2.00 s this attempt settled at" in a.evidence
+    assert a.severity == "warning" and "1.35x the 2.00 s this attempt has held at its best" in a.evidence
     r.feed(ev_step(3, T0 + 3, 1.1, 2.0))  # back to speed: the alert clears
     assert "slowdown" not in r.alerts(T0 + 3)
     r.feed(ev_step(4, T0 + 4, 1.5, 2.0), run_start(T0 + 5))  # a new attempt: its pace is its own
