@@ -134,6 +134,29 @@ def inspect_kernels(model: nn.Module) -> dict[str, str]:
     return result
 
 
+# transformers (5.2x, transformers/integrations/hub_kernels.py) says once per op and process that it "is falling back
+# to its reference PyTorch implementation ... This is correct but much slower." On a CPU target that reference is
+# the only implementation there is (fla and causal-conv1d are CUDA kernels), and the `target:` log line already names
+# the kernels bound, so a newcomer's tiny CPU run should not read "much slower" twice. On a GPU the slow path is
+# refused by check_kernels (or allowed loudly with allow_slow_kernels), whatever transformers logs.
+HUB_KERNELS_LOGGER = "transformers.integrations.hub_kernels"
+FALLBACK_NOTICE = "is falling back to its reference PyTorch implementation"
+
+
+class _ExpectedFallbackNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return FALLBACK_NOTICE not in record.getMessage()
+
+
+def quiet_expected_fallback_notice(device: torch.device | str) -> None:
+    """Drop transformers' fallback notice in this process once a target is built on the CPU (idempotent)."""
+    if torch.device(device).type != "cpu":
+        return
+    logger = logging.getLogger(HUB_KERNELS_LOGGER)
+    if not any(isinstance(f, _ExpectedFallbackNotice) for f in logger.filters):
+        logger.addFilter(_ExpectedFallbackNotice())
+
+
 def varlen_usable(kernels: dict[str, str]) -> bool:
     """Packing with cu_seqlens keeps documents apart only if both the delta rule (fla) and the conv (seq_idx) are fast."""
     return kernels.get("chunk_gated_delta_rule") == "fla" and kernels.get("causal_conv1d_fn") == "causal_conv1d"

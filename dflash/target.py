@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dflash.kernels import inspect_kernels, varlen_usable
+from dflash.kernels import inspect_kernels, quiet_expected_fallback_notice, varlen_usable
 from dflash.target_config import (  # noqa: F401 (re-exported: the config types live in a torch-free module)
     _ARCH_POSITIVE,
     ATTENTIONS,
@@ -305,6 +305,7 @@ class Target:
         if self.lm_head is None:
             raise ValueError(f"{type(self.model).__name__} has no LM head (get_output_embeddings() is None)")
         self.kernels: dict[str, str] = inspect_kernels(self.model)
+        quiet_expected_fallback_notice(self.device)
         fast_varlen = varlen_usable(self.kernels) and self.device.type == "cuda"
         if cfg.packing == "auto":
             self.packing = "varlen" if fast_varlen else "pad"

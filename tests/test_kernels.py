@@ -117,3 +117,48 @@ def test_dynamo_counts_grow_on_recompile() -> None:
     f(torch.ones(5))
     after = dynamo_counts()
     assert mid["unique_graphs"] > before["unique_graphs"] and after["unique_graphs"] > mid["unique_graphs"]
+
+
+_FALLBACK_SCRIPT = """
+import sys, torch
+from dflash.target import Target, TargetConfig
+ids = torch.randint(0, 100, (1, 12))
+if sys.argv[1] == "dflash":
+    t = Target(TargetConfig(), num_draft_layers=1, device=torch.device("cpu"))
+    t.hidden_states(ids, torch.ones_like(ids))
+else:  # the same model through transformers alone: what its notice looks like without dflash's target
+    from dflash.target import build_target_model
+    m = build_target_model(TargetConfig(), 100, device=torch.device("cpu"), dtype=torch.float32)
+    m(input_ids=ids)
+"""
+
+
+def test_transformers_fallback_notice_is_not_printed_for_a_cpu_target() -> None:
+    """A fresh process each (transformers prints it once per op and process): the model alone prints it on this
+    transformers, the same model built as dflash's CPU target does not; other transformers warnings still pass."""
+    import logging
+    import subprocess
+    import sys
+
+    from dflash.kernels import FALLBACK_NOTICE, HUB_KERNELS_LOGGER
+
+    plain = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT, "plain"], capture_output=True, text=True,
+                           timeout=300)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    if FALLBACK_NOTICE not in plain.stderr:
+        pytest.skip("this transformers prints no fallback notice")
+    ours = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT, "dflash"], capture_output=True, text=True,
+                          timeout=300)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert FALLBACK_NOTICE not in ours.stderr + ours.stdout, ours.stderr[-2000:]
+    from dflash.kernels import quiet_expected_fallback_notice
+
+    quiet_expected_fallback_notice("cpu")
+    quiet_expected_fallback_notice("cpu")  # idempotent: one filter
+
+    def passes(msg: str) -> bool:
+        record = logging.LogRecord(HUB_KERNELS_LOGGER, logging.WARNING, "", 0, msg, None, None)
+        return logging.getLogger(HUB_KERNELS_LOGGER).filter(record)
+
+    assert len(logging.getLogger(HUB_KERNELS_LOGGER).filters) == 1
+    assert not passes(f"`chunk_gated_delta_rule` {FALLBACK_NOTICE} because ...") and passes("another warning")
