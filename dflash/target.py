@@ -174,6 +174,7 @@ def build_target_model(cfg: TargetConfig, vocab: int | None = None, *, device: t
     seeded random init of the family's arch with `vocab` embedding rows. What Target wraps; eval builds on it too."""
     device = torch.device(device)
     dtype = dtype or resolve_dtype(cfg.dtype, device)
+    quiet_expected_fallback_notice(device)  # on the CPU transformers' PyTorch reference is the only implementation
     from transformers import AutoModelForCausalLM
 
     if cfg.path is not None:
@@ -305,7 +306,6 @@ class Target:
         if self.lm_head is None:
             raise ValueError(f"{type(self.model).__name__} has no LM head (get_output_embeddings() is None)")
         self.kernels: dict[str, str] = inspect_kernels(self.model)
-        quiet_expected_fallback_notice(self.device)
         fast_varlen = varlen_usable(self.kernels) and self.device.type == "cuda"
         if cfg.packing == "auto":
             self.packing = "varlen" if fast_varlen else "pad"
