@@ -93,6 +93,8 @@ PARTS: dict[str, tuple[Check, ...]] = {
         # moved from part5 (533 s estimated) once part6's check was timed
         Check(U + "test_fused_packed_forward_equals_eager_to_bf16_rounding", 110,
               "2026-12-05: 80.7 s alone on an H100 with fla's bf16 JIT cached on disk; cold, fla's JIT adds ~30 s"),
+        Check(C + "test_dflash_train_captures_every_bucket_its_schedule_needs_before_the_first_step", 120,
+              "guess: an 8-step dflash train of the small GPU target, uncompiled (written in session 17)"),
     ),
     # fla's tuned configs: each check starts processes with empty Triton caches (two cold fla JITs, one autotuned);
     # and the CUDA graph over the fused kernels

@@ -12,7 +12,7 @@ import importlib.util
 import inspect
 import itertools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -601,6 +601,14 @@ def chunk_capacity(token_budget: int, slots: int, chunk: int = FLA_CHUNK) -> int
     return min(token_budget, (token_budget + (chunk - 1) * max(slots - 1, 0)) // chunk)
 
 
+def row_slots(lengths: Sequence[int], token_budget: int, max_doc_len: int, buckets: Sequence[int]) -> int | None:
+    """The bucket a packed row of these document lengths is replayed in: its documents plus its dummy tail's pieces
+    (of at most max_doc_len tokens each), plus one always-empty slot. None where the largest bucket cannot hold it."""
+    tail = token_budget - sum(lengths)
+    docs = len(lengths) + len(range(0, max(tail, 0), max_doc_len))
+    return next((s for s in buckets if s >= docs + 1), None)
+
+
 def slot_buckets(token_budget: int, min_doc_len: int) -> list[int]:
     """Document-slot counts a graph is captured for: 16, 32, ... and the cap (max documents + one always-empty slot).
 
@@ -648,13 +656,13 @@ def fixed_packed_inputs(input_ids: Tensor, cu_seqlens: Tensor, token_budget: int
         raise ValueError(f"a document of {max(lengths)} tokens is longer than the fixed-shape limit {max_doc_len} "
                          "(data.max_len)")
     tail = token_budget - n
+    found = row_slots(lengths, token_budget, max_doc_len, buckets)
     lengths += [min(max_doc_len, tail - i) for i in range(0, tail, max_doc_len)]
     docs = len(lengths)
-    fits = [s for s in buckets if s >= docs + 1]
-    if not fits:
+    if found is None:
         raise ValueError(f"packed row has {docs} documents (with its tail's pieces); the fixed-shape inputs hold "
                          f"{buckets[-1] - 1} (token budget / data.min_len, rounded up)")
-    slots = fits[0]
+    slots = found
     bounds = [0, *itertools.accumulate(lengths)]
     cu = torch.tensor(bounds + [token_budget] * (slots + 1 - len(bounds)), dtype=torch.long)
     full = packed_indices(torch.tensor(bounds), token_budget)
@@ -776,6 +784,19 @@ class PackedGraphs:
         graph.replay()
         self.replays += 1
         return out
+
+    def representatives(self, rows: Iterable[tuple[Any, Sequence[int]]]) -> dict[int, Any]:
+        """For each bucket the rows need and no graph holds yet, the first row (its key) that needs it: running the
+        target on those before the first step captures every graph the run will replay (rows of a longer document
+        than data.max_len, or more documents than the largest bucket, run eagerly and need none)."""
+        out: dict[int, Any] = {}
+        for key, lengths in rows:
+            if not lengths or max(lengths) > self.max_len:
+                continue
+            slots = row_slots(lengths, self.n, self.max_len, self.buckets)
+            if slots is not None and slots not in self.graphs and slots not in out:
+                out[slots] = key
+        return dict(sorted(out.items()))
 
     @staticmethod
     def _fill(static: dict[str, Tensor], fixed: FixedPackedInputs) -> None:

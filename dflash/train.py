@@ -410,6 +410,7 @@ class Trainer:
                 return self.end("error", EXIT_ERROR)
         else:
             self.log.info("loaded target binds the kernels the probe saw")
+        self._precapture_graphs()
         if self.stop_requested():
             return self.end_on_signal()
         if roles.role == "target":
@@ -532,6 +533,32 @@ class Trainer:
         self.info = info
         self.log.info("target: %d layers, hidden %d, taps %s, packing %s, kernels %s (%.1fs)", info.num_layers,
                       info.hidden_size, info.tap_layers, info.packing, info.kernels, time.perf_counter() - self.t_start)
+
+    def _precapture_graphs(self) -> None:
+        """target.cuda_graph: capture every document-slot bucket the schedule's buffers need now, before the first
+        step, instead of when a row first needs one. Why: a capture mid-run stalls that step (0.90 s at step 37 of the
+        4B-like H100 run, docs/perf.md) and, days in, could fail for memory the run has since taken; done here it
+        runs before READY, and grad_checkpoint: auto (the drafter's build, next) sees the graphs' memory as taken.
+        The target forward of one real buffer per bucket is what captures it (the path every step takes)."""
+        graphs = self.target.graphs if self.target is not None else None
+        if graphs is None or graphs.failed is not None:
+            return
+        sched = self.start.schedule
+        keys = ((e, i) for e, ep in enumerate(sched.epochs) for i in range(len(ep)))
+        reps = graphs.representatives((k, [n for _, _, n in sched.buffer(k)]) for k in keys)
+        if not reps:
+            return
+        self.phase("loading_target", detail=f"capturing the target forward for document-slot buckets {list(reps)}")
+        t0, before = time.perf_counter(), graphs.captures
+        for key in reps.values():
+            compute_batch(self.target, self.corpus, sched.buffer(key), self.cfg.data.token_budget)
+            if graphs.failed is not None or self.stop_requested():
+                break
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.log.info("target.cuda_graph: %d of the %d buckets the schedule needs %s captured before the first step "
+                      "(%.1fs)%s", graphs.captures - before, len(reps), list(reps), time.perf_counter() - t0,
+                      f"; {graphs.failed}: the target forward runs eagerly" if graphs.failed else "")
 
     def _serve_target(self) -> TrainResult:
         """A target rank in split mode: compute hidden states for the drafter ranks until the schedule ends."""

@@ -18,6 +18,7 @@ import torch
 
 from dflash.target import (
     FLA_CHUNK,
+    PackedGraphs,
     Target,
     TargetConfig,
     chunk_capacity,
@@ -26,6 +27,7 @@ from dflash.target import (
     packed_indices,
     register_varlen_attention,
     resolve_cuda_graph,
+    row_slots,
     slot_buckets,
 )
 
@@ -122,6 +124,44 @@ def test_padded_documents_are_empty_and_padding_chunks_point_at_an_empty_slot() 
     assert (f.chunk_indices[real:] == torch.tensor([f.slots - 1, 0])).all()
     assert f.cu_seqlens[f.slots - 1] == f.cu_seqlens[f.slots] == n  # that slot is empty
     assert torch.equal(f.input_ids[0, :357], ids[0]) and (f.input_ids[0, 357:] == 0).all()
+
+
+def test_row_slots_is_the_bucket_the_fixed_inputs_take_for_every_row() -> None:
+    """The precapture (dflash/train.py) picks its rows by row_slots; the replay lays them out by
+    fixed_packed_inputs: for 3000 random rows (1-80 documents of 1-24 tokens, at most 128 in all) they must agree,
+    None where the inputs refuse the row."""
+    import random
+
+    n, hi, buckets = 128, 24, slot_buckets(128, 2)
+    rng, seen = random.Random(0), set()
+    for _ in range(3000):
+        top = rng.choice((2, 3, 8, hi))
+        lengths = [rng.randint(1, top) for _ in range(rng.randint(1, 80))]
+        while sum(lengths) > n:
+            lengths.pop()
+        got = row_slots(lengths, n, hi, buckets)
+        try:
+            want: int | None = fixed_packed_inputs(*_row(lengths), n, hi, buckets).slots
+        except ValueError:
+            want = None
+        assert got == want, lengths
+        seen.add(got)
+    assert seen == {*buckets, None}, (seen, buckets)  # every bucket and the refusal were met
+
+
+def test_the_precapture_takes_the_first_row_of_each_bucket_no_graph_holds_yet() -> None:
+    graphs = PackedGraphs(None, 256, 8, 64, print)  # its target is only used to capture: not here  # type: ignore[arg-type]
+    assert graphs.buckets == [16, 32, 33]
+    rows = [("a", [64, 64, 64, 64]),  # 4 documents, no tail: 16
+            ("b", [8] * 20),           # 20 + the 96-token tail in 2 pieces, + the empty slot: 32
+            ("c", [100]),              # longer than data.max_len: runs eagerly, needs no graph
+            ("d", [8] * 14),           # 16 again: the first row of a bucket wins
+            ("e", []),
+            ("f", [1] * 40),           # 40 + 4 tail pieces: more than the cap holds, runs eagerly
+            ("g", [8] * 31)]           # 31 + 1 tail piece + the empty slot: the cap, 33
+    assert graphs.representatives(iter(rows)) == {16: "a", 32: "b", 33: "g"}
+    graphs.graphs[16] = (None, {}, torch.empty(0))  # type: ignore[assignment]  # captured already
+    assert graphs.representatives(rows) == {32: "b", 33: "g"}
 
 
 def test_rows_the_fixed_shapes_cannot_hold_are_refused_with_the_numbers() -> None:

@@ -79,3 +79,38 @@ def test_a_different_document_count_replays_without_recapture() -> None:
     t.hidden_states_packed(ids, cu)
     assert t.graphs.captures == 2 and sorted(t.graphs.graphs) == [16, 64], logs
     print(f"captures {t.graphs.captures}, replays {t.graphs.replays}; logs {logs}")
+
+
+_TRAIN = r"""
+import sys
+sys.path.insert(0, "tests"); sys.path.insert(0, "tests/gpu")
+from dflash_fixtures import run_config
+from test_gpu_checks import GPU_ARCH
+from dflash.train import train
+cfg = run_config(target={"arch": GPU_ARCH, "seed": 0, "cuda_graph": "on"},
+                 train={"max_steps": 8, "checkpoint_every": 0, "compile": "false", "eval_every": 0})
+print(train(cfg, sys.argv[1]).exit_code)
+"""
+
+
+@pytest.mark.skipif(not HAVE_FAST, reason="needs flash-linear-attention and causal-conv1d")
+def test_dflash_train_captures_every_bucket_its_schedule_needs_before_the_first_step(tmp_path) -> None:
+    """dflash/train.py `_precapture_graphs`: one real buffer per document-slot bucket the schedule needs runs through
+    the target before the first step, so no step captures (a mid-run capture stalled step 37 of the 4B-like run)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", _TRAIN, str(out)], cwd=repo, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "0", proc.stderr[-3000:]
+    lines = (out / "train.log").read_text().splitlines()
+    pre = [i for i, ln in enumerate(lines) if "captured before the first step" in ln]
+    first_step = next(i for i, ln in enumerate(lines) if " step 1/" in ln)
+    captures = [i for i, ln in enumerate(lines) if "captured the packed forward for" in ln]
+    print("\n".join(ln for ln in lines if "cuda_graph" in ln))
+    assert len(pre) == 1 and pre[0] < first_step, lines[:40]
+    assert captures and all(i < pre[0] for i in captures), "a step captured a graph after the precapture"
+    assert "runs eagerly" not in lines[pre[0]]
