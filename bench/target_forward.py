@@ -13,6 +13,7 @@ against the padded forward per document (correctness travels with the speed).
 
   python3 bench/target_forward.py bench/h200-27b-like.yaml                     # on the GPU machine
   python3 bench/target_forward.py bench/h200-27b-like.yaml --attention sdpa,varlen --rows 8x2048
+  python3 bench/target_forward.py bench/h200-27b-like.yaml --attention varlen --fla-configs $OUT/store   # + record
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 import torch  # noqa: E402
 
+from dflash import fla_configs  # noqa: E402
 from dflash.config import ConfigError  # noqa: E402
 from dflash.flops import as_row, measure_matmul_tflops, target_forward_flops  # noqa: E402
 from dflash.pipeline import prepare_buffer  # noqa: E402
@@ -72,12 +74,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fused", action="store_true",
                    help="add a row with the target's norms and MLP activation compiled into fused kernels "
                         "(dflash/target_fusion.py), over the last --attention")
+    p.add_argument("--fla-configs", metavar="DIR",
+                   help="load fla's tuned kernel configs from DIR when it holds some (dflash/fla_configs.py), and "
+                        "record what fla's autotuners chose here after every row ran: the target forward alone fits "
+                        "a card that the whole 27B-like step does not, so this records a store to ship "
+                        "(dflash/fla_seed) from an H100 too")
     p.add_argument("--json", help="also write the report here")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run on the CPU to check this script end to end (tiny configs; packed rows fail there: no fla)")
     args = p.parse_args(argv)
     dev = benchlib.require_cuda("bench/target_forward.py", cpu_smoke=args.cpu_smoke)
+    store = Path(args.fla_configs) if args.fla_configs else None
+    lines = {"enable": fla_configs.enable(store)}  # before the target (and fla) is built: fla reads its mode at import
+    if lines["enable"]:
+        print(lines["enable"], flush=True)
     report = run(args, dev)
+    lines["record"] = fla_configs.record(store)
+    if lines["record"]:
+        print(lines["record"], flush=True)
+    report["fla_configs"] = {"dir": str(store) if store else None, **lines}
     print(json.dumps(report, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))

@@ -210,6 +210,25 @@ def test_target_forward_bench_parses_its_rows_and_refuses_a_cpu_run() -> None:
     assert target_forward.summarize(rows)["ratio_vs_hf_padded_docs"] == round(11732 / 4602, 3)
 
 
+def test_target_forward_bench_loads_and_records_fla_configs_around_its_rows(tmp_path: Path) -> None:
+    """--fla-configs: the store is named in the report, fla is pointed at it before the target is built (here, on
+    the CPU, it holds nothing yet: the line says so) and the record runs after the rows (no fla: nothing new)."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    store = tmp_path / "store"
+    run = subprocess.run([sys.executable, str(root / "bench" / "target_forward.py"), str(root / "configs" / "tiny.yaml"),
+                          "--cpu-smoke", "--fla-configs", str(store), "--repeats", "1", "--rows", "2x64",
+                          "--no-fixed-shape", "--attention", "sdpa"], capture_output=True, text=True, timeout=600,
+                         cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(next(ln for ln in reversed(run.stdout.splitlines()) if ln.startswith("{")))
+    assert report["fla_configs"]["dir"] == str(store)
+    assert report["fla_configs"]["enable"] == (f"fla kernel configs: none recorded yet in {store}: fla autotunes, and "
+                                               "this run records its choices after its first step")
+    assert report["fla_configs"]["record"] == "" and report["summary"]["best_hf"] is not None
+
+
 def test_kernel_time_per_labelled_phase_reads_a_real_profiler_run() -> None:
     """bench's profile summary over a real torch.profiler run (CPU here: the phases are found, no kernel ran)."""
     import sys
