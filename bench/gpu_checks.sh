@@ -51,6 +51,9 @@ if ! ls "$wheels"/*.whl > /dev/null 2>&1; then
 elif ! python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheels"/*.whl 2>&1 | tee -a "$log"; then
   echo "gpu_checks: installing $wheels/*.whl into /tmp/site failed" | tee -a "$log"
   exit 3
+else
+  # what the checks marked fla import (the wheels may bring their own transformers: bench/transformers_wheels.sh)
+  PYTHONPATH="/tmp/site:$base_path" python3 -c 'import transformers, fla; print("with the wheels: transformers", transformers.__version__, "fla", fla.__version__)' 2>&1 | tail -1 | tee -a "$log"
 fi
 
 while read -r env est node; do
