@@ -147,6 +147,7 @@ def seed(path: Path | None, src: Path | None) -> str:
     Never raises: a seed that cannot be merged leaves fla to autotune, as it would without one."""
     if path is None or src is None or not Path(src).is_dir():
         return ""
+    src = Path(src)
     try:
         added = kernels = 0
         path.mkdir(parents=True, exist_ok=True)
