@@ -68,6 +68,9 @@ INIT_TEMPLATE = """\
 # A run is a command (argv list; "{python}" = the interpreter that runs opsctl on a local host, the host's
 # `python:` elsewhere) with its log and events.jsonl. Relative paths resolve against the workdir, and a
 # relative workdir against this file's directory (local hosts only).
+# Runs that share settings: put them under a top-level `x-` key as a YAML anchor and merge it into each run,
+#   x-run: &run {workdir: /srv/dflash-ops, ready_timeout: 900}     then in a run:  <<: *run
+# (keys written next to the merge override it; `x-` keys are not validated on their own).
 
 hosts:
   local:
