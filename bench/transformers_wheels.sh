@@ -15,10 +15,11 @@ rm -f "$out"/*.whl 2>/dev/null || true
 mkdir -p "$out"
 cp .whl/*.whl "$out"/
 pip=${PIP:-.venv/bin/pip}
+dl=$(mktemp -d /tmp/transformers-wheels.XXXXXX)
 "$pip" download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d "$out/dl" \
+  --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d "$dl" \
   "transformers==$version"
-for w in "$out"/dl/*.whl; do
+for w in "$dl"/*.whl; do
   case "$(basename "$w")" in
     numpy-*|pyyaml-*|PyYAML-*|packaging-*) continue ;;
   esac
@@ -26,6 +27,7 @@ for w in "$out"/dl/*.whl; do
   name=$(basename "$w" | cut -d- -f1)
   ls "$out"/"$name"-*.whl > /dev/null 2>&1 || cp "$w" "$out"/
 done
-rm -rf "$out/dl"
+rm -f "$dl"/*.whl
+rmdir "$dl"
 ls "$out"
 du -sh "$out"
