@@ -54,7 +54,8 @@ _Loader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:
 
 # libyaml's parser (PyYAML's C extension, shipped in its wheels) builds the node tree ~5x faster than the pure-Python
 # one: a dense file at the size cap reads in 1.94 s instead of 6.65 s (bench/yaml_parse.py, docs/perf.md); the
-# constructor and the resolvers above stay PyYAML's Python classes, so the data is the same. Errors are re-read with the Python parser, whose messages and marks the lines below expect.
+# constructor and the resolvers above stay PyYAML's Python classes, so the data is the same. Errors are re-read with
+# the Python parser, whose messages and marks the error lines below expect.
 _CLoader: type[yaml.SafeLoader] | None = None
 if getattr(yaml, "__with_libyaml__", False):
     class _CLoader(yaml.CSafeLoader):  # type: ignore[no-redef]
@@ -161,7 +162,7 @@ def _load(text: str, file: str, loader_cls: type[yaml.SafeLoader]) -> tuple[dict
 
 
 def _key_lines(node: yaml.Node, file: str) -> dict[Loc, int]:
-    """Every key path's line as written; a key written twice in one mapping is refused with both lines' problem."""
+    """Every key path's line as written; a key written twice in one mapping is refused at its second line."""
     lines: dict[Loc, int] = {(): node.start_mark.line + 1}
     dups: list[tuple[int | None, str, str]] = []
 
