@@ -157,16 +157,9 @@ def seed(path: Path | None, src: Path | None) -> str:
                 entries = shipped.get("autotune_entries") if shipped else None
                 if not isinstance(entries, dict) or not entries:
                     continue
-                dest = path / f.name
-                data = _read(dest) or {}
-                have = data.get("autotune_entries") if isinstance(data.get("autotune_entries"), dict) else {}
-                add = {h: e for h, e in entries.items() if h not in have}
-                if not add:
-                    continue
-                _write(dest, {**shipped, **{k: v for k, v in data.items() if k != "autotune_entries"},
-                              "autotune_entries": {**add, **have}})
-                added += len(add)
-                kernels += 1
+                n = _add_entries(path / f.name, entries, {k: v for k, v in shipped.items() if k != "autotune_entries"})
+                added += n
+                kernels += n > 0
     except (OSError, locks.LockBusy) as exc:
         return f"fla kernel configs: shipped configs not merged into {path}: {exc}"
     if not added:
@@ -288,6 +281,17 @@ def _write(f: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, f)
 
 
+def _add_entries(f: Path, entries: dict[str, Any], header: dict[str, Any]) -> int:
+    """Write into one kernel's file (fla's format: `header` fields + `autotune_entries`) the entries it lacks; an
+    entry already there is never replaced. The caller holds the store's lock. Returns how many were added."""
+    data = _read(f) or {}
+    have = data.get("autotune_entries") if isinstance(data.get("autotune_entries"), dict) else {}
+    add = {h: e for h, e in entries.items() if h not in have}
+    if add:
+        _write(f, {**header, "autotune_entries": {**have, **add}})
+    return len(add)
+
+
 def record(path: Path | None, env: MutableMapping[str, str] | None = None) -> str:
     """Add what fla's autotuners chose in this process to the store (after the first step: every kernel of the
     target's forward has run). Entries already there are kept; files are replaced whole (temp + rename) under the
@@ -310,16 +314,10 @@ def record(path: Path | None, env: MutableMapping[str, str] | None = None) -> st
                         entries[key_hash(jkey)] = {"autotune_key": jkey, "config": jcfg}
                 if not entries:
                     continue
-                f = path / f"{name}.json"
-                data = _read(f) or {}
-                have = data.get("autotune_entries") if isinstance(data.get("autotune_entries"), dict) else {}
-                add = {h: e for h, e in entries.items() if h not in have}
-                if not add:
-                    continue
-                _write(f, {"kernel_name": name, "triton_version": triton, "autotune_entries": {**have, **add},
-                           "default_config": None})
-                new += len(add)
-                kernels += 1
+                n = _add_entries(path / f"{name}.json", entries,
+                                 {"kernel_name": name, "triton_version": triton, "default_config": None})
+                new += n
+                kernels += n > 0
     except (OSError, locks.LockBusy) as exc:
         return f"fla kernel configs: not recorded in {path}: {exc}"
     except Exception as exc:  # noqa: BLE001 - an odd object in fla's modules must not end a training step
