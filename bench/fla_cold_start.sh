@@ -3,9 +3,10 @@
 # call: run `autotune` starts with empty Triton and inductor caches and an empty config store (fla autotunes every
 # kernel, then the run records its choices), run `store` starts with new empty caches and that store (fla compiles
 # one config per kernel). The first step's split (target forward = fla's first calls) of each is printed last;
-# the recorded store is copied to $OUT/store. RUNS="seeded" (or "autotune seeded") times instead a fresh machine with
-# what dflash ships: new empty caches and an empty store into which the configs of dflash/fla_seed for this GPU are
-# merged first (`--fla-seed`, as `dflash train` does on a fresh host).
+# each run's store is archived as $OUT/store-RUN.tgz. RUNS="seeded" (or "autotune seeded") times instead a fresh
+# machine with what dflash ships: new empty caches and an empty store into which the configs of dflash/fla_seed for
+# this GPU are merged first (`--fla-seed`, as `dflash train` does on a fresh host); RUNS="seeded store" then times
+# new empty caches with the store the seeded run completed (for a seed that lacked some kernel's key).
 # Usage on the GPU machine (repo root; fla / causal-conv1d wheels on PYTHONPATH, e.g. /tmp/site):
 #   OUT=/some/dir bash bench/fla_cold_start.sh bench/h200-27b-like.yaml --vocab 248320 --compile-scope regional
 #   RUNS=seeded OUT=/some/dir bash bench/fla_cold_start.sh bench/h200-27b-like.yaml --vocab 248320 --compile-scope regional
@@ -23,9 +24,11 @@ for run in "${runs[@]}"; do
     python3 bench/step_phases.py "$cfg" --steps 2 --warmup 1 --profile-steps 0 --fla-configs "$store" "${extra[@]}" "$@" \
     --json "$OUT/cold-$run.json" > "$OUT/cold-$run.log" 2>&1 || { tail -30 "$OUT/cold-$run.log"; exit 1; }
   grep -E "first step|fla kernel configs|target built|host syncs" "$OUT/cold-$run.log" || true
-  # the recorded store as soon as it exists (what dflash/fla_seed ships is copied from here): a call cut short by
-  # its time limit still brings it back
-  if [[ $run == autotune ]]; then cp -r "$work/store" "$OUT/store"; fi
+  # the recorded store as soon as it exists (what dflash/fla_seed ships is copied from here), one archive per run (a
+  # device call brings back a few files, not a store's many): a call cut short by its time limit still brings it back
+  tar -C "$store" -czf "$OUT/store-$run.tgz" .
+  # a later `store` run after `seeded` alone starts from what the seeded run completed (shipped + its own tuning)
+  if [[ $run == seeded && ! -e "$work/store" ]]; then cp -r "$store" "$work/store"; fi
 done
 python3 - "$OUT" "${runs[@]}" <<'PY'
 import json, sys

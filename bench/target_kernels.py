@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             arch["layer_types"] = arch["layer_types"][:args.layers]
         taps = [t for t in (cfg.target.tap_layers or []) if t < args.layers] or [args.layers - 1]
         cfg.target = dataclasses.replace(cfg.target, arch=arch, tap_layers=taps)
-    if args.fused:
-        cfg.target = dataclasses.replace(cfg.target, fused_elementwise="on")
+    # eager unless --fused (target.fused_elementwise defaults to auto: on wherever the packed forward runs)
+    cfg.target = dataclasses.replace(cfg.target, fused_elementwise="on" if args.fused else "off")
     from dflash.target import Target
 
     target = Target(cfg.target, cfg.drafter.num_layers, dev.device, vocab=cfg.data.vocab_size)

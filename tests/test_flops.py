@@ -285,7 +285,7 @@ def test_both_benches_run_end_to_end_in_a_cpu_smoke_run(tmp_path: Path) -> None:
     assert phases["drafter fwd+bwd"]["hfu"] >= phases["drafter fwd+bwd"]["mfu"] > 0
     assert steps["target"] == {"layers_run": 3, "of": 4, "vocab": 512, "packing": "pad", "attention": "sdpa",
                                "fixed_shape": False,
-                               "fused_elementwise": {"setting": "off", "patched": {}, "checked": {}, "refused": {}},
+                               "fused_elementwise": {"setting": "auto", "patched": {}, "checked": {}, "refused": {}},
                                "cuda_graph": {"setting": "auto", "active": False, "captures": 0, "replays": 0,
                                               "rows_run_eagerly": 0, "capture_failed": None}}
     refused = subprocess.run([sys.executable, str(root / "bench" / "step_phases.py"), str(path), "--cpu-smoke",

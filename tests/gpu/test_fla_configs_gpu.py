@@ -37,7 +37,7 @@ Autotuner._bench = counting
 sys.path.insert(0, "tests/gpu")
 from test_gpu_checks import GPU_ARCH
 from dflash.target import Target, TargetConfig
-target = Target(TargetConfig(arch=GPU_ARCH), 2, torch.device("cuda"))
+target = Target(TargetConfig(arch=GPU_ARCH, fused_elementwise="off"), 2, torch.device("cuda"))
 lengths = [300, 1000, 77, 2000, 1, 619]
 g = torch.Generator().manual_seed(0)
 docs = [torch.randint(0, GPU_ARCH["vocab_size"], (n,), generator=g) for n in lengths]

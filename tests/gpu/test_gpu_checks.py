@@ -73,7 +73,7 @@ def test_kernels_bound_match_the_installed_packages() -> None:
 @pytest.mark.skipif(not HAVE_FAST, reason="needs flash-linear-attention and causal-conv1d")
 @pytest.mark.parametrize("dtype,tol", [("bfloat16", 2e-2), ("float32", 2e-3)])
 def test_fla_varlen_target_equals_padded(dtype: str, tol: float) -> None:
-    target = Target(TargetConfig(arch=GPU_ARCH, dtype=dtype), num_draft_layers=2, device=DEV)
+    target = Target(TargetConfig(arch=GPU_ARCH, fused_elementwise="off", dtype=dtype), num_draft_layers=2, device=DEV)
     assert target.packing == "varlen"
     # PyTorch's varlen flash kernel has no float32 ("FlashAttention only support fp16 and bf16 data type"): auto
     # keeps a float32 target's full attention on sdpa with the block-diagonal mask
@@ -289,11 +289,11 @@ def test_training_size_flex_equals_dense_and_step_cost() -> None:
 
 def test_load_from_directory_onto_the_gpu(tmp_path: Path) -> None:
     """A saved target loads from its directory straight onto the GPU and gives the same tapped states."""
-    built = Target(TargetConfig(arch=GPU_ARCH), num_draft_layers=2, device=DEV)
+    built = Target(TargetConfig(arch=GPU_ARCH, fused_elementwise="off"), num_draft_layers=2, device=DEV)
     built.model.save_pretrained(tmp_path / "t")
     progress: list[tuple[int, int]] = []
     loaded = Target(
-        TargetConfig(path=str(tmp_path / "t")),
+        TargetConfig(path=str(tmp_path / "t"), fused_elementwise="off"),
         num_draft_layers=2,
         device=DEV,
         on_progress=lambda i, n: progress.append((i, n)),
@@ -316,8 +316,10 @@ def test_target_attention_options_equal_padded_per_document(attention: str) -> N
     from dflash.data import TokenizedCorpus
     from dflash.pipeline import compute_batch
 
-    sdpa = Target(TargetConfig(arch=GPU_ARCH, attention="sdpa"), num_draft_layers=2, device=DEV)
-    other = Target(TargetConfig(arch=GPU_ARCH, attention=attention), num_draft_layers=2, device=DEV)
+    sdpa = Target(TargetConfig(arch=GPU_ARCH, fused_elementwise="off", attention="sdpa"), num_draft_layers=2,
+                  device=DEV)
+    other = Target(TargetConfig(arch=GPU_ARCH, fused_elementwise="off", attention=attention), num_draft_layers=2,
+                   device=DEV)
     lengths = [300, 1000, 77, 2000, 1, 619]
     g = torch.Generator(device="cpu").manual_seed(3)
     docs = [torch.randint(0, GPU_ARCH["vocab_size"], (n,), generator=g) for n in lengths]
@@ -348,9 +350,10 @@ def test_default_attention_is_varlen_for_packed_training_and_sdpa_for_decoding()
     handed to TargetLM (eval) decodes on sdpa, greedily identical to a target built on sdpa."""
     from dflash.speculative import TargetLM, target_greedy
 
-    auto = Target(TargetConfig(arch=GPU_ARCH), num_draft_layers=2, device=DEV)
+    auto = Target(TargetConfig(arch=GPU_ARCH, fused_elementwise="off"), num_draft_layers=2, device=DEV)
     assert (auto.packing, auto.attention) == ("varlen", "varlen")
-    sdpa = Target(TargetConfig(arch=GPU_ARCH, attention="sdpa"), num_draft_layers=2, device=DEV)
+    sdpa = Target(TargetConfig(arch=GPU_ARCH, fused_elementwise="off", attention="sdpa"), num_draft_layers=2,
+                  device=DEV)
     prompt = torch.randint(0, GPU_ARCH["vocab_size"], (40,), generator=torch.Generator().manual_seed(2)).tolist()
     got = target_greedy(TargetLM(auto.model, auto.tap_layers), prompt, 24).tokens
     assert auto.model.config._attn_implementation == "sdpa"
