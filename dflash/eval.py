@@ -15,6 +15,7 @@ import json
 import random
 import sys
 import sysconfig
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 
 from dflash.config import ConfigError, RunConfig, config_from_dict, load_config
 from dflash.data import DataError, Document, TokenizerAdapter
-from dflash.evalprogress import EvalProgress
+from dflash.evalprogress import EvalProgress, isatty
 from dflash.kernels import float32_is_exact
 from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig
 from dflash.speculative import (
@@ -175,7 +176,7 @@ def _manifest_sha(ckpt_dir: Path) -> str | None:
 def load_target(loaded: Loaded, target_dir: str | None, device: torch.device) -> TargetLM:
     """The frozen target the drafter was trained against: --target DIR, the run's target.path, or the run's random
     init (family + arch + seed, as many embedding rows as the checkpoint says), built by the target registry."""
-    from dflash.target import TargetConfig, build_target_model
+    from dflash.target import TargetConfig, build_target_model, hf_progress_bars
 
     vocab = loaded.target_meta.get("vocab_size")
     if target_dir is not None:
@@ -187,10 +188,15 @@ def load_target(loaded: Loaded, target_dir: str | None, device: torch.device) ->
     else:
         raise EvalError(f"{loaded.source}: cannot tell which target this drafter drafts for; pass --target DIR "
                         "(a local Hugging Face model) or --config RUN_CONFIG (the run's config)")
+    t0, tty = time.perf_counter(), isatty(sys.stderr)
     try:
-        model = build_target_model(tcfg, int(vocab) if vocab else None, device=device)
+        with hf_progress_bars(tty):  # a pipe or a log gets one plain line, not transformers' `\r` bar
+            model = build_target_model(tcfg, int(vocab) if vocab else None, device=device)
     except (ValueError, OSError) as exc:
         raise EvalError(f"target: {exc}") from None
+    if not tty:
+        print(f"dflash eval: target {tcfg.path or 'random init (the run config)'} loaded in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     model.to(device).eval().requires_grad_(False)
     hidden = int(model.config.get_text_config().hidden_size)
     if hidden != loaded.drafter.hidden_size:

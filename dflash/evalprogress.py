@@ -18,7 +18,7 @@ class EvalProgress:
 
     def __init__(self, stream: TextIO | None = None, tty: bool | None = None, min_interval_s: float = 1.0) -> None:
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = _isatty(self.stream) if tty is None else tty
+        self.tty = isatty(self.stream) if tty is None else tty
         self.min_interval_s = min_interval_s
         self._bar: Any = None  # rich.progress.Progress, on a terminal
         self._task: Any = None
@@ -94,7 +94,7 @@ class EvalProgress:
         self._name = ""
 
 
-def _isatty(stream: TextIO) -> bool:
+def isatty(stream: TextIO) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):

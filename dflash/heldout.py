@@ -152,7 +152,7 @@ def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps
     from dflash.eval import EvalError, greedy_sequences
     from dflash.pretrain import as_dict
     from dflash.regen import prompt_rendering
-    from dflash.target import Target, use_sdpa_for_decoding
+    from dflash.target import Target, hf_progress_bars, use_sdpa_for_decoding
     from dflash.tau import continuation_length, walk
 
     settings = EvalSettings.of(cfg)
@@ -177,15 +177,8 @@ def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps
         t0 = time.perf_counter()
         log(f"eval: making the held-out set ({len(prompts)} prompts, {settings.new_tokens} new tokens each, "
             f"{desc}) with the target; cached as {d}")
-        from transformers.utils import logging as hf_logging
-
-        bar = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # the log shows the training target's load; this one is said above
-        try:
+        with hf_progress_bars(False):  # the log shows the training target's load; this one is said above
             target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=tok.vocab_size)
-        finally:
-            if bar:
-                hf_logging.enable_progress_bar()
         use_sdpa_for_decoding(target.model)  # cached decoding needs transformers' own masks
         seqs = greedy_sequences(target.model, device, prompts, continuation_length(settings.new_tokens, block_size))
         taps: list[Tensor] = []

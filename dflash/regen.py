@@ -28,6 +28,7 @@ from dflash import locks
 from dflash.cache_entry import content_problem, dir_fingerprint, record_content, structure_problem
 from dflash.config import ConfigError, RunConfig
 from dflash.data import REGEN_MANIFEST, DataError, Document, TokenizerAdapter, corpus_fingerprint, load_tokenizer
+from dflash.evalprogress import isatty
 from dflash.pretrain import as_dict, replace_fields
 
 RECORDS = "regen.jsonl"
@@ -226,7 +227,7 @@ def _regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: 
 
     `cfg` must already name its target (dflash.pretrain.resolve_target has run). Returns a summary.
     """
-    from dflash.target import Target, use_sdpa_for_decoding
+    from dflash.target import Target, hf_progress_bars, use_sdpa_for_decoding
 
     settings.check()
     s = settings.resolved(cfg.data.max_len)
@@ -282,7 +283,10 @@ def _regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: 
 
     tcfg = cfg.target if cfg.target.path else \
         replace_fields(cfg.target, arch={**cfg.target.arch, "vocab_size": tok.vocab_size})
-    target = Target(tcfg, 1, dev)
+    t0 = time.perf_counter()
+    with hf_progress_bars(isatty(sys.stderr)):  # a pipe or a log gets the line below, not a `\r` bar
+        target = Target(tcfg, 1, dev)
+    log(f"regen: target {tcfg.path or 'random init (target.arch)'} loaded in {time.perf_counter() - t0:.1f} s")
     if target.vocab_size < tok.vocab_size:
         raise DataError(f"target vocab {target.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
     model = target.model

@@ -230,6 +230,20 @@ class _StopForward(Exception):
 
 
 @contextlib.contextmanager
+def hf_progress_bars(enabled: bool) -> Iterator[None]:
+    """transformers' own tqdm bars (`Loading weights`) on or off for one load, then as they were: on a pipe or in a
+    log a carriage-return bar is one long unreadable line, so callers there say the load in a plain line instead."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+
+
+@contextlib.contextmanager
 def _weight_loading_progress(on_progress: Callable[[int, int], None] | None) -> Iterator[None]:
     """Report transformers' own per-weight loading loop through `on_progress`.
 

@@ -79,6 +79,27 @@ def test_decode_on_a_pipe_progress_per_prompt_and_an_unwrapped_table(checkpoint:
     assert any(x.startswith("accepted: share of steps") and x.endswith("serving and training differ)") for x in out)
 
 
+def test_a_target_loaded_from_a_directory_on_a_pipe_is_one_line_not_a_carriage_return_bar(checkpoint: Path,
+                                                                                             tmp_path: Path) -> None:
+    """--target DIR loads through transformers' from_pretrained, whose `Loading weights` tqdm bar on a pipe would be
+    one long line of `\r` redraws in a log; there it is one plain line instead (a terminal keeps the bar)."""
+    import torch
+
+    from dflash.target import Target
+
+    cfg = run_config(train={"max_steps": 2, "checkpoint_every": 0})
+    Target(cfg.target, cfg.drafter.num_layers, torch.device("cpu")).model.save_pretrained(tmp_path / "target")
+    r = subprocess.run([sys.executable, "-m", "dflash", "eval", "--checkpoint", str(checkpoint), "--target",
+                        str(tmp_path / "target"), *SMALL, "--json"],
+                       cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Loading weights" not in r.stderr and "\r" not in r.stderr, r.stderr
+    loaded = [x for x in progress_lines(r.stderr) if x.endswith(" s") and " loaded in " in x]
+    assert len(loaded) == 1 and re.fullmatch(rf"dflash eval: target {re.escape(str(tmp_path / 'target'))} loaded in "
+                                             r"[\d.]+ s", loaded[0]), r.stderr
+    assert json.loads(r.stdout)["method"] == "teacher-forced"
+
+
 def test_progress_bar_on_a_terminal_and_json_still_parses(checkpoint: Path) -> None:
     """stderr is a real 80-column pty: rich draws its bar there, nothing cut; stdout (a pipe) is one JSON object."""
     master, slave = pty.openpty()
