@@ -44,6 +44,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (wheel,) = (base / "dist").glob("*.whl")
     with zipfile.ZipFile(wheel) as z:  # the link is followed: the wheel holds the file itself, same bytes
         assert z.read("dflash/configs/tiny.yaml") == (REPO / "configs" / "tiny.yaml").read_bytes()
+        # the fla configs dflash ships (package data): an installed dflash seeds a fresh host's store from them
+        seed = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "dflash" / "fla_seed").glob("*/*/*.json"))
+        assert seed and set(seed) <= set(z.namelist()), (seed, z.namelist())
     target = base / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
                         str(target), str(wheel)], capture_output=True, text=True, timeout=300)

@@ -334,3 +334,35 @@ def test_fla_s_plain_triton_autotuners_get_its_store_lookup(tmp_path: Path, fla_
     assert type(elsewhere.k) is Autotuner and not hasattr(elsewhere.k, "kernel_name")
     assert type(fla_modules.wy) is Tuner  # fla's own cached autotuners (stand-ins here) stay as they are
     assert fla_configs.adopt() == 0  # nothing left to adopt
+
+
+def test_every_shipped_seed_file_is_one_fla_would_match_and_load() -> None:
+    """What dflash/fla_seed ships was recorded on a device run and copied by hand: an entry whose name is not fla's
+    hash of its key, a file named for another kernel, or a directory for other versions would never be looked up
+    (fla would silently autotune, and the cold start would lose what the seed is for). Each file here must be what
+    fla's loader reads: kernel_name = the file's stem, Triton version = the directory's, entries keyed by
+    key_hash(autotune_key), each config with its kwargs, warps and stages."""
+    files = sorted(fla_configs.SEED_ROOT.glob("*/*/*.json"))
+    assert files, "no seed shipped"
+    for f in files:
+        gpu, versions = f.parent.parent.name, f.parent.name
+        assert gpu == fla_configs._safe(gpu) and versions.startswith("fla-") and "_triton-" in versions, f
+        data = json.loads(f.read_text())
+        assert data["kernel_name"] == f.stem, f
+        assert versions.endswith("_triton-" + fla_configs._safe(data["triton_version"])), f
+        assert data["autotune_entries"], f
+        for name, entry in data["autotune_entries"].items():
+            assert name == fla_configs.key_hash(entry["autotune_key"]), (f, name)
+            cfg = entry["config"]
+            assert isinstance(cfg["kwargs"], dict) and cfg["num_warps"] > 0 and cfg["num_stages"] > 0, (f, cfg)
+
+
+def test_the_shipped_seed_merges_whole_into_a_fresh_store(tmp_path: Path) -> None:
+    """Every shipped directory, merged into an empty host store (a fresh machine), adds every entry it holds."""
+    for i, seed_dir in enumerate(sorted({f.parent for f in fla_configs.SEED_ROOT.glob("*/*/*.json")})):
+        store = tmp_path / str(i)
+        line = fla_configs.seed(store, seed_dir)
+        shipped = sum(len(json.loads(f.read_text())["autotune_entries"]) for f in seed_dir.glob("*.json"))
+        kernels = len(list(seed_dir.glob("*.json")))
+        assert line.startswith(f"fla kernel configs: {shipped} tuned keys of {kernels} kernels shipped with dflash"), line
+        assert fla_configs._count(store) == (kernels, shipped)
