@@ -37,5 +37,6 @@ python3 scripts/record_stream.py --hosts "$hosts" --until-exit local bench "$OUT
 wait "$launch"
 tail -1 "$OUT/launch.log"
 cp "$RUN/events.jsonl" "$OUT/events.jsonl"
-grep -E "start on|target:|drafter:|READY|step +(1|2|3|10|20|30|40)/|run_end" "$OUT/launch.log" | cut -c1-220
+grep -E "start on|target:|target\.(cuda_graph|fused_elementwise)|drafter:|first compiled|READY|step +(1|2|3|10|20|30|40)\/|run_end" \
+  "$OUT/launch.log" | cut -c1-220
 python3 bench/train_throughput.py "$OUT/events.jsonl" --stream "$OUT/stream.jsonl" | tee "$OUT/summary.txt"
