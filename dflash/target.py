@@ -181,8 +181,13 @@ def build_target_model(cfg: TargetConfig, vocab: int | None = None, *, device: t
         if on_progress is not None:
             on_progress(0, 1)
         with _weight_loading_progress(on_progress):
+            # use_kernels=False: transformers >= 5.2x defaults it to True where the `kernels` package is installed
+            # (5.25 requires it), and on a GPU `kernelize` then swaps the GDN kernels and gated norms for copies
+            # fetched from the Hugging Face Hub (`kernels-community/fla`), ignoring local_files_only: offline the
+            # load fails (ConnectError, seen on the H100 in session 19), online the target silently stops running
+            # the fla / causal-conv1d that probe_kernels reported. The target runs what is installed, nothing else.
             model = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, dtype=dtype,
-                                                         **_placement(device))
+                                                         use_kernels=False, **_placement(device))
         if on_progress is not None:
             on_progress(1, 1)
         return model

@@ -149,6 +149,9 @@ def test_load_from_local_directory_gives_equal_outputs(target: Target, tmp_path:
     ids, mask = right_pad(random_ids([9, 14], seed=4))
     torch.testing.assert_close(loaded.hidden_states(ids, mask), target.hidden_states(ids, mask), rtol=0, atol=0)
     assert progress[0] == (0, 1) and progress[-1] == (1, 1)
+    # transformers 5.25 turns Hub kernels on by default (on a GPU: fetched from the Hub whatever local_files_only
+    # says); the loaded target must run the installed kernels only
+    assert getattr(loaded.model, "use_kernels", False) is False
     weight_steps = [p for p in progress[1:-1]]
     assert weight_steps, "per-weight loading progress must be reported"
     assert [i for i, _ in weight_steps] == sorted(i for i, _ in weight_steps)
