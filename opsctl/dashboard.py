@@ -22,6 +22,7 @@ from opsctl.alerts import CRITICAL, WARNING, Alert
 from opsctl.watch import (
     DEFAULT_INBOX_LINES,
     DEFAULT_LOG_CAPACITY,
+    QUIET_RANK,
     RunModel,
     SourceWorker,
     WatchSource,
@@ -227,15 +228,19 @@ class WatchApp(App[int]):
     def tick(self) -> None:
         self.redraws += 1
         self._full_at = time.monotonic()
+        settling = [w.settling() for w in self.followers]  # before the fold (SourceWorker.settling)
         self.drain()
         entries = []
         ranks = []
         for i, model in enumerate(self.models):
             view = node_view(self.tags[i], model.view())
             alerts = model.alerts(view)
-            self._maybe_bell(i, alerts, view.state == "unreachable")
+            if settling[i]:  # half a backlog: a past moment's state (an old heartbeat reads as a stall), not news
+                ranks.append(QUIET_RANK)
+            else:
+                self._maybe_bell(i, alerts, view.state == "unreachable")
+                ranks.append(attention_rank(view, alerts))
             entries.append((model.label, view, len(alerts)))
-            ranks.append(attention_rank(view, alerts))
         if not self.chose and time.monotonic() - self._opened < self.OPENING_S:
             best = min(range(len(ranks)), key=lambda i: (ranks[i], i))
             if ranks[best] < ranks[self.current]:  # open on the run that needs someone: crashed, stalled, ...

@@ -134,7 +134,10 @@ def attention_rank(view: RunView, alerts: Sequence[Alert]) -> int:
         return 4
     if alerts:
         return 5
-    return 9
+    return QUIET_RANK
+
+
+QUIET_RANK = 9  # attention_rank of a run with nothing to say (and of one whose history is still pouring in)
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -477,6 +480,14 @@ class SourceWorker:
     def start(self) -> SourceWorker:
         self._thread.start()
         return self
+
+    def settling(self) -> bool:
+        """Its history is still pouring in: connected, but neither `backlog_end` nor the end of the stream yet.
+
+        Until then the run's state is that of a past moment (a week-old heartbeat reads as a stall against now), so
+        the dashboard neither rings nor jumps to it for what it shows. Read it before folding: everything queued
+        before the flag was set is folded by that fold."""
+        return self.connected_once and not (self.caught_up.is_set() or self.ended.is_set())
 
     def stop(self) -> None:
         self._stop.set()
