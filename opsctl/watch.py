@@ -474,6 +474,7 @@ class SourceWorker:
         self.ended = threading.Event()  # set while the stream has ended normally (until a reconnect)
         self.connected_once = False  # an agent message ever came through this worker's link
         self.caught_up = threading.Event()  # the agent said `backlog_end`: all it had at connect time is queued
+        self._up_at: float | None = None  # monotonic time the link first came up; -inf once it went down (settling)
         self.last_agent_msg: float | None = None  # monotonic time of the last message from the host (not `link`)
         self._thread = threading.Thread(target=self._run, name=f"watch:{source.label}", daemon=True)
 
@@ -481,13 +482,18 @@ class SourceWorker:
         self._thread.start()
         return self
 
+    SETTLE_MAX_S = 30.0  # a backlog not in after this long (an agent stuck mid-way) is judged as it stands
+
     def settling(self) -> bool:
-        """Its history is still pouring in: connected, but neither `backlog_end` nor the end of the stream yet.
+        """Its history is still pouring in: the link up, but neither `backlog_end` nor the end of the stream yet.
 
         Until then the run's state is that of a past moment (a week-old heartbeat reads as a stall against now), so
-        the dashboard neither rings nor jumps to it for what it shows. Read it before folding: everything queued
-        before the flag was set is folded by that fold."""
-        return self.connected_once and not (self.caught_up.is_set() or self.ended.is_set())
+        the dashboard neither rings nor jumps to it for what it shows. A link lost mid-backlog, or a backlog still
+        not in after SETTLE_MAX_S, ends the wait: that is news. Read it before folding: everything queued before the
+        flag was set is folded by that fold."""
+        up_at = self._up_at
+        return (up_at is not None and not (self.caught_up.is_set() or self.ended.is_set())
+                and time.monotonic() - up_at < self.SETTLE_MAX_S)
 
     def stop(self) -> None:
         self._stop.set()
@@ -505,6 +511,10 @@ class SourceWorker:
             self.received += 1
         if msg.get("t") != "link":
             self.last_agent_msg = time.monotonic()
+        elif msg.get("state") == "up":
+            self._up_at = time.monotonic() if self._up_at is None else self._up_at
+        else:  # lost, reconnecting, failed, ended: no longer a backlog pouring in (settling)
+            self._up_at = float("-inf")
         if msg.get("t") == "backlog_end":
             self.caught_up.set()
 

@@ -495,6 +495,48 @@ async def test_half_a_backlog_neither_rings_nor_takes_the_dashboard() -> None:
         assert app.current == 0 and app.bells == 0
 
 
+class LinkLostMidBacklog(HalfBacklog):
+    """A live host whose link drops after the first part of its backlog (the stream raises, as a closed channel does)."""
+
+    finite = False
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        yield from self.rows[: self.head]
+        raise ConnectionResetError("Socket is closed")
+
+
+@pytest.mark.anyio
+async def test_a_link_lost_mid_backlog_is_news_at_once() -> None:
+    """The wait for a backlog ends with its link: a host lost mid-way rings and takes the opening dashboard (its
+    link alert is critical), instead of being held back as history still pouring in."""
+    lost = LinkLostMidBacklog("lost:training")
+    clock_at = last_ts("training") + 2
+    app = BellCountingApp([recorded("training"), lost], clock=lambda: clock_at, bell=True, backoff=[60.0])
+    async with app.run_test(size=SIZE) as pilot:
+        deadline = time.monotonic() + 10
+        while not (app.current == 1 and app.bells >= 1):
+            assert time.monotonic() < deadline, (app.current, app.bells)
+            await pilot.pause(0.02)
+        assert "SSH link lost" in text_of(app, AlertsPanel)
+
+
+@pytest.mark.anyio
+async def test_a_backlog_stuck_past_the_settle_limit_is_judged_as_it_stands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent stuck mid-backlog (link up, no `backlog_end`) is not waited for forever: after SETTLE_MAX_S what it
+    sent is judged (here: a stall), so a hung agent cannot hide a run."""
+    monkeypatch.setattr(SourceWorker, "SETTLE_MAX_S", 0.5)
+    half = HalfBacklog("stuck:training")
+    clock_at = last_ts("training") + 2
+    app = BellCountingApp([recorded("training"), half], clock=lambda: clock_at, bell=True)
+    async with app.run_test(size=SIZE) as pilot:
+        deadline = time.monotonic() + 4
+        while not (app.current == 1 and app.bells == 1):
+            assert time.monotonic() < deadline, (app.current, app.bells)
+            await pilot.pause(0.02)
+        assert app.models[1].view().state == "stalled"
+        half.release.set()
+
+
 def test_watch_main_once_json_prints_every_run(capsys: pytest.CaptureFixture[str]) -> None:
     # every stream answered: 0 (3 when a host could not be reached, as `opsctl status`)
     assert watch_main([recorded("loading"), recorded("crashed")], plain=False, once_json=True, bell=False) == 0
