@@ -233,6 +233,7 @@ def test_logs_of_a_run_never_launched_says_so_and_exits_like_status(tmp_path: Pa
         assert r.returncode == 0 and "never launched" not in r.stderr and r.stdout.strip(), r.stderr
     finally:
         opsctl(hosts, "kill", "box", "chat")
+        opsctl(hosts, "clean", "box", "chat")  # the run ended by itself: its dead pane's tmux server goes with clean
 
 
 MANY_LINES_CRASH = ("import pathlib; p = pathlib.Path('n'); n = int(p.read_text()) + 1 if p.exists() else 1; "
