@@ -125,6 +125,7 @@ def ending_text(view: RunView) -> str | None:
 # Which run `opsctl watch` opens on: the one that needs someone first (lower is more urgent). A kill you asked for
 # needs nobody.
 ATTENTION = {"crashed": 0, "refused": 0, "stalled": 1, "unreachable": 2, "restarting": 3}
+QUIET_RANK = 9  # attention_rank of a run with nothing to say (and of one whose history is still pouring in)
 
 
 def attention_rank(view: RunView, alerts: Sequence[Alert]) -> int:
@@ -135,9 +136,6 @@ def attention_rank(view: RunView, alerts: Sequence[Alert]) -> int:
     if alerts:
         return 5
     return QUIET_RANK
-
-
-QUIET_RANK = 9  # attention_rank of a run with nothing to say (and of one whose history is still pouring in)
 
 
 def fmt_duration(seconds: float | None) -> str:
