@@ -651,7 +651,13 @@ class EtaClock:
     change of speed still wins within a few dozen steps. Over an attempt's first WARMUP intervals the rate is their
     median instead: the first intervals of a run (compile, allocator, first evaluation) are often many times the
     steady one, and an average seeded with one of them took some 70 steps to come down. Until two step events
-    came: the last `step_time_s`."""
+    came: the last `step_time_s`.
+
+    The same clock gives the run's tokens/s (`tokens_per_s`): an average of each step's real tokens (its
+    `tokens_per_s` x `step_time_s`, same ALPHA and CLIP) over the average wall seconds per step. A step's own
+    `tokens_per_s` times its compute alone: the steps of a colocated run whose target ran ahead by the reservoir
+    read several times the run's speed (217k against 51k tok/s at the end of the 4B-like run), a checkpoint step a
+    fraction of it; status, watch and launch show this one rate instead."""
 
     ALPHA = 0.05
     CLIP = 3.0
@@ -662,6 +668,7 @@ class EtaClock:
         self.fallback: float | None = None  # the last step_time_s, until an interval exists
         self.last: tuple[int, float] | None = None  # (step, ts) of the last step event
         self.warm: list[float] = []  # the first WARMUP intervals' seconds per step
+        self.tokens: float | None = None  # the moving average of a step's real tokens
 
     def note(self, ev: dict[str, Any]) -> None:
         kind = ev.get("kind")
@@ -673,6 +680,14 @@ class EtaClock:
             return
         if _finite(ev.get("step_time_s")):
             self.fallback = float(ev["step_time_s"])
+            if _finite(ev.get("tokens_per_s")) and ev["tokens_per_s"] >= 0 and ev["step_time_s"] > 0:
+                n = float(ev["tokens_per_s"]) * float(ev["step_time_s"])
+                if self.tokens is None:
+                    self.tokens = n
+                else:
+                    if self.tokens > 0:
+                        n = min(max(n, self.tokens / self.CLIP), self.tokens * self.CLIP)
+                    self.tokens += self.ALPHA * (n - self.tokens)
         if self.last is not None and step > self.last[0] and ts >= self.last[1]:
             x = (float(ts) - self.last[1]) / (step - self.last[0])
             if len(self.warm) < self.WARMUP:
@@ -689,6 +704,11 @@ class EtaClock:
     def seconds_per_step(self) -> float | None:
         return self.per_step if self.per_step is not None else self.fallback
 
+    def tokens_per_s(self) -> float | None:
+        """Real tokens per wall second over the attempt's recent steps (None: no step yet)."""
+        per_step = self.seconds_per_step()
+        return None if self.tokens is None or not per_step or per_step <= 0 else self.tokens / per_step
+
     def eta(self, step: int, total_steps: int | None) -> float | None:
         """Seconds until `total_steps` from `step` (None: nothing to go by)."""
         rate = self.seconds_per_step()
@@ -698,7 +718,8 @@ class EtaClock:
 
     def state(self) -> dict[str, Any]:
         """What the agent's `status` sends (its snapshot carries only the last steps, too few to fold again)."""
-        return {"per_step": self.per_step, "fallback": self.fallback, "last": self.last, "warm": self.warm}
+        return {"per_step": self.per_step, "fallback": self.fallback, "last": self.last, "warm": self.warm,
+                "tokens": self.tokens}
 
     def load(self, st: dict[str, Any]) -> None:
         self.per_step = float(st["per_step"]) if _finite(st.get("per_step")) else None
@@ -707,6 +728,7 @@ class EtaClock:
         self.last = (int(last[0]), float(last[1])) if isinstance(last, (list, tuple)) and len(last) == 2 else None
         warm = st.get("warm")
         self.warm = [float(x) for x in warm if _finite(x)][: self.WARMUP] if isinstance(warm, list) else []
+        self.tokens = float(st["tokens"]) if _finite(st.get("tokens")) else None  # absent in a fold saved before it
 
 
 def _finite(x: Any) -> bool:

@@ -34,7 +34,6 @@ from opsctl.runstate import ENDED_STATES, RunState, RunView, attempt_clock, phas
 from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
 from opsctl.watch import (
     AgentSource,
-    SmoothedRunState,
     bad_events_text,
     fmt_duration,
     follow_connection,
@@ -173,7 +172,7 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
     try:
         t0 = time.monotonic()
         preflight(ctx, host, t)
-        state = SmoothedRunState(stall_after_s=run.stall_after)
+        state = RunState(stall_after_s=run.stall_after)
         train = _train_progress(ctx, state, host, run) if progress else None  # --follow --progress: one bar
         rc: int | None = None
         launched_at: float | None = None
@@ -368,7 +367,7 @@ def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, line
         return EXIT_OK
     offsets: dict[str, Any] = _offsets or ({"events_offset": 0, "all_logs": True, **every} if all_attempts
                                            else {"log_offset": -1, "events_offset": 0, "tail": lines})
-    state = SmoothedRunState(stall_after_s=run.stall_after)
+    state = RunState(stall_after_s=run.stall_after)
     train = _train_progress(ctx, state, host, run) if progress else None  # -f --progress: one bar, not every line
     try:
         return _follow_log(ctx, host, run, offsets, train, state)
@@ -377,14 +376,14 @@ def cmd_logs(ctx: Ctx, host_name: str, run_name: str, follow: bool = False, line
             train.stop()
 
 
-def _train_progress(ctx: Ctx, state: SmoothedRunState, host: HostConfig, run: RunConfig) -> Any:
+def _train_progress(ctx: Ctx, state: RunState, host: HostConfig, run: RunConfig) -> Any:
     from opsctl.train_progress import TrainProgress
 
     return TrainProgress(ctx.err, ctx.out, state, f"opsctl logs {host.name} {run.name}, or {run.log}")
 
 
 def _follow_log(ctx: Ctx, host: HostConfig, run: RunConfig, offsets: dict[str, Any], train: Any,
-                state: SmoothedRunState) -> int:
+                state: RunState) -> int:
     """`logs -f`: print the log as it grows (with `train`, a TrainProgress: its bar, from the events, instead of
     every step line) until the run ends; exit 0 when it ended with status 0."""
     rc = EXIT_OK
@@ -428,7 +427,7 @@ def run_status(ctx: Ctx, host: HostConfig, run: RunConfig, t: Transport,
     if st is None:
         err = next((m.get("message") for m in msgs if m.get("t") == "error"), "no status message")
         raise OpsError(f"{host.name}/{run.name}: agent: {err}", EXIT_FAILED)
-    state = SmoothedRunState(stall_after_s=run.stall_after, killed_by_us=bool(st.get("killed_by_opsctl")))
+    state = RunState(stall_after_s=run.stall_after, killed_by_us=bool(st.get("killed_by_opsctl")))
     for m in msgs:
         state.apply(m)
         if tracker is not None:
@@ -577,6 +576,14 @@ def tau_cells(r: dict[str, Any]) -> list[str]:
             "-" if not isinstance(ngram, (int, float)) else f"{ngram:.2f}"]
 
 
+def _tokens_rate(r: dict[str, Any]) -> str:
+    """The run's tokens/s (real tokens per wall second over its recent steps), the one watch shows; the last step's
+    own figure only when no rate exists yet."""
+    rate = r.get("tokens_per_s_avg")
+    rate = r.get("tokens_per_s") if rate is None else rate
+    return "-" if rate is None else f"{rate:.0f}"
+
+
 def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: bool = False) -> int:
     """One row per run: of RUN, of every run of HOST, or (no HOST) of every host and run in the inventory."""
     if host_name is None:
@@ -622,7 +629,7 @@ def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: b
         running = r.get("proc_state") == "running"
         cells = [r["run"], state, phase, step,
                  "-" if r["loss"] is None else f"{r['loss']:.4g}",
-                 "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
+                 _tokens_rate(r),
                  fmt_duration(r.get("eta_s")),
                  "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
                  str(r["pid"] or ("cleaned" if r.get("cleaned") else "-")),

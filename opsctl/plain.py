@@ -21,7 +21,6 @@ from opsctl.alerts import CRITICAL
 from opsctl.look import spark, state_badge
 from opsctl.watch import (
     RunModel,
-    SmoothedRunState,
     SourceWorker,
     WatchSource,
     bad_events_text,
@@ -92,7 +91,7 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
     if ended:
         head.append(f"  ended {ended}")
     total = f"/{view.total_steps:,}" if view.total_steps else ""
-    rate = model.state.tokens_rate.value if isinstance(model.state, SmoothedRunState) else None
+    rate = view.tokens_per_s_avg
     head.append(f"  step {view.step:,}{total}  epoch {'-' if view.epoch is None else view.epoch}"
                 f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(rate if rate is not None else view.tokens_per_s, 0)}"
                 f"  ETA {fmt_duration(view.eta_s)}  heartbeat "

@@ -84,7 +84,8 @@ class RunView:
     loss: float | None = None
     acc: list[float] = field(default_factory=list)
     lr: float | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # the last step's own (its compute alone)
+    tokens_per_s_avg: float | None = None  # the run's rate: real tokens per wall second, recent steps (EtaClock)
     step_time_s: float | None = None
     queue_depth: int | None = None
     queue_wait_s: float | None = None
@@ -324,6 +325,7 @@ class RunState:
             v.heartbeat_age_s = None  # nothing beats after the end: an age growing for days said nothing
         v.reason = self._reason(v)
         v.eta_s = self.eta.eta(v.step, v.total_steps) if v.step and v.state == "training" else None
+        v.tokens_per_s_avg = self.eta.tokens_per_s() if v.tokens_per_s is not None else None
         return v
 
     def _reason(self, v: RunView) -> str | None:

@@ -2,7 +2,7 @@
 
 A 1200-step run printed 1200 step lines while followed (what `./dev demo` showed). Here the bar is drawn from the
 event stream (docs/events.md: `step`, `eval`, `checkpoint`), with the numbers `status` and `watch` show (one
-SmoothedRunState): step/total, loss, tau of the last in-training `eval`, tokens/s, ETA. The log itself still holds
+RunState): step/total, loss, tau of the last in-training `eval`, tokens/s, ETA. The log itself still holds
 every line (`opsctl logs HOST RUN`); while the bar shows, only warnings and errors of the log are printed (a traceback
 whole), and one line per evaluation and checkpoint. Into a pipe or file: one progress line per `every` steps
 (about 20 for the whole run), never one per step.
@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from opsctl.runstate import RunView
-from opsctl.watch import SEV_WARNING, SeverityClassifier, SmoothedRunState, fmt_duration
+from opsctl.runstate import RunState, RunView
+from opsctl.watch import SEV_WARNING, SeverityClassifier, fmt_duration
 
 PIPE_LINES = 20  # into a pipe: about this many progress lines for a whole run, whatever its length
 
@@ -27,9 +27,9 @@ def _num(x: Any, digits: int) -> str:
     return "-" if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
-def progress_fields(view: RunView, rate: float | None) -> dict[str, str]:
+def progress_fields(view: RunView) -> dict[str, str]:
     """The bar's (and the pipe line's) numbers, formatted once so both say the same."""
-    tokens = rate if rate is not None else view.tokens_per_s
+    tokens = view.tokens_per_s_avg if view.tokens_per_s_avg is not None else view.tokens_per_s
     return {"loss": _num(view.loss, 4), "tau": _num(view.tau, 2),
             "rate": "-" if tokens is None else f"{tokens:,.0f}", "eta": fmt_duration(view.eta_s)}
 
@@ -40,7 +40,7 @@ class TrainProgress:
     Idle until training starts (its `phase` event, or a first `step`; before it, the launch's phase bars and log lines are shown as they were);
     then `log_line` says whether a log line is still to be printed, and `event` moves the bar."""
 
-    def __init__(self, console: Console, out: Console, state: SmoothedRunState, where: str) -> None:
+    def __init__(self, console: Console, out: Console, state: RunState, where: str) -> None:
         self.console = console  # the bar (stderr, as the launch's phase bars)
         self.out = out  # the pipe form's lines and the lines printed above the bar
         self.state = state
@@ -111,7 +111,7 @@ class TrainProgress:
             self.stop()
 
     def _fields(self, view: RunView) -> dict[str, str]:
-        return progress_fields(view, self.state.tokens_rate.value)
+        return progress_fields(view)
 
     def _refresh(self, view: RunView) -> None:
         if self._progress is not None and self._task is not None:

@@ -163,50 +163,6 @@ def fmt_num(x: Any, digits: int = 3) -> str:
     return f"{x:.{digits}g}" if abs(x) < 1e-3 and x != 0 else f"{x:.{digits}f}"
 
 
-class Ema:
-    """Exponential moving average over events (not over wall time): the ETA and tokens/s people read.
-
-    `alpha` 0.05 weighs about the last 40 steps, so one slow step (a checkpoint, an eval) moves the ETA a few
-    percent instead of the jumps a last-20 median makes (3m -> 18m -> 2m within a minute); the first value seeds it."""
-
-    def __init__(self, alpha: float = 0.05, clip: float | None = None) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        if clip is not None and clip <= 1:
-            raise ValueError(f"clip must be > 1 (a factor around the average), got {clip}")
-        self.alpha = alpha
-        self.clip = clip  # a sample counts as at most clip x (at least 1/clip x) the average: one 10-minute
-        self.value: float | None = None  # checkpoint step moves the ETA a little; a lasting change still wins
-
-    def add(self, x: Any) -> float | None:
-        if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
-            x = float(x)
-            if self.value is not None and self.clip is not None and self.value > 0:
-                x = min(max(x, self.value / self.clip), self.value * self.clip)
-            self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
-        return self.value
-
-    def reset(self) -> None:
-        self.value = None
-
-
-class SmoothedRunState(RunState):
-    """RunState which keeps an EMA of tokens/s: what `status`, `launch` and the dashboard show, so a slow batch does
-    not swing it. The ETA is RunState's own (opsctl.agent_wrapper.EtaClock), the one `status` shows too."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tokens_rate = Ema(clip=3.0)
-
-    def apply_event(self, ev: dict[str, Any]) -> None:
-        super().apply_event(ev)
-        kind = ev.get("kind")
-        if kind == "run_start":  # a new attempt (another host, a resume): its speed is its own
-            self.tokens_rate.reset()
-        elif kind == "step":
-            self.tokens_rate.add(ev.get("tokens_per_s"))
-
-
 # -- following the agent across lost links ------------------------------------------------------------------
 def reconnect_delay(attempt: int, rng: random.Random | None = None) -> float:
     """Exponential back-off with jitter for reconnect `attempt` (1, 2, ...): many followers of one host that
@@ -648,7 +604,7 @@ class RunModel:
                  stall_after_s: float | None = None, tau_drop: Any = None) -> None:
         self.label = label
         self.clock = clock  # None: live (local clock + agent skew); tests and replays pass the agent's clock
-        self.state = SmoothedRunState(stall_after_s=stall_after_s)
+        self.state = RunState(stall_after_s=stall_after_s)
         self.tracker = AlertTracker(tau_drop)
         self.log: deque[LogLine] = deque(maxlen=log_capacity)
         self.lines_total = 0

@@ -36,7 +36,6 @@ from opsctl.watch import (  # noqa: F401 - re-exported
     RunModel,
     RunSeries,
     SeverityClassifier,
-    SmoothedRunState,
     bad_events_text,
     ending_text,
     fmt_duration,
@@ -92,8 +91,9 @@ class RunsBar(_Quiet):
 
 
 def _rate(model: RunModel, view: RunView) -> str:
-    """tokens/s as a smoothed rate (an EMA over steps), the last step's own value beside it when they differ."""
-    avg = model.state.tokens_rate.value if isinstance(model.state, SmoothedRunState) else None
+    """tokens/s as the run's rate (real tokens per wall second, opsctl.agent_wrapper.EtaClock), the last step's own
+    value beside it."""
+    avg = view.tokens_per_s_avg
     if avg is None:
         return fmt_num(view.tokens_per_s, 0)
     return f"{fmt_num(avg, 0)} avg (last {fmt_num(view.tokens_per_s, 0)})"
@@ -128,7 +128,7 @@ class RunSummary(_Quiet):
         ended = ending_text(view)
         link = model.link_text()
         if self.compact:  # two lines, cut at the edge, never wrapped; the run's name first (the bar may cut it)
-            rate = model.state.tokens_rate.value if isinstance(model.state, SmoothedRunState) else None
+            rate = view.tokens_per_s_avg
             t = Text(no_wrap=True, overflow="ellipsis")
             t.append(f"{model.label} ", style="bold")
             t.append_text(state_badge(view))

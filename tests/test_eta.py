@@ -3,7 +3,9 @@ checked against a run whose wall time per step is known (tests/runs/eta_run.py: 
 step_time_s of 0.5 s), over a real sshd.
 
 They disagreed (175 s vs 480 s with ~300 s left): status folded only the snapshot's last 20 step_time_s values into
-an EMA, watch the whole run's, and step_time_s leaves out everything between steps.
+an EMA, watch the whole run's, and step_time_s leaves out everything between steps. The same clock gives the run's
+tokens/s: status showed the last step's own figure (its compute alone: 4x the true rate here; 217k against 51k tok/s
+at the end of a colocated run), watch an average of those.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ STEPS, TOTAL, WALL, COMPUTE = 300, 1000, 2.0, 0.5
 TRUE_REMAINDER = (TOTAL - STEPS) * WALL
 
 
-def _model_view(hosts: Path) -> float | None:
+def _model_view(hosts: Path) -> tuple[float | None, float | None]:
     """The dashboard's own model fed by the real AgentSource until it has the run's last step."""
     (src,) = commands.watch_sources(commands.Ctx(hosts_file=str(hosts)), ["box:eta"])
     model = RunModel(src.label)
@@ -43,7 +45,7 @@ def _model_view(hosts: Path) -> float | None:
         worker.stop()
     view = model.view()
     assert view.step == STEPS and view.state == "training", view
-    return view.eta_s
+    return view.eta_s, view.tokens_per_s_avg
 
 
 def test_status_and_watch_show_one_eta_near_the_true_remainder(tmp_path: Path, sshd) -> None:
@@ -59,10 +61,16 @@ def test_status_and_watch_show_one_eta_near_the_true_remainder(tmp_path: Path, s
         assert eta == pytest.approx(TRUE_REMAINDER, rel=0.05), eta  # the old rule said 700 x 0.5 s = 350 s
         (snap,) = json.loads(opsctl(hosts, "watch", "--once", "box:eta", timeout=120).stdout)
         assert snap["step"] == STEPS and snap["eta_s"] == pytest.approx(eta, rel=1e-9), snap
-        assert _model_view(hosts) == pytest.approx(eta, rel=1e-9)
+        # tokens/s: 100 real tokens per step over ~2.0 wall seconds, not the 100 / 0.5 s each step event says
+        rate = st["tokens_per_s_avg"]
+        assert st["tokens_per_s"] == pytest.approx(100 / COMPUTE) and rate == pytest.approx(100 / WALL, rel=0.05), st
+        assert snap["tokens_per_s_avg"] == pytest.approx(rate, rel=1e-9), snap
+        assert _model_view(hosts) == pytest.approx((eta, rate), rel=1e-9)
         table = opsctl(hosts, "status", "box", "eta").stdout
         (row,) = [ln for ln in table.splitlines() if ln.startswith("│") and " eta " in ln]
         assert f" {fmt_duration(eta)} " in row, (fmt_duration(eta), row)
+        cells = [c.strip() for c in row.split("│")]
+        assert f"{rate:.0f}" in cells and f"{100 / COMPUTE:.0f}" not in cells, row
     finally:
         opsctl(hosts, "kill", "box", "eta")
         opsctl(hosts, "clean", "box", "eta")
@@ -117,3 +125,40 @@ def test_slow_first_steps_do_not_set_the_pace() -> None:
     copy.note(_step(60, ts))
     clock.note(_step(60, ts))
     assert copy.eta(60, 1060) == clock.eta(60, 1060)
+
+
+def _tstep(n: int, ts: float, step_time: float, tps: float) -> dict:
+    return {**_step(n, ts, step_time), "tokens_per_s": tps}
+
+
+def test_the_run_rate_is_real_tokens_per_wall_second_and_an_odd_step_barely_moves_it() -> None:
+    """A colocated run as the 4B-like H100 run was (16,384 tokens a step, ~0.32 s apart): a 60-s checkpoint step and
+    the last steps that only train (the target ran ahead by the reservoir: 0.08 s, 205k tok/s each) move the rate a
+    little; the step events' own tokens_per_s say 4x. The rate survives status's transfer and a new attempt resets it."""
+    clock = EtaClock()
+    assert clock.tokens_per_s() is None
+    tokens, ts = 16384.0, 0.0
+    clock.note(_tstep(1, ts, 20.0, tokens / 20.0))  # the compiled first step: its own figure until an interval exists
+    assert clock.tokens_per_s() == pytest.approx(tokens / 20.0)
+    ts += 20.0
+    for n in range(2, 200):
+        ts += 0.32
+        clock.note(_tstep(n, ts, 0.30, tokens / 0.30))  # 0.02 s of data wait between steps: the wall clock counts it
+    steady = tokens / 0.32
+    assert clock.tokens_per_s() == pytest.approx(steady, rel=0.02)
+    ts += 60.0
+    clock.note(_tstep(200, ts, 0.30, tokens / 0.30))  # a checkpoint between steps
+    assert clock.tokens_per_s() > 0.85 * steady
+    for n in range(201, 204):
+        ts += 0.08
+        clock.note(_tstep(n, ts, 0.08, tokens / 0.08))
+    assert clock.tokens_per_s() < 1.3 * steady  # a step event's own figure: 205k, 4x
+    copy = EtaClock()
+    copy.load(json.loads(json.dumps(clock.state())))  # as the agent's status sends it
+    assert copy.tokens_per_s() == clock.tokens_per_s()
+    old = clock.state()
+    del old["tokens"]  # a fold the agent saved before the rate existed: no rate until the next step, not a crash
+    copy.load(old)
+    assert copy.tokens_per_s() is None
+    clock.note({"kind": "run_start", "ts": ts})
+    assert clock.tokens_per_s() is None
