@@ -35,11 +35,16 @@ from dflash.flops import (  # noqa: E402
     target_layer_costs,
 )
 from dflash.model import DraftBatch, sample_anchors  # noqa: E402
-from dflash.target import resolve_tap_layers, target_hf_config  # noqa: E402
+from dflash.target import default_tap_layers, resolve_tap_layers, target_hf_config  # noqa: E402
 
 
-def load(path: str, vocab: int | None = None, attention: str | None = None) -> RunConfig:
-    """The config, with target.arch.vocab_size / target.attention overridden, checked as `dflash train` would."""
+def load(path: str, vocab: int | None = None, attention: str | None = None, layers: int | None = None) -> RunConfig:
+    """The config, with target.arch.vocab_size / target.attention overridden, checked as `dflash train` would.
+
+    `layers` keeps the target's first N layers (its layer_types cut to them, the taps scaled to the same depth
+    fractions, so the last tap stays near the end and every kept layer runs): a shallower target of the same layer
+    shapes, so fla compiles and tunes the same kernels for the same keys (they hold heads and head sizes, not depth)
+    on a card the whole target does not fit (docs/perf.md, session 20)."""
     cfg = load_config(path)
     changes: dict[str, Any] = {}
     if vocab is not None:
@@ -48,6 +53,26 @@ def load(path: str, vocab: int | None = None, attention: str | None = None) -> R
         if mask is not None and mask >= vocab:  # the config's reserved id is past the smaller vocabulary
             cfg.drafter = dataclasses.replace(cfg.drafter, mask_token_id=vocab - 1)
             print(f"--vocab {vocab}: drafter.mask_token_id {mask} -> {vocab - 1}", file=sys.stderr)
+    if layers is not None:
+        arch = dict(changes.get("arch") or cfg.target.arch)
+        have = arch.get("num_hidden_layers")
+        if not isinstance(have, int) or not 4 <= layers <= have:
+            raise SystemExit(f"--target-layers {layers}: must be between 4 and the config's target.arch."
+                             f"num_hidden_layers ({have})")
+        arch["num_hidden_layers"] = layers
+        if isinstance(arch.get("layer_types"), list):
+            arch["layer_types"] = arch["layer_types"][:layers]
+        changes["arch"] = arch
+        taps = cfg.target.tap_layers or default_tap_layers(have, cfg.drafter.num_layers)
+
+        def scaled(n: int) -> list[int]:
+            return sorted({1 + round((t - 1) * (n - 2) / max(1, have - 2)) for t in taps})
+
+        if len(scaled(layers)) < len(taps):  # two taps on one layer: the drafter's input would change shape
+            least = next(n for n in range(layers, have + 1) if len(scaled(n)) == len(taps))
+            raise SystemExit(f"--target-layers {layers}: too few for the config's {len(taps)} taps {list(taps)}; "
+                             f"at least {least}")
+        changes["tap_layers"] = scaled(layers)
     if cfg.drafter.mask_token_id is None:  # `dflash train` takes it from the tokenizer; a bench has none
         rows = int((changes.get("arch") or cfg.target.arch).get("vocab_size") or cfg.data.vocab_size)
         cfg.drafter = dataclasses.replace(cfg.drafter, mask_token_id=rows - 1)

@@ -34,7 +34,7 @@ from dflash.pipeline import prepare_buffer, run_target  # noqa: E402
 
 def dry_run(args: argparse.Namespace) -> dict[str, Any]:
     """The FLOPs model of a step on the config's synthetic buffers (no GPU, no weights)."""
-    cfg = benchlib.load(args.config, args.vocab, args.attention)
+    cfg = benchlib.load(args.config, args.vocab, args.attention, args.target_layers)
     costs, taps, text = benchlib.target_costs(cfg)
     hidden, vocab = int(text.hidden_size), int(text.vocab_size)
     corpus, buffers = benchlib.synthetic_buffers(cfg, args.buffers, args.seed)
@@ -72,7 +72,7 @@ def gpu_run(args: argparse.Namespace) -> dict[str, Any]:
 
     dev = benchlib.require_cuda("bench/step_phases.py", "; --dry-run prints the FLOPs model without one",
                                 args.cpu_smoke)
-    cfg = benchlib.load(args.config, args.vocab, args.attention)
+    cfg = benchlib.load(args.config, args.vocab, args.attention, args.target_layers)
     device = dev.device
     peak = measure_matmul_tflops(device) if dev.cuda else measure_matmul_tflops(device, 256, 4, torch.float32)
     print(f"bf16 matmul rate measured: {peak:.0f} TFLOP/s", flush=True)
@@ -360,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-steps", type=int, default=2,
                    help="extra steps under torch.profiler: GPU kernel time per phase against its event time, i.e. how "
                         "much of a phase the GPU sat waiting for the host (default 2; 0 = off)")
+    p.add_argument("--target-layers", type=int, metavar="N",
+                   help="keep the target's first N layers (same layer shapes, taps by dflash's default rule): e.g. the "
+                        "27B-like kernels and fla keys on an 80 GB card, where all 64 layers do not fit")
     p.add_argument("--compile-scope", choices=("whole", "regional"),
                    help="override train.compile_scope: compile the whole drafter step, or one layer and one CE chunk "
                         "reused by all (issue 24: the cold first step)")

@@ -174,6 +174,28 @@ def test_step_phases_dry_run_prints_the_flops_model_and_refuses_a_gpu_run_withou
         assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr
 
 
+def test_step_phases_keeps_the_first_target_layers_with_taps_spread_over_them() -> None:
+    """--target-layers N (the 27B-like kernels on an 80 GB card, docs/perf.md session 20): the first N layers with
+    their layer types, the configured taps scaled so every kept layer runs and the drafter keeps its tap count, fewer
+    target FLOPs per token; too few layers for the taps is refused with the least that works."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "bench" / "step_phases.py"), str(root / "bench" / "h200-27b-like.yaml"),
+           "--dry-run", "--buffers", "1"]
+    whole, cut = (json.loads(subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=300,
+                                            check=True).stdout) for extra in ([], ["--target-layers", "8"]))
+    assert (whole["layers_run"], whole["of_layers"], whole["taps"]) == (62, 64, [1, 16, 31, 46, 61])
+    assert (cut["layers_run"], cut["of_layers"], cut["taps"]) == (8, 8, [1, 2, 4, 5, 7])
+    assert cut["tflop_per_step"]["target_forward"] < whole["tflop_per_step"]["target_forward"] / 5
+    assert cut["tflop_per_step"]["drafter_model"] == pytest.approx(whole["tflop_per_step"]["drafter_model"])
+    few = subprocess.run([*cmd, "--target-layers", "5"], capture_output=True, text=True, timeout=300)
+    assert few.returncode != 0 and "too few for the config's 5 taps" in few.stderr and "at least 6" in few.stderr
+
+
 def test_target_forward_bench_parses_its_rows_and_refuses_a_cpu_run() -> None:
     import subprocess
     import sys
