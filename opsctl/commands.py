@@ -576,14 +576,6 @@ def tau_cells(r: dict[str, Any]) -> list[str]:
             "-" if not isinstance(ngram, (int, float)) else f"{ngram:.2f}"]
 
 
-def _tokens_rate(r: dict[str, Any]) -> str:
-    """The run's tokens/s (real tokens per wall second over its recent steps), the one watch shows; the last step's
-    own figure only when no rate exists yet."""
-    rate = r.get("tokens_per_s_avg")
-    rate = r.get("tokens_per_s") if rate is None else rate
-    return "-" if rate is None else f"{rate:.0f}"
-
-
 def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: bool = False) -> int:
     """One row per run: of RUN, of every run of HOST, or (no HOST) of every host and run in the inventory."""
     if host_name is None:
@@ -629,7 +621,7 @@ def cmd_status(ctx: Ctx, host_name: str | None, run_name: str | None, as_json: b
         running = r.get("proc_state") == "running"
         cells = [r["run"], state, phase, step,
                  "-" if r["loss"] is None else f"{r['loss']:.4g}",
-                 _tokens_rate(r),
+                 "-" if r["tokens_per_s_avg"] is None else f"{r['tokens_per_s_avg']:.0f}",  # the one watch shows
                  fmt_duration(r.get("eta_s")),
                  "-" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago",
                  str(r["pid"] or ("cleaned" if r.get("cleaned") else "-")),

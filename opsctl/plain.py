@@ -91,9 +91,8 @@ def render_run(model: RunModel, log_lines: int = 8) -> Panel:
     if ended:
         head.append(f"  ended {ended}")
     total = f"/{view.total_steps:,}" if view.total_steps else ""
-    rate = view.tokens_per_s_avg
     head.append(f"  step {view.step:,}{total}  epoch {'-' if view.epoch is None else view.epoch}"
-                f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(rate if rate is not None else view.tokens_per_s, 0)}"
+                f"  loss {fmt_num(view.loss, 4)}  tok/s {fmt_num(view.tokens_per_s_avg, 0)}"
                 f"  ETA {fmt_duration(view.eta_s)}  heartbeat "
                 f"{'-' if view.heartbeat_age_s is None else fmt_duration(view.heartbeat_age_s) + ' ago'}"
                 f"  link {model.link_text()}  log {model.lines_total:,} lines, {model.dropped:,} dropped"

@@ -29,7 +29,7 @@ def _num(x: Any, digits: int) -> str:
 
 def progress_fields(view: RunView) -> dict[str, str]:
     """The bar's (and the pipe line's) numbers, formatted once so both say the same."""
-    tokens = view.tokens_per_s_avg if view.tokens_per_s_avg is not None else view.tokens_per_s
+    tokens = view.tokens_per_s_avg
     return {"loss": _num(view.loss, 4), "tau": _num(view.tau, 2),
             "rate": "-" if tokens is None else f"{tokens:,.0f}", "eta": fmt_duration(view.eta_s)}
 

@@ -128,7 +128,6 @@ class RunSummary(_Quiet):
         ended = ending_text(view)
         link = model.link_text()
         if self.compact:  # two lines, cut at the edge, never wrapped; the run's name first (the bar may cut it)
-            rate = view.tokens_per_s_avg
             t = Text(no_wrap=True, overflow="ellipsis")
             t.append(f"{model.label} ", style="bold")
             t.append_text(state_badge(view))
@@ -136,7 +135,7 @@ class RunSummary(_Quiet):
             # full, wrapped (the dashboard passes it as `why`).
             if not (view.state == "unreachable" and not model.state_seen):
                 t.append(f" step {view.step:,}{total}{pct}  loss {fmt_num(view.loss, 4)}  tok/s "
-                         f"{fmt_num(rate if rate is not None else view.tokens_per_s, 0)}  ETA "
+                         f"{fmt_num(view.tokens_per_s_avg, 0)}  ETA "
                          f"{fmt_duration(view.eta_s)}")
             if view.tau_step is not None:
                 t.append(f"  τ {fmt_num(view.tau, 2)}")
