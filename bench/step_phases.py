@@ -361,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra steps under torch.profiler: GPU kernel time per phase against its event time, i.e. how "
                         "much of a phase the GPU sat waiting for the host (default 2; 0 = off)")
     p.add_argument("--target-layers", type=int, metavar="N",
-                   help="keep the target's first N layers (same layer shapes, taps by dflash's default rule): e.g. the "
-                        "27B-like kernels and fla keys on an 80 GB card, where all 64 layers do not fit")
+                   help="keep the target's first N layers (same layer shapes, the configured taps scaled over them so every "
+                        "kept layer runs): e.g. the 27B-like kernels and fla keys on an 80 GB card, where all 64 "
+                        "layers do not fit")
     p.add_argument("--compile-scope", choices=("whole", "regional"),
                    help="override train.compile_scope: compile the whole drafter step, or one layer and one CE chunk "
                         "reused by all (issue 24: the cold first step)")
