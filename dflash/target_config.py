@@ -143,6 +143,7 @@ def check_arch(family: str, arch: dict[str, Any], keys: bool = True) -> None:
         return  # target.family names the problem
     if not keys:
         _check_arch_sizes(arch)
+        _check_layer_types(FAMILIES[family], arch)
         return
     cls = FAMILIES[family].hf_config_class()
     known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters)
@@ -151,6 +152,30 @@ def check_arch(family: str, arch: dict[str, Any], keys: bool = True) -> None:
         if key not in known:
             raise ValueError(f"target.arch.{key}: unknown {cls.__name__} field (known: {', '.join(sorted(known))})")
     _check_arch_sizes(arch)
+    _check_layer_types(FAMILIES[family], arch)
+
+
+def _check_layer_types(fam: TargetFamily, arch: dict[str, Any]) -> None:
+    """A hybrid target needs a full-attention layer: transformers' generation cache asks its attention layers for the
+    mask sizes, and one of linear layers alone fails at the first cached decode (the held-out set, regen, eval
+    decode) with a traceback deep in transformers, after the run has started. Refused here, with the fix."""
+    if not fam.hybrid:
+        return
+    n = arch.get("num_hidden_layers", fam.tiny["num_hidden_layers"])
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return  # _check_arch_sizes names it
+    if "layer_types" in arch:
+        types = arch["layer_types"]
+        if isinstance(types, list) and types and "full_attention" not in types:
+            raise ValueError("target.arch.layer_types: needs at least one full_attention layer (transformers' "
+                             "generation cache fails with linear_attention layers alone)")
+        return
+    pattern = fam.layer_pattern or tuple(fam.tiny.get("layer_types", ()))
+    if pattern and "full_attention" not in [pattern[i % len(pattern)] for i in range(n)]:
+        least = pattern.index("full_attention") + 1
+        raise ValueError(f"target.arch.num_hidden_layers: {n} layers of the {fam.name} pattern "
+                         f"({', '.join(pattern)}, repeated) are all linear_attention; transformers' generation cache "
+                         f"needs a full_attention layer: use at least {least}, or set target.arch.layer_types")
 
 
 def _check_arch_sizes(arch: dict[str, Any]) -> None:

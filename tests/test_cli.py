@@ -92,6 +92,11 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     ({"target": {"arch": {"layer_types": ["full_attention"]}}},
      "target.arch.layer_types: has 1 entries for target.arch.num_hidden_layers=4"),
     ({"target": {"path": "/nonexistent/model"}}, "target.path: /nonexistent/model does not exist"),
+    # a hybrid target of linear layers alone crashed inside transformers at the first cached decode (held-out set)
+    ({"target": {"arch": {"num_hidden_layers": 2}, "tap_layers": [0, 1]}},
+     "target.arch.num_hidden_layers: 2 layers of the qwen3_5 pattern"),
+    ({"target": {"arch": {"layer_types": ["linear_attention"] * 4}}},
+     "target.arch.layer_types: needs at least one full_attention layer"),
     ({"dist": {"timeout_s": 0}}, "dist.timeout_s: must be at least 1, got 0.0"),
 ])
 def test_bad_config_exits_2_naming_file_and_field_and_writes_nothing(

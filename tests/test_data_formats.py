@@ -191,7 +191,7 @@ def test_hugging_face_dataset_on_disk_parquet_and_arrow_with_named_columns(tmp_p
 
 
 def test_new_data_fields_are_validated_with_one_line() -> None:
-    base = {"target": {"arch": {"num_hidden_layers": 2}}}
+    base = {"target": {"arch": {"num_hidden_layers": 3}}}
     with pytest.raises(ConfigError, match=r"data\.thinking: .*expected one of keep, drop, got 'maybe'"):
         config_from_dict({**base, "data": {"thinking": "maybe"}}, "c.yaml")
     with pytest.raises(ConfigError, match=r"data\.format: .*sharegpt"):

@@ -35,7 +35,7 @@ def _chats(tmp_path: Path) -> Path:
 def test_inspect_counts_drops_and_shows_the_loss_mask_in_plain_text_on_a_pipe(tmp_path: Path) -> None:
     f = _chats(tmp_path)
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"target: {{arch: {{num_hidden_layers: 2}}}}\ndata: {{paths: [{f.name}], vocab_size: 300, "
+    cfg.write_text(f"target: {{arch: {{num_hidden_layers: 3}}}}\ndata: {{paths: [{f.name}], vocab_size: 300, "
                    "max_len: 32, min_len: 12, token_budget: 128, num_buckets: 2}\n")
     r = _run(tmp_path, "--config", str(cfg))
     assert r.returncode == 0, r.stderr
