@@ -205,6 +205,10 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         files = manifest["files"]
         step = int(manifest["step"])
     except FileNotFoundError:
+        inside = list_checkpoints(p) if p.is_dir() else []
+        if inside:  # `--checkpoint runs/tiny`: the run directory, not one of its checkpoints
+            raise CheckpointError(f"{p}: a run directory, not a checkpoint; pass one of its checkpoints, e.g. the "
+                                  f"newest: {inside[0][1]}") from None
         raise CheckpointError(f"{mpath}: missing (partial checkpoint)") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{mpath}: unreadable manifest ({exc})") from None

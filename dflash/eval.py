@@ -110,13 +110,17 @@ def load_checkpoint(path: str | Path) -> Loaded:
 def load_export(path: str | Path) -> Loaded:
     """A `dflash export` directory (DFlashDraftModel format); the run is found through dflash_export.json if it is
     still there (its config describes a random-init target and the corpus)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file as load_safetensors
 
     src = Path(path)
     cfg_path = src / "config.json"
     if not cfg_path.is_file() or not (src / "model.safetensors").is_file():
         raise EvalError(f"{src}: not a drafter directory (needs config.json and model.safetensors)")
-    hf = json.loads(cfg_path.read_text())
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise EvalError(f"{cfg_path}: cannot be read as JSON ({exc})") from None
     try:
         dc = hf["dflash_config"]
         n = int(hf["num_hidden_layers"])
@@ -130,7 +134,11 @@ def load_export(path: str | Path) -> Loaded:
         taps = [int(x) for x in dc["target_layer_ids"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise EvalError(f"{cfg_path}: not a DFlashDraftModel config ({exc})") from None
-    state = load_safetensors(str(src / "model.safetensors"))
+    try:
+        state = load_safetensors(str(src / "model.safetensors"))
+    except (OSError, SafetensorError) as exc:  # a truncated or damaged file: one line, not a traceback
+        raise EvalError(f"{src / 'model.safetensors'}: cannot be read ({exc}); `dflash export --check {src}` "
+                        "says what is wrong") from None
     drafter = _build_drafter(dcfg, state, int(hf["hidden_size"]), len(taps), str(src / "model.safetensors"))
     target_meta: dict[str, Any] = {"num_layers": hf.get("num_target_layers"), "tap_layers": taps,
                                    "hidden_size": int(hf["hidden_size"]), "vocab_size": int(hf["vocab_size"]),

@@ -67,6 +67,11 @@ def test_truncated_and_partial_checkpoints_are_refused(tmp_path: Path) -> None:
     (p / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match=r"manifest\.json: missing \(partial checkpoint\)"):
         verify_checkpoint(p)
+    # the run directory instead of one of its checkpoints (`dflash eval --checkpoint runs/tiny`): names the newest
+    _save(tmp_path, 2)
+    _save(tmp_path, 9)
+    with pytest.raises(CheckpointError, match=r"a run directory, not a checkpoint; .* newest: .*step-9$"):
+        verify_checkpoint(tmp_path)
 
 
 def test_crashed_save_leaves_no_visible_checkpoint_and_is_cleaned(tmp_path: Path) -> None:

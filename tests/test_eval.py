@@ -406,3 +406,15 @@ def test_eval_an_exported_drafter(checkpoint: Path, tmp_path: Path, capsys: pyte
     res = json.loads(capsys.readouterr().out)
     assert res["source"] == str(hf) and res["lossless"] is True and res["block_size"] == 4
     assert res["new_tokens"] == 6 and res["prompts"] == 1
+    # a damaged export is refused in one line with exit 2 (bad input), never a traceback or exit 1 (= lossless failed)
+    (hf / "model.safetensors").write_bytes((hf / "model.safetensors").read_bytes()[:1000])
+    capsys.readouterr()
+    assert main(["eval", "--drafter", str(hf), "--prompts", str(f), "--max-new-tokens", "6"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors: cannot be read" in err and "export --check" in err and "Traceback" not in err
+    (hf / "config.json").write_text("{")
+    assert main(["eval", "--drafter", str(hf), "--prompts", str(f), "--max-new-tokens", "6"]) == 2
+    assert "config.json: cannot be read as JSON" in capsys.readouterr().err
+    # the run directory for --checkpoint names the checkpoint to pass
+    assert main(["eval", "--checkpoint", str(checkpoint.parent.parent), "--prompts", str(f)]) == 2
+    assert f"newest: {checkpoint}" in capsys.readouterr().err
