@@ -494,11 +494,28 @@ def main(argv: list[str] | None = None) -> int:
     if rc is not None:
         _tell_torchrun(rc)
         return rc
-    rc = {"train": _train, "preflight": _preflight, "export": _export, "eval": _eval,
-          "pretrain-target": _pretrain_target, "regen": _regen, "data": _data}[args.cmd](args)
+    try:
+        rc = {"train": _train, "preflight": _preflight, "export": _export, "eval": _eval,
+              "pretrain-target": _pretrain_target, "regen": _regen, "data": _data}[args.cmd](args)
+        sys.stdout.flush()  # a pipe's buffered tail is written here, where a closed reader is handled, not at exit
+    except BrokenPipeError:
+        rc = _reader_closed_the_pipe()
     if rc:
         _tell_torchrun(rc)
     return rc
+
+
+EXIT_PIPE_CLOSED = 141  # what a shell reports for a process ended by SIGPIPE (128 + 13), as `git log | head` gives
+
+
+def _reader_closed_the_pipe() -> int:
+    """`dflash data inspect | head`: the reader has what it wanted and closed the pipe. Not an error worth a traceback,
+    and not exit 1 (for eval that says "not lossless"): stdout goes to /dev/null, so the interpreter's final flush
+    cannot raise again, and the exit status is the shell's for SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE_CLOSED
 
 
 def _unknown_command(parser: argparse.ArgumentParser, argv: list[str]) -> int | None:
@@ -515,8 +532,9 @@ def _unknown_command(parser: argparse.ArgumentParser, argv: list[str]) -> int | 
 
 
 def _check_config_first(args: argparse.Namespace) -> int | None:
-    """Check --config completely (unknown keys, types, ranges; every problem, one line each) before the command
-    imports torch, so a typo costs a fraction of a second instead of several seconds and one round per mistake.
+    """Check --config completely (unknown keys, types, ranges: every field's problem, one line each; the rules
+    between two fields once the fields are valid) before the command imports torch, so a typo costs a fraction of a
+    second instead of several seconds and one round per mistake.
     target.arch's key names need transformers (which imports torch): the command's own full load checks those."""
     path = getattr(args, "config", None)
     if path is None:

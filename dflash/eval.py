@@ -924,9 +924,16 @@ def _console() -> Any:
     otherwise wrap every line at 80 columns), so a long line stays one line for grep and for logs."""
     from rich.console import Console
 
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            """rich exits 1 when the reader closes the pipe (`dflash eval | head`), which for eval says "not
+            lossless": the error goes on to dflash.cli, which ends such a run with the shell's SIGPIPE status."""
+            self.quiet = True
+            raise BrokenPipeError
+
     if sys.stdout.isatty():
-        return Console()
-    return Console(width=10_000, soft_wrap=True)
+        return PipeConsole()
+    return PipeConsole(width=10_000, soft_wrap=True)
 
 
 def _pct(v: float | None) -> str:

@@ -106,3 +106,18 @@ def test_inspect_of_a_config_never_imports_torch_or_transformers(tmp_path: Path)
     assert "pieces:" in r.stdout and "buffers" in r.stdout
     imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
     assert "torch" not in imported and "transformers" not in imported
+
+
+def test_a_reader_that_closes_the_pipe_ends_it_quietly_with_the_sigpipe_status(tmp_path: Path) -> None:
+    """`dflash data inspect | head -1` printed a BrokenPipeError traceback and exited 1. The read end is closed before
+    the process writes a byte (it builds a tokenizer first), so its first write meets a closed pipe every time."""
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps([{"body": "some plain text " * 20}, {"body": "more plain text " * 30}]))
+    env = {**os.environ, "DFLASH_CACHE": str(tmp_path / "cache")}
+    p = subprocess.Popen([DFLASH, "data", "inspect", str(f), "--format", "text", "--text-field", "body"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err  # 128 + SIGPIPE, what a shell reports for `git log | head`
+    assert "Traceback" not in err and "BrokenPipeError" not in err

@@ -9,6 +9,8 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -415,6 +417,14 @@ def test_eval_an_exported_drafter(checkpoint: Path, tmp_path: Path, capsys: pyte
     (hf / "config.json").write_text("{")
     assert main(["eval", "--drafter", str(hf), "--prompts", str(f), "--max-new-tokens", "6"]) == 2
     assert "config.json: cannot be read as JSON" in capsys.readouterr().err
+    # `dflash eval | head`: rich's console exited 1 on the closed pipe, which for eval says "not lossless"
+    p = subprocess.Popen([sys.executable, "-m", "dflash", "eval", "--checkpoint", str(checkpoint), "--prompts", str(f),
+                          "--max-new-tokens", "6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()  # before the first write (it loads torch and the target first)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err
+    assert "Traceback" not in err
     # the run directory for --checkpoint names the checkpoint to pass
     assert main(["eval", "--checkpoint", str(checkpoint.parent.parent), "--prompts", str(f)]) == 2
     assert f"newest: {checkpoint}" in capsys.readouterr().err
