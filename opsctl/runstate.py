@@ -243,6 +243,7 @@ class RunState:
             self._saw_run_start = True
             self._phase_events = False  # a new attempt: until its own phase events, its heartbeats say where it is
             self._fatal_error = False
+            v.errors = []  # an attempt's errors are its own, as the agent's status keeps them (verb_status)
             v.end_reason = None
             v.exit_code = None
             v.kernels = dict(ev.get("kernels") or {})

@@ -145,6 +145,24 @@ def test_resume_clears_previous_end() -> None:
     assert v.state == "loading" and v.step == 4 and v.end_reason is None
 
 
+def test_a_new_attempt_drops_the_errors_of_the_last_one_as_status_does() -> None:
+    """watch folds the whole events file, status the current attempt: the last attempt's fatal error stayed in
+    watch's `errors` (and could name a later crash) after a resume."""
+    rs = RunState()
+    for m in (proc("running", T0), run_start(T0),
+              ev("error", T0 + 1, **{"class": "ValueError", "message": "old boom", "traceback": "", "fatal": True}),
+              ev("run_end", T0 + 2, reason="crashed", exit_code=1, step=3), proc("exited", T0 + 3, exit_code=1)):
+        rs.apply(m)
+    assert rs.view(T0 + 4).errors[0]["message"] == "old boom"
+    rs.apply(proc("running", T0 + 10))
+    rs.apply(run_start(T0 + 10))
+    assert rs.view(T0 + 11).errors == []
+    for m in (ev("run_end", T0 + 12, reason="crashed", exit_code=1, step=3), proc("exited", T0 + 13, exit_code=1)):
+        rs.apply(m)
+    v = rs.view(T0 + 14)
+    assert v.state == "crashed" and "old boom" not in (v.reason or "")
+
+
 def test_plain_command_without_events() -> None:
     rs = RunState()
     rs.apply(proc("running", T0))
