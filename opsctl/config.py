@@ -427,6 +427,44 @@ def _session_collisions(hosts: dict[str, HostConfig], runs: dict[str, dict[str, 
     return problems
 
 
+def _runs_on_hosts(runs: dict[str, dict[str, RunConfig]],
+                   groups: dict[str, Any]) -> dict[str, list[tuple[tuple[str, ...], RunConfig]]]:
+    """Every run a host carries, its own and its group nodes', with the hosts.yaml location of each."""
+    on_host: dict[str, list[tuple[tuple[str, ...], RunConfig]]] = {}
+    for hname, rs in runs.items():
+        for rname, r in rs.items():
+            on_host.setdefault(hname, []).append((("hosts", hname, "runs", rname), r))
+    for gname, g in groups.items():
+        for rname, gr in g.runs.items():
+            for node in gr.nodes:
+                on_host.setdefault(node.host.name, []).append((("groups", gname, "runs", rname), node.run))
+    return on_host
+
+
+def _shared_files(runs: dict[str, dict[str, RunConfig]], groups: dict[str, Any], file: str,
+                  lines: dict[tuple[str, ...], int]) -> list[Problem]:
+    """Two runs on one host writing one `log` or `events` file: each launch rotates the log (LOG -> LOG.1) from under
+    the other run, and the events of both fold into one status (steps, losses and ends of the other run read as this
+    one's). A run has its files; a second entry for the same training (other arguments) points at the same
+    files only by mistake, since the second trainer is refused anyway (dflash's run lock)."""
+    problems: list[Problem] = []
+    for hname, entries in _runs_on_hosts(runs, groups).items():
+        for key in ("log", "events"):
+            seen: dict[str, tuple[tuple[str, ...], RunConfig]] = {}
+            for loc, r in entries:
+                path = getattr(r, key)
+                if path is None:
+                    continue
+                first = seen.setdefault(posixpath.normpath(path), (loc, r))
+                if first[1] is r or first[1].name == r.name and first[0] == loc:
+                    continue
+                problems.append(Problem(file, _line_for(lines, (*loc, key)) or _line_for(lines, loc),
+                                        ".".join((*loc, key)),
+                                        f"{path} is also the {key} file of run {first[1].name!r} on host {hname} "
+                                        f"({'.'.join(first[0])}): give each run its own"))
+    return problems
+
+
 class _RunFile(RunConfig):
     name: str = ""  # taken from the mapping key
 
@@ -689,7 +727,7 @@ def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | P
         groups = parse_groups(groups_raw, hosts, _group_checks(file, base, lines))
     except GroupProblems as e:
         raise InventoryError(e.problems) from None
-    problems = _session_collisions(hosts, runs, groups, file, lines)
+    problems = _session_collisions(hosts, runs, groups, file, lines) + _shared_files(runs, groups, file, lines)
     if problems:
         raise InventoryError(problems)
     return Inventory(path=None, hosts=hosts, runs=runs, groups=groups)

@@ -130,7 +130,7 @@ def test_runs_share_settings_through_x_anchors_and_merges_and_aliased_runs_keep_
         x-run: &run
           workdir: /home/ml/work
           command: [python3, -m, dflash, train]
-          log: runs/a/train.log
+          log: runs/b/train.log
           ready_timeout: 900
         hosts:
           gpu1:
@@ -139,8 +139,11 @@ def test_runs_share_settings_through_x_anchors_and_merges_and_aliased_runs_keep_
               a:
                 <<: *run
                 ready_timeout: 60
+                log: runs/a/train.log
               b: *run
-              c: *run
+              c:
+                <<: *run
+                log: runs/c/train.log
         """)
     runs = parse_inventory(text, file="hosts.yaml", base_dir="/srv/x").runs["gpu1"]
     assert {n: (r.name, r.ready_timeout, r.workdir) for n, r in runs.items()} == {
@@ -363,3 +366,45 @@ def test_a_key_at_the_wrong_level_says_where_it_belongs(tmp_path: Path) -> None:
         "indentation",
         f"{p}:4: hosts.box.workdir: unknown key 'workdir' here: 'workdir' belongs to a run (under `runs: NAME:`); "
         "check its indentation"]
+
+
+def test_two_runs_of_one_host_writing_one_log_or_events_file_are_refused() -> None:
+    """Each launch rotates its run's log (LOG -> LOG.1) and every verb folds the events file as this run's: a second
+    run entry pointing at the same files rotated the other's log away and read its steps as its own."""
+    text = textwrap.dedent("""\
+        hosts:
+          gpu1:
+            ssh: {host: gpu1.example.org}
+            runs:
+              a:
+                workdir: /w
+                command: [python3, -m, dflash, train]
+                log: runs/a/train.log
+                events: runs/a/events.jsonl
+              b:
+                workdir: /w
+                command: [python3, -m, dflash, train, --resume, auto]
+                log: /w/runs/a/./train.log
+                events: runs/a/events.jsonl
+              c:
+                workdir: /w
+                command: [python3, -m, dflash, train]
+                log: runs/c/train.log
+                events: runs/c/events.jsonl
+          gpu2:
+            ssh: {host: gpu2.example.org}
+            runs:
+              a:
+                workdir: /w
+                command: [python3, -m, dflash, train]
+                log: runs/a/train.log
+                events: runs/a/events.jsonl
+        """)
+    errs = errors_of(text)
+    assert errs == [
+        f"hosts.yaml:{line_of(text, 'log: /w/runs/a/./train.log')}: hosts.gpu1.runs.b.log: /w/runs/a/train.log is "
+        "also the log file of run 'a' on host gpu1 (hosts.gpu1.runs.a): give each run its own",
+        f"hosts.yaml:{line_of(text, 'log: /w/runs/a/./train.log') + 1}: hosts.gpu1.runs.b.events: "
+        "/w/runs/a/events.jsonl is also the events file of run 'a' on host gpu1 (hosts.gpu1.runs.a): give each run "
+        "its own",
+    ]  # run c has its own files, and gpu2's run a is another machine's
