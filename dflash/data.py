@@ -162,16 +162,20 @@ def read_documents(cfg: DataConfig) -> list[Document]:
             continue
         if path.suffix == ".txt" and cfg.format in ("auto", "text"):
             try:
-                docs.append(Document(text=path.read_text(encoding="utf-8"), source=str(path)))
-            except (OSError, UnicodeDecodeError) as exc:
-                raise DataError(f"{path}: cannot read as UTF-8 text: {exc}") from None
+                docs.append(Document(text=fmt.read_utf8(path, json_text=False), source=str(path)))
+            except OSError as exc:
+                raise DataError(f"{path}: cannot read: {exc}") from None
+            except fmt.RecordError as exc:
+                raise DataError(str(exc)) from None
             continue
         if path.suffix != ".jsonl":
             raise DataError(f"{path}: expected a .txt or .jsonl file (data.format={cfg.format})")
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
+            lines = fmt.read_utf8(path).splitlines()
+        except OSError as exc:
             raise DataError(f"{path}: cannot read: {exc}") from None
+        except fmt.RecordError as exc:
+            raise DataError(str(exc)) from None
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue

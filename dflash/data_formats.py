@@ -15,6 +15,7 @@ would hide the problem.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Iterator
@@ -40,6 +41,22 @@ SPLITS = {"training": "train", "valid": "validation", "val": "validation", "dev"
 
 class RecordError(ValueError):
     """A malformed record; the message is the text after `FILE:RECORD: ` (dflash/data.py adds the place)."""
+
+
+def read_utf8(path: Path, json_text: bool = True) -> str:
+    """A data file's text. A JSON file's byte order mark (what Windows editors and exports put first) is dropped,
+    not refused as "Unexpected UTF-8 BOM" (a .txt keeps it: it is part of the text a run's corpus fingerprint was
+    taken over); bytes that are not UTF-8 are a RecordError naming the line they are on (`FILE:LINE: ...`, the one
+    place to fix), not a decoder's offset. OSError is the caller's."""
+    raw = path.read_bytes()
+    if json_text and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise RecordError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); save the file as UTF-8") \
+            from None
 
 
 def is_hf_dataset_dir(path: Path) -> bool:
@@ -212,8 +229,8 @@ def parse_turns(turns: Any, key: str, thinking: str) -> list[dict[str, Any]]:
 def iter_json_array(path: Path) -> Iterator[tuple[str, Any]]:
     """(where, record) of a .json file: a JSON array of records (ShareGPT dumps), or JSON lines named .json."""
     try:
-        raw = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        raw = read_utf8(path)
+    except OSError as exc:
         raise RecordError(f"cannot read: {exc}") from None
     try:
         obj = json.loads(raw)

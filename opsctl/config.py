@@ -775,7 +775,7 @@ def load_inventory(path: str | Path | None = None) -> Inventory:
         return inv
     shown = str(path) if path is not None else str(p)
     try:
-        text = yamlfile.read_bytes(p, shown).decode("utf-8")  # refused past yamlfile.MAX_CONFIG_BYTES
+        text = yamlfile.decode(yamlfile.read_bytes(p, shown), shown)  # refused past yamlfile.MAX_CONFIG_BYTES
     except FileNotFoundError:
         raise InventoryError([Problem(shown, None, "", "file not found")]) from None
     except yamlfile.YamlFileError as e:

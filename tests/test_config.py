@@ -408,3 +408,12 @@ def test_two_runs_of_one_host_writing_one_log_or_events_file_are_refused() -> No
         "/w/runs/a/events.jsonl is also the events file of run 'a' on host gpu1 (hosts.gpu1.runs.a): give each run "
         "its own",
     ]  # run c has its own files, and gpu2's run a is another machine's
+
+
+def test_a_hosts_file_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
+    p = tmp_path / "hosts.yaml"
+    p.write_bytes(GOOD_SSH.encode().replace(b"user: ml", b"user: m\xe9l"))
+    with pytest.raises(InventoryError) as ei:
+        load_inventory(p)
+    assert str(ei.value) == (f"{p}:{line_of(GOOD_SSH, 'user: ml')}: not UTF-8 text (byte 0xe9 at offset "
+                             f"{GOOD_SSH.index('user: ml') + 7}); save the file as UTF-8")

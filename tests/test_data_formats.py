@@ -222,3 +222,26 @@ def test_tiny_training_run_on_a_sharegpt_file_trains(tmp_path: Path) -> None:
     assert "data: documents: 144 (144 chats)" in log  # the inspect summary, once, at start
     assert log.count("data: documents:") == 1
     assert "[[" in log  # the first document with its supervised tokens marked
+
+
+def test_a_byte_order_mark_is_read_and_bytes_that_are_not_utf8_name_their_line(tmp_path: Path) -> None:
+    """A Windows export starts with a UTF-8 BOM (json refused it: "Unexpected UTF-8 BOM"); a stray Latin-1 byte was
+    reported at a decoder offset (`position 201`), not at the line to fix."""
+    rec = json.dumps({"text": "some plain text " * 10})
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + (rec + "\n").encode() * 2)
+    arr = tmp_path / "bom.json"
+    arr.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"text": "more text " * 10}]).encode())
+    docs = read_documents(data_cfg(paths=[str(bom), str(arr)]))
+    assert [d.text[:4] for d in docs] == ["some", "some", "more"]
+    for name, body in (("bad.jsonl", (rec + "\n").encode() + b'{"text": "caf\xe9"}\n'),
+                       ("bad.txt", b"first line\nsecond caf\xe9 line\n"),
+                       ("bad.json", b'[{"text": "ok"},\n {"text": "caf\xe9"}]')):
+        f = tmp_path / name
+        f.write_bytes(body)
+        with pytest.raises(DataError) as exc:
+            read_documents(data_cfg(paths=[str(f)]))
+        assert str(exc.value) == f"{f}:2: not UTF-8 text (byte 0xe9); save the file as UTF-8"
+    txt = tmp_path / "bom.txt"  # a .txt keeps its BOM: part of the text earlier runs fingerprinted
+    txt.write_bytes(b"\xef\xbb\xbfhello text")
+    assert read_documents(data_cfg(paths=[str(txt)]))[0].text == "\ufeffhello text"
