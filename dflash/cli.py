@@ -173,7 +173,9 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
                                     "how full the token-budget buffers are, and the first document with its "
                                     "supervised tokens marked. A training run logs the same summary at start.",
                         epilog="examples:\n  dflash data inspect --config configs/tiny.yaml\n"
-                               "  dflash data inspect chats.jsonl --format sharegpt --tokenizer /models/Qwen3-8B",
+                               "  dflash data inspect chats.jsonl --format sharegpt --tokenizer /models/Qwen3-8B\n\n"
+                               "exit codes: 0 the data has something to train on; 1 every document was dropped "
+                               "(the summary says why); 2 bad config or data (one line naming file and line)",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     i.add_argument("data", nargs="*", metavar="DATA",
                    help="files or directories (replace the config's data.paths; without --config: the defaults)")

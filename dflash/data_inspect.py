@@ -209,11 +209,13 @@ def inspect(cfg: DataConfig, seed: int, config_path: str | None = None, as_json:
             first = (list(ids), list(mask))
     s = summarize(docs, lengths, sup, cfg, seed, lambda d, st, n: sum(masks[d][st:st + n]))
     s.notes = [*(notes or []), *s.notes]
+    # every document dropped: a run would fail minutes later (after loading its target), so say it now, and exit 1
+    rc = 0 if s.pieces else 1
     if as_json:
         d = s.as_dict()
         d["tokenizer"] = tok.source
         print(json.dumps(d))
-        return 0
+        return rc
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     print(f"data: {', '.join(cfg.paths) if cfg.paths else 'the embedded corpus (Python stdlib sources)'}; "
           f"tokenizer {tok.source}")
@@ -222,7 +224,10 @@ def inspect(cfg: DataConfig, seed: int, config_path: str | None = None, as_json:
     if first is not None:
         print(sample_header(SAMPLE_TOKENS, len(first[0]), color))
         print(render_sample(first[0], first[1], tok, color))
-    return 0
+    if rc:
+        print("dflash data inspect: nothing to train on: every document was dropped (see `dropped` above; e.g. lower "
+              "data.min_len, or add data)", file=sys.stderr)
+    return rc
 
 
 def training_summary_lines(docs: list[Document], corpus: Any, tok: TokenizerAdapter, cfg: DataConfig,

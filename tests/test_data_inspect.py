@@ -121,3 +121,19 @@ def test_a_reader_that_closes_the_pipe_ends_it_quietly_with_the_sigpipe_status(t
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 141, err  # 128 + SIGPIPE, what a shell reports for `git log | head`
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_data_with_nothing_left_to_train_on_exits_1_saying_so(tmp_path: Path) -> None:
+    """Every document under data.min_len: inspect printed `pieces: 0` and exited 0; the run failed minutes later."""
+    f = tmp_path / "short.jsonl"
+    f.write_text('{"text": "hi"}\n{"text": "yo"}\n')
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data: {{paths: [{f.name}], vocab_size: 300, max_len: 32, min_len: 4, token_budget: 128, "
+                   "num_buckets: 2}\n")
+    r = _run(tmp_path, "--config", str(cfg))
+    assert r.returncode == 1 and "pieces: 0" in r.stdout
+    assert "nothing to train on: every document was dropped" in r.stderr
+    js = _run(tmp_path, "--config", str(cfg), "--json")
+    assert js.returncode == 1 and json.loads(js.stdout)["pieces"] == 0
+    f.write_text('{"text": "a longer document with enough tokens to keep"}\n')
+    assert _run(tmp_path, "--config", str(cfg)).returncode == 0
