@@ -940,6 +940,14 @@ class Follower:
         self.thinner = None
         emit("backlog_end", **self.offsets())
 
+    def where_text(self) -> str:
+        """Where a run that is not ready stands, for a sentence: `in phase loading_target 3/8`, or that nothing said."""
+        if self.phase:
+            return "in phase " + self.phase_text()
+        if not self.run.events:
+            return "(no events file configured: nothing tells opsctl its phase)"
+        return "before its first telemetry event"
+
     def phase_text(self) -> str:
         p = self.phase
         if not p:
@@ -1687,13 +1695,13 @@ def follow_loop(follower: Follower, run: Run, ready_deadline: float | None, keep
             good = code == 0
             emit("verdict", ok=good and ready, reason="exited" if ready else "died_before_ready", exit_code=code,
                  phase=follower.phase_text(), traceback=None if good else follower.traceback(), tail=list(follower.lines)[-30:],
-                 detail="run exited with status {}{}".format(code, "" if ready else " before it was ready, in phase "
-                                                           + follower.phase_text()), **follower.offsets())
+                 detail="run exited with status {}{}".format(code, "" if ready else " before it was ready, "
+                                                           + follower.where_text()), **follower.offsets())
             return EXIT_CODES["ok"] if good and ready else EXIT_CODES["failed"]
         if not ready and ready_deadline is not None and time.monotonic() > ready_deadline:
             age = None if follower.last_event_ts is None else round(time.time() - follower.last_event_ts, 1)
             emit("verdict", ok=False, reason="timeout", phase=follower.phase_text(), last_event_age_s=age,
-                 detail="not ready after {:g} s: stuck in phase {}{}; the run was left running".format(run.ready_timeout, follower.phase_text(), "" if age is None else f", last event {age:.1f} s ago"),
+                 detail="not ready after {:g} s: stuck {}{}; the run was left running".format(run.ready_timeout, follower.where_text(), "" if age is None else f", last event {age:.1f} s ago"),
                  tail=list(follower.lines)[-10:], **follower.offsets())
             return EXIT_CODES["timeout"]
         time.sleep(POLL_S)

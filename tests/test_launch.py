@@ -71,6 +71,20 @@ def test_crash_during_loading_reported_within_1s(tmp_path: Path, sshd, ct: int) 
     assert st["state"] == "crashed" and st["exit_code"] == 1
 
 
+def test_a_crash_before_any_event_says_so_not_a_phase_called_no_telemetry_events(tmp_path: Path, sshd) -> None:
+    """It read `before it was ready, in phase no telemetry events`."""
+    run = script_run(tmp_path, "ok_run.py", tmux_session="opsctl-t-noevents")
+    run["command"] = ["{python}", "-c", "raise ValueError('bad thing happened')"]
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", local_runs={"early": run})
+    try:
+        r = opsctl(hosts, "launch", "local", "early")
+    finally:
+        kill_tmux(tmp_path, "early")
+    assert r.returncode == commands.EXIT_FAILED, r.stderr
+    assert "run exited with status 1 before it was ready, before its first telemetry event" in r.stderr
+    assert "ValueError: bad thing happened" in r.stderr and "phase no telemetry" not in r.stderr
+
+
 def test_hang_before_ready_times_out_naming_the_phase(tmp_path: Path, sshd, ct: int) -> None:
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={
         "hang": script_run(tmp_path, "hang_loading.py", "--heartbeat", "0.3", ready_timeout=2, kill_grace=[1, 1])})
