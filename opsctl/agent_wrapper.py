@@ -1249,6 +1249,10 @@ def main() -> None:
             outcome = "finished"
         elif run_end.get("reason") == "refused":
             outcome = "refused"  # the run refused to start (a resume it cannot make): a restart would refuse too
+        elif code == 2 and (crash_line(spec["log"]) or "").startswith("dflash"):
+            # a dflash command refused its config, data or arguments (one `dflash: ...` line, exit 2) before it
+            # started: the same files would be refused again, so no restart (it made three, each refused)
+            outcome = "refused"
         else:
             outcome = "crashed"
         # a kill's KeyboardInterrupt is no news

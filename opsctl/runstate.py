@@ -372,6 +372,8 @@ class RunState:
         if v.proc_state == "exited":
             if self.killed_by_us or self._signal:
                 return "killed"
+            if v.proc_exit_code == 2 and (v.exception or "").startswith("dflash"):
+                return "refused"  # a dflash command refused its config, data or arguments: the wrapper's rule
             return "crashed" if (self._fatal_error or v.exit_code not in (0,)) or self._saw_run_start else "finished"
         if self._fatal_error and not alive:
             return "crashed"

@@ -184,3 +184,26 @@ def test_kill_never_restarts(tmp_path: Path, sshd, pct_host, ct: int) -> None:
     assert h[-1]["signal"] == "SIGKILL", h
     st = status(hosts)
     assert st["state"] == "killed" and st["proc_exit_code"] == 137 and st["reason"] == "by SIGKILL from outside opsctl"
+
+
+def test_a_dflash_config_refusal_is_not_restarted(tmp_path: Path, sshd) -> None:
+    """`dflash train` refusing its config (one `dflash: ...` line, exit 2) was a crash to the restart policy: three
+    more attempts, each refused the same way, and three notifications. It is a refusal: one attempt, no restart."""
+    (tmp_path / "bad.yaml").write_text("train:\n  max_stepz: 3\n")
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={"r": {
+        "workdir": str(tmp_path), "command": ["{python}", "-m", "dflash", "train", "--config", "bad.yaml", "--out",
+                                              str(tmp_path / "out")],
+        "log": "run.log", "events": "out/events.jsonl", "tmux_session": "rs-badcfg", "ready_timeout": 120,
+        "clean_roots": [str(tmp_path)], "inductor_cache_dir": str(tmp_path / "cache"),
+        "restart": {"when": "on-failure", "max": 2, "backoff_s": 0.3}}})
+    try:
+        r = opsctl(hosts, "launch", "box", "r")
+        assert r.returncode == commands.EXIT_FAILED, r.stderr
+        st = wait_for(hosts, lambda s: s["state"] == "refused")
+        time.sleep(1.5)  # a restart would have started by now (back-off 0.3 s)
+        h = history(hosts)
+        assert [a["outcome"] for a in h] == ["refused"], h
+        assert h[0]["exception"].startswith("dflash: bad.yaml:2: train.max_stepz: unknown field"), h
+        assert status(hosts)["attempt"] == st["attempt"] == 1
+    finally:
+        opsctl(hosts, "clean", "box", "r")

@@ -221,3 +221,19 @@ def test_an_error_after_the_kill_was_asked_for_reads_killed_one_before_it_crashe
 
     assert fold(kill_ts=T0 + 5, end_ts=T0 + 5.2) == "killed"
     assert fold(kill_ts=T0 + 9, end_ts=T0 + 5.2) == "crashed"
+
+
+def test_a_dflash_command_that_refused_its_config_before_starting_reads_refused_not_crashed() -> None:
+    rs = RunState()
+    rs.apply(proc("running", T0))
+    msg = proc("exited", T0 + 1, exit_code=2)
+    msg["exception"] = "dflash: c.yaml:2: train.lr: expected a number, got 'fast'"
+    rs.apply(msg)
+    v = rs.view(T0 + 2)
+    assert v.state == "refused" and v.reason == "dflash: c.yaml:2: train.lr: expected a number, got 'fast' (exit 2)"
+    other = RunState()  # any other command's exit 2 (or a traceback) is still a crash
+    other.apply(proc("running", T0))
+    msg = proc("exited", T0 + 1, exit_code=2)
+    msg["exception"] = "ValueError: boom"
+    other.apply(msg)
+    assert other.view(T0 + 2).state == "crashed"

@@ -73,9 +73,10 @@ def test_crash_reason_exception_line_and_exit_code_in_status_and_watch(tmp_path:
         opsctl(hosts, "clean", "box", "boom")
 
 
-def test_a_dflash_config_error_is_the_crash_reason_in_status_watch_and_history(tmp_path: Path, sshd) -> None:
+def test_a_dflash_config_error_is_a_refusal_with_its_line_in_status_watch_and_history(tmp_path: Path, sshd) -> None:
     """A real `dflash train` refusing its config exits 2 after one `dflash: ...` line and no traceback: that line
-    (not `"exception": null`, `crashed (exit 2)`, `run crashed / exit code 2`) is why the run ended, in every view."""
+    (not `"exception": null`, `crashed (exit 2)`, `run crashed / exit code 2`) is why the run ended, in every view,
+    and the run reads `refused` (it did not crash: the same config would be refused again, so it is not restarted)."""
     (tmp_path / "bad.yaml").write_text("train:\n  max_stepz: 3\n")
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={"bad": {
         "workdir": str(tmp_path), "command": ["{python}", "-m", "dflash", "train", "--config", "bad.yaml", "--out",
@@ -87,16 +88,17 @@ def test_a_dflash_config_error_is_the_crash_reason_in_status_watch_and_history(t
         r = opsctl(hosts, "launch", "box", "bad")
         assert r.returncode == 1, r.stderr
         (st,) = json.loads(opsctl(hosts, "status", "box", "bad", "--json").stdout)
-        assert st["state"] == "crashed" and st["exit_code"] == 2, st
+        assert st["state"] == "refused" and st["exit_code"] == 2, st
         assert st["exception"].startswith(line) and st["reason"].startswith(line) and st["reason"].endswith("(exit 2)")
         table = opsctl(hosts, "status", "box", "bad").stdout
-        assert "crashed (dflash: bad.yaml:2: train.max_stepz" in " ".join(table.split()), table
+        assert "refused (dflash: bad.yaml:2: train.max_stepz" in " ".join(table.split()), table
         (snap,) = _once(hosts, "box:bad")
+        assert snap["state"] == "refused", snap
         assert snap["exception"] == st["exception"] and snap["reason"] == st["reason"], snap
-        (alert,) = [a for a in snap["alerts"] if a["key"] == "crashed"]
+        (alert,) = [a for a in snap["alerts"] if a["key"] == "refused"]
         assert line in alert["evidence"] and "exit code 2" in alert["evidence"], alert  # the TUI's alerts box
         (attempt,) = json.loads(opsctl(hosts, "history", "box", "bad", "--json").stdout)
-        assert attempt["outcome"] == "crashed" and attempt["exception"] == st["exception"], attempt
+        assert attempt["outcome"] == "refused" and attempt["exception"] == st["exception"], attempt
         assert line in " ".join(opsctl(hosts, "history", "box", "bad").stdout.split())
     finally:
         opsctl(hosts, "clean", "box", "bad")
