@@ -104,7 +104,9 @@ def _traceback_at(lines: list[str], i: int) -> list[str]:
 _LAUNCHER_ERROR = "torch.distributed.elastic."
 # The one line a dflash command prints on a bad config/data/checkpoint before exiting 2 (no traceback): `dflash: ...`
 # (train) or `dflash eval: ...`, possibly prefixed by torchrun's per-rank tag.
-_CLI_ERROR = re.compile(r"^(?:\[(?:default)?\d*\]?(?:rank\d+)?\]?:\s*)?(dflash(?: [a-z][a-z-]*)?: .+)$")
+# The wrapper's own `opsctl: cannot start [...]: [Errno 2] ...` (a command that is not there) is read the same way.
+_CLI_ERROR = re.compile(r"^(?:\[(?:default)?\d*\]?(?:rank\d+)?\]?:\s*)?(dflash(?: [a-z][a-z-]*)?: .+|opsctl: cannot "
+                        r"start .+)$")
 # How many last log lines a traceback-less failure's `dflash: ...` line is looked for in.
 CLI_ERROR_TAIL = 20
 # torchrun's `Root Cause (first observed failure)` block: the failed rank, its exit code, and for a signal its name.

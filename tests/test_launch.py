@@ -85,6 +85,20 @@ def test_a_crash_before_any_event_says_so_not_a_phase_called_no_telemetry_events
     assert "ValueError: bad thing happened" in r.stderr and "phase no telemetry" not in r.stderr
 
 
+def test_a_command_that_cannot_start_says_why_in_status_too(tmp_path: Path, sshd) -> None:
+    """history said `cannot start ... No such file or directory`, status only `crashed (exit 127)`."""
+    run = script_run(tmp_path, "ok_run.py", tmux_session="opsctl-t-nocmd")
+    run["command"] = [str(tmp_path / "no-such-python"), "train.py"]
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", local_runs={"nocmd": run})
+    try:
+        assert opsctl(hosts, "launch", "local", "nocmd").returncode == commands.EXIT_FAILED
+    finally:
+        kill_tmux(tmp_path, "nocmd")
+    (st,) = json.loads(opsctl(hosts, "status", "local", "nocmd", "--json").stdout)
+    assert st["state"] == "crashed" and st["exit_code"] == 127, st
+    assert st["reason"].startswith(f"opsctl: cannot start ['{tmp_path / 'no-such-python'}', 'train.py']: [Errno 2]")
+
+
 def test_hang_before_ready_times_out_naming_the_phase(tmp_path: Path, sshd, ct: int) -> None:
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={
         "hang": script_run(tmp_path, "hang_loading.py", "--heartbeat", "0.3", ready_timeout=2, kill_grace=[1, 1])})
