@@ -56,13 +56,27 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _wrap(text: str) -> str:
+    """A description paragraph for a parser whose raw formatter keeps the epilog's examples as written."""
+    import textwrap
+
+    return textwrap.fill(text, 100)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dflash", description="Train DFlash speculative-decoding drafters.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     t = sub.add_parser("train", help="train (or resume) a drafter", epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description=_wrap("Train a DFlash drafter on a frozen target's hidden states: the config names the "
+                                   "target (a local HF directory, or a random-init `target.arch`), the data, the "
+                                   "drafter and the schedule; --out gets train.log, events.jsonl (docs/events.md) "
+                                   "and verified checkpoints, and the drafter's exact tau is measured at each "
+                                   "checkpoint (train.eval_every). The config is checked completely before torch "
+                                   "loads. Under opsctl, `opsctl launch HOST RUN` runs this command in tmux and "
+                                   "watches it."))
     t.add_argument("--config", required=True, help="run config YAML (see configs/tiny.yaml)")
     t.add_argument("--out", default=None, help="run directory (default runs/<config name>)")
     t.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (overrides the config)")
@@ -81,8 +95,15 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--config", required=True)
     f.add_argument("--allow-slow-kernels", action="store_true")
     e = sub.add_parser("export", help="checkpoint -> Hugging Face DFlashDraftModel directory; --check an export",
-                       description="Write a checkpoint as the DFlashDraftModel directory SGLang and vLLM load "
-                                   "(checked before it is published), or --check an existing export directory.")
+                       description=_wrap("Write a checkpoint as the DFlashDraftModel directory SGLang and vLLM "
+                                         "load (checked before it is published), or --check an existing export "
+                                         "directory."),
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="examples:\n"
+                              "  dflash export --checkpoint runs/tiny/checkpoints/step-1200 --out hf/drafter\n"
+                              "  dflash export --check hf/drafter --target /models/Qwen3.5-27B\n\n"
+                              "exit codes: 0 written (or --check found nothing); 1 a loader check failed (one line "
+                              "per problem; nothing published); 2 bad arguments or an unreadable checkpoint")
     e.add_argument("--checkpoint", help="a checkpoints/step-N directory")
     e.add_argument("--out", help="output directory (must not exist or be empty)")
     e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
@@ -120,11 +141,19 @@ def _parser() -> argparse.ArgumentParser:
 def _eval_parser(sub: argparse._SubParsersAction) -> None:
     """`dflash eval`: greedy speculative decoding with the target verifying each block (dflash/eval.py)."""
     v = sub.add_parser("eval", help="acceptance length tau of a drafter on its target (lossless-checked), vs n-gram",
-                       description="The acceptance length tau of greedy speculative decoding on held-out "
-                                   "prompts (mean tokens committed per target verify forward), acceptance per block "
-                                   "position next to the training-time accuracy. --method decode also measures "
-                                   "speed and checks lossless: exit 1 if any output differs from the target's own "
-                                   "greedy decoding.")
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="examples:\n"
+                              "  dflash eval --checkpoint runs/tiny/checkpoints/step-1200 --baseline ngram\n"
+                              "  dflash eval --checkpoint runs/tiny/checkpoints/step-1200 --method decode --json\n"
+                              "  dflash eval --drafter hf/drafter --target /models/Qwen3.5-27B --prompts p.jsonl\n\n"
+                              "exit codes: 0 measured (decode: every output equals the target's own greedy "
+                              "decoding); 1 decode found an output that differs (not lossless); 2 bad arguments, "
+                              "checkpoint, export or prompts (one line); 141 the reader closed the pipe",
+                       description=_wrap("The acceptance length tau of greedy speculative decoding on held-out "
+                                         "prompts (mean tokens committed per target verify forward), acceptance per "
+                                         "block position next to the training-time accuracy. --method decode also "
+                                         "measures speed and checks lossless: exit 1 if any output differs from the "
+                                         "target's own greedy decoding."))
     src = v.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a RUN/checkpoints/step-N directory")
     src.add_argument("--drafter", help="a `dflash export` directory")
@@ -167,11 +196,12 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
                        description="Look at training data before a run spends a GPU on it (docs/data.md).")
     dsub = d.add_subparsers(dest="data_cmd", required=True, metavar="ACTION")
     i = dsub.add_parser("inspect", help="documents, tokens, lengths, supervised share, drops, buffer fill, a sample",
-                        description="Read and tokenize the configured data (or DATA) without loading the target: "
-                                    "documents, tokens, the length histogram against data.max_len and "
-                                    "data.token_budget, the supervised (assistant) share, what is dropped and why, "
-                                    "how full the token-budget buffers are, and the first document with its "
-                                    "supervised tokens marked. A training run logs the same summary at start.",
+                        description=_wrap("Read and tokenize the configured data (or DATA) without loading the "
+                                          "target: documents, tokens, the length histogram against data.max_len and "
+                                          "data.token_budget, the supervised (assistant) share, what is dropped and "
+                                          "why, how full the token-budget buffers are, and the first document with "
+                                          "its supervised tokens marked. A training run logs the same summary at "
+                                          "start."),
                         epilog="examples:\n  dflash data inspect --config configs/tiny.yaml\n"
                                "  dflash data inspect chats.jsonl --format sharegpt --tokenizer /models/Qwen3-8B\n\n"
                                "exit codes: 0 the data has something to train on; 1 every document was dropped "

@@ -441,3 +441,15 @@ def test_a_section_with_every_key_commented_out_takes_its_defaults(tmp_path: Pat
     p.write_text(yaml.safe_dump(tiny_run_yaml()) + "dist:\n  # roles: split\n")
     cfg = load_config(p)
     assert (cfg.dist.roles, cfg.dist.target_ranks, cfg.train.max_steps) == ("colocated", None, 6)
+
+
+@pytest.mark.parametrize("cmd", [["train"], ["eval"], ["export"], ["data", "inspect"]])
+def test_every_main_command_help_teaches_with_examples_and_exit_codes(
+        cmd: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*cmd, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "exit codes:" in out and f"dflash {' '.join(cmd)} " in out.split("examples:")[1]
+    description = out.split("\n\n")[1]  # the paragraph under usage, wrapped to the terminal's reading width
+    assert len(description) > 80 and max(len(line) for line in description.splitlines()) <= 100
