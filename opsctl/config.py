@@ -541,6 +541,10 @@ _KEY_HOMES = (("a run (under `runs: NAME:`)", set(RunConfig.model_fields)),
 
 def _suggest_key(loc: tuple[str, ...], lines: dict[tuple[str, ...], int]) -> str:
     key = loc[-1]
+    if len(loc) == 1:  # the top level holds hosts, groups and x- keys: `host:` is `hosts:` misspelt, not ssh's key
+        close = difflib.get_close_matches(key, ["hosts", "groups"], n=1, cutoff=0.75)
+        if close:
+            return f" (did you mean '{close[0]}'?)"
     homes = [where for where, keys in _KEY_HOMES if key in keys and key != "name"]
     if homes:  # a real key at the wrong level: say where it goes, not "did you mean" itself
         return f" here: '{key}' belongs to {' or '.join(homes)}; check its indentation"

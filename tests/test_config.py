@@ -366,6 +366,9 @@ def test_a_key_at_the_wrong_level_says_where_it_belongs(tmp_path: Path) -> None:
         "indentation",
         f"{p}:4: hosts.box.workdir: unknown key 'workdir' here: 'workdir' belongs to a run (under `runs: NAME:`); "
         "check its indentation"]
+    # at the top level `host:` is `hosts:` misspelt (it said: belongs to a host's `ssh:`)
+    p.write_text("host:\n  box:\n    local: true\n")
+    assert check_inventory(p)[-1] == f"{p}:1: host: unknown key 'host' (did you mean 'hosts'?)"
 
 
 def test_two_runs_of_one_host_writing_one_log_or_events_file_are_refused() -> None:
