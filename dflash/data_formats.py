@@ -96,8 +96,13 @@ def _text(value: Any, field: str) -> str:
         return ""
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                       and isinstance(p.get("text"), str) for p in value):
+    if isinstance(value, list):
+        for i, p in enumerate(value):
+            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                kind = f"a part of type {p.get('type')!r}" if isinstance(p, dict) and p.get("type") else \
+                    f"a {type(p).__name__}" if not isinstance(p, dict) else "a part without a type"
+                raise RecordError(f"{field}[{i}]: {kind}; only text parts ({{'type': 'text', 'text': ...}}) can be "
+                                  "trained on (a drafter of a text target sees no images or audio)")
         return "".join(p["text"] for p in value)
     raise RecordError(f"{field} must be a string or a list of text parts, got {type(value).__name__}")
 

@@ -99,6 +99,14 @@ def test_bad_sharegpt_role_is_one_line_naming_file_record_and_field(tmp_path: Pa
     arr.write_text(json.dumps([{"conversations": CHAT}, {"conversations": [{"from": "human", "value": 3}]}]))
     with pytest.raises(DataError, match=r"y\.json: record 2: conversations\[0\]\.value must be a string"):
         read_documents(data_cfg(paths=[str(arr)]))
+    # an image part among text parts is named (it said "... a list of text parts, got list" of a list)
+    img = _write_jsonl(tmp_path / "img.jsonl", [{"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                     {"type": "image_url", "image_url": {"url": "x.png"}}]},
+        {"role": "assistant", "content": "a cat"}]}])
+    with pytest.raises(DataError) as exc:
+        read_documents(data_cfg(paths=[str(img)]))
+    assert str(exc.value).startswith(f"{img}:1: messages[0].content[1]: a part of type 'image_url'; only text parts")
 
 
 def test_tool_turns_with_tiny_tokenizer_supervise_the_assistants_call_not_the_result(tmp_path: Path) -> None:
