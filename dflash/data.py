@@ -180,12 +180,15 @@ def read_documents(cfg: DataConfig) -> list[Document]:
             if not line.strip():
                 continue
             where = f"{path}:{n}"
+            # a ShareGPT dump (one JSON array) saved as .jsonl: say how it is read instead of what is wrong
+            array = ("; this file looks like one JSON array, which dflash reads from a .json file (rename it), a "
+                     ".jsonl holding one object per line") if line.lstrip().startswith("[") else ""
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
+                raise DataError(f"{where}: not valid JSON ({exc.msg}){array}") from None
             if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object")
+                raise DataError(f"{where}: expected a JSON object{array}")
             if "input_ids" in obj and cfg.format == "auto":
                 if path.parent not in manifests:
                     manifests[path.parent] = read_regen_manifest(path.parent)

@@ -253,3 +253,15 @@ def test_a_byte_order_mark_is_read_and_bytes_that_are_not_utf8_name_their_line(t
     txt = tmp_path / "bom.txt"  # a .txt keeps its BOM: part of the text earlier runs fingerprinted
     txt.write_bytes(b"\xef\xbb\xbfhello text")
     assert read_documents(data_cfg(paths=[str(txt)]))[0].text == "\ufeffhello text"
+
+
+def test_a_json_array_saved_as_jsonl_says_to_rename_it(tmp_path: Path) -> None:
+    for body in (json.dumps([{"conversations": CHAT}]), json.dumps([{"conversations": CHAT}], indent=1)):
+        f = tmp_path / "dump.jsonl"
+        f.write_text(body)
+        with pytest.raises(DataError) as exc:
+            read_documents(data_cfg(paths=[str(f)]))
+        assert str(exc.value).startswith(f"{f}:1: ") and "reads from a .json file (rename it)" in str(exc.value)
+        f.rename(tmp_path / "dump.json")
+        assert len(read_documents(data_cfg(paths=[str(tmp_path / "dump.json")]))) == 1
+        (tmp_path / "dump.json").unlink()
