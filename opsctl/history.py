@@ -85,7 +85,8 @@ def _checkpoint(a: dict[str, Any]) -> Text:
 
 
 def cmd_history(ctx: Ctx, host_name: str, run_name: str, as_json: bool = False) -> int:
-    """Every attempt: id, start, duration, how it ended, exit code, first and last step, log, checkpoint, args."""
+    """Every attempt: id, start, duration, how it ended, exit code, first and last step, log, checkpoint, and what
+    started it (a launch or a restart, with the arguments given after --)."""
     attempts = fetch_history(ctx, host_name, run_name)
     if as_json:
         ctx.raw.write(json.dumps(attempts, default=str) + "\n")
@@ -96,7 +97,7 @@ def cmd_history(ctx: Ctx, host_name: str, run_name: str, as_json: bool = False) 
                       f"history)")
         return EXIT_OK
     table = Table(title=f"{host_name}/{run_name}: {len(attempts)} attempt(s), newest last")
-    cols = ["#", "started", "duration", "how it ended", "exit", "steps", "log", "checkpoint", "args"]
+    cols = ["#", "started", "duration", "how it ended", "exit", "steps", "log", "checkpoint", "by"]
     show_tau = any(a.get("last_tau_step") is not None for a in attempts)  # the run evaluates during training
     if show_tau:
         cols[6:6] = ["last τ (step)", "best τ (step)"]
