@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -53,13 +54,14 @@ def _heartbeats(events: Path) -> dict[int, int]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, nodes: list[Node]) -> Iterator[dict[str, Any]]:  # noqa: F811
     """The group run pair/r (colocated, world 2), launched, then exported with --follow until it ended: (exit code,
-    stderr). The inventory also has a host run n0/solo over node 0's events file, for the state-file checks."""
+    stderr). The inventory also has a host run n0/solo, for the state-file checks: its events file is a copy of node
+    0's, made by the test that exports it (hosts.yaml refuses two runs of one host writing one events file)."""
     tmp = tmp_path_factory.mktemp("gexport")
     hosts = write_hosts(tmp, nodes, {"train": {"max_steps": STEPS, "checkpoint_every": 0, "log_every": 1,
                                                "heartbeat_s": 0.2}})
     doc = yaml.safe_load(hosts.read_text())
     doc["hosts"]["n0"]["runs"] = {"solo": {"workdir": str(tmp), "command": ["true"], "log": "solo.log",
-                                           "events": "out/node0/events.jsonl", "clean_roots": [str(tmp)],
+                                           "events": "solo-events.jsonl", "clean_roots": [str(tmp)],
                                            "inductor_cache_dir": str(tmp / "solo-cache")}}
     hosts.write_text(yaml.safe_dump(doc, sort_keys=False))
     try:
@@ -138,6 +140,7 @@ def test_a_second_export_adds_nothing_and_a_fresh_one_writes_the_same(run: dict[
 
 def test_a_directory_of_another_runs_export_is_refused(run: dict[str, Any]) -> None:
     tb, hosts, tmp = run["tb"], run["hosts"], run["tmp"]
+    shutil.copyfile(tmp / "out" / "node0" / "events.jsonl", tmp / "solo-events.jsonl")
     state = (tb / STATE_FILE).read_text()
     r = opsctl(hosts, "export", "n0", "solo", "--tensorboard", str(tb))
     assert r.returncode == 2 and "holds the export of group pair/r, not n0:solo" in r.stderr, r.stderr
