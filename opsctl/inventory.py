@@ -132,10 +132,10 @@ hosts:
 #       qwen27b:
 #         nproc_per_node: 8                # default: the members' `gpus:` count
 #         workdir: /workspace/dflash-ops
-#         command: [-m, dflash, train, --config, configs/qwen3.6-27b.yaml, --out, /workspace/runs/qwen27b,
+#         command: [-m, dflash, train, --config, configs/qwen3.6-27b.yaml, --out, /workspace/runs/qwen27b-pair,
 #                   --resume, auto]        # what torchrun starts; opsctl fills --nnodes, --node-rank, ...
-#         log: /workspace/runs/qwen27b/train.log
-#         events: /workspace/runs/qwen27b/events.jsonl
+#         log: /workspace/runs/qwen27b-pair/train.log       # its own files: not pve-box's qwen27b run's
+#         events: /workspace/runs/qwen27b-pair/events.jsonl
 #         env: {NCCL_SOCKET_IFNAME: eth0}
 #         # The group restarted as a whole when a node crashes: only while `opsctl launch pair qwen27b --follow`
 #         # runs (no process on one host can restart the others), so keep that in tmux on a machine that stays up.
