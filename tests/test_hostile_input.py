@@ -70,7 +70,8 @@ def test_dotted_run_and_group_names_work_in_every_command(tmp_path: Path, sshd) 
 
 def test_dotted_name_whose_session_is_taken_is_refused_in_one_line(tmp_path: Path, sshd) -> None:
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", local_runs={
-        "a.b": script_run(tmp_path, "ok_run.py"), "a_b": script_run(tmp_path, "ok_run.py")})
+        "a.b": script_run(tmp_path, "ok_run.py"),
+        "a_b": script_run(tmp_path, "ok_run.py", log="a_b.log", events="a_b-events.jsonl")})  # files of its own
     for argv in (["hosts", "check"], ["status"], ["launch", "local", "a_b"]):
         r = opsctl(hosts, *argv)
         assert r.returncode == commands.EXIT_USAGE, (argv, r.stdout, r.stderr)

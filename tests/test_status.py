@@ -111,7 +111,7 @@ def test_unreachable_host_is_unreachable_with_its_error_never_absent(tmp_path: P
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]  # closed again: connections are refused
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", port=dead_port, runs={
-        "a": script_run(tmp_path, "ok_run.py"), "b": script_run(tmp_path, "ok_run.py")})
+        "a": script_run(tmp_path, "ok_run.py"), "b": script_run(tmp_path, "ok_run.py", log="b.log", events="b.jsonl")})
     r = opsctl(hosts, "status", "box", "--json")
     assert r.returncode == 3, r.stderr
     rows = json.loads(r.stdout)
