@@ -82,7 +82,8 @@ def fleet(tmp: Path, two: list[tuple[Sshd, int]], mutes: list[Mute]) -> Path:
     for e in silent:
         e["ssh"]["host"] = "127.0.0.1"
     hosts = {"silent0": silent[0], "a": {**sa.host_entry(pct=va), "runs": {"r": dict(run)}},
-             "b": {**sb.host_entry(pct=vb), "runs": {"r": dict(run), "r2": {**run, "tmux_session": "fleet-r2"}}},
+             "b": {**sb.host_entry(pct=vb), "runs": {"r": dict(run), "r2": {
+                 **run, "tmux_session": "fleet-r2", "log": "r2.log", "events": "r2.jsonl"}}},  # files of its own
              "silent1": silent[1]}
     p = tmp / "hosts.yaml"
     p.write_text(yaml.safe_dump({"hosts": hosts}, sort_keys=False))

@@ -101,7 +101,8 @@ def test_status_of_a_host_that_never_answers_tries_one_connection_not_one_per_ru
     threading.Thread(target=accept, daemon=True).start()
     try:
         hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={
-            name: script_run(tmp_path, "ok_run.py", tmux_session=f"mute-{name}") for name in RUNS},
+            name: script_run(tmp_path, "ok_run.py", tmux_session=f"mute-{name}", log=f"{name}.log",
+                             events=f"{name}.jsonl") for name in RUNS},
             port=listener.getsockname()[1], connect_timeout=2)
         env = dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb")
         r = subprocess.run([sys.executable, "-m", "opsctl", "--hosts", str(hosts), "status", "box", "--json"],
