@@ -397,11 +397,7 @@ def test_two_runs_of_one_host_writing_one_log_or_events_file_are_refused() -> No
           gpu2:
             ssh: {host: gpu2.example.org}
             runs:
-              a:
-                workdir: /w
-                command: [python3, -m, dflash, train]
-                log: runs/a/train.log
-                events: runs/a/events.jsonl
+              a: {workdir: /w, command: [python3, train.py], log: runs/a/train.log, events: runs/a/events.jsonl}
         """)
     errs = errors_of(text)
     assert errs == [
