@@ -396,22 +396,14 @@ def default_tmux_session(run_name: str) -> str:
     return "dflash-" + run_name.replace(".", "_")
 
 
-def _session_collisions(hosts: dict[str, HostConfig], runs: dict[str, dict[str, RunConfig]], groups: dict[str, Any],
-                        file: str, lines: dict[tuple[str, ...], int]) -> list[Problem]:
+def _session_collisions(runs: dict[str, dict[str, RunConfig]], groups: dict[str, Any], file: str,
+                        lines: dict[tuple[str, ...], int]) -> list[Problem]:
     """Two runs on one host whose sessions coincide only because a dotted name was mapped (`a.b` and `a_b`).
 
     Each run has its own tmux server, so nothing clashes on the host, but `tmux attach -t` and every message would
     name one session for two runs; the person who named them decides (tmux_session on one of them)."""
-    on_host: dict[str, list[tuple[tuple[str, ...], RunConfig]]] = {h: [] for h in hosts}
-    for hname, rs in runs.items():
-        for rname, r in rs.items():
-            on_host[hname].append((("hosts", hname, "runs", rname), r))
-    for gname, g in groups.items():
-        for rname, gr in g.runs.items():
-            for node in gr.nodes:
-                on_host.setdefault(node.host.name, []).append((("groups", gname, "runs", rname), node.run))
     problems: list[Problem] = []
-    for hname, entries in on_host.items():
+    for hname, entries in _runs_on_hosts(runs, groups).items():
         seen: dict[str, tuple[tuple[str, ...], RunConfig]] = {}
         for loc, r in entries:
             session = r.tmux_session or ""
@@ -456,7 +448,7 @@ def _shared_files(runs: dict[str, dict[str, RunConfig]], groups: dict[str, Any],
                 if path is None:
                     continue
                 first = seen.setdefault(posixpath.normpath(path), (loc, r))
-                if first[1] is r or first[1].name == r.name and first[0] == loc:
+                if first[1] is r:
                     continue
                 problems.append(Problem(file, _line_for(lines, (*loc, key)) or _line_for(lines, loc),
                                         ".".join((*loc, key)),
@@ -731,7 +723,7 @@ def parse_inventory(text: str, file: str = DEFAULT_HOSTS_FILE, base_dir: str | P
         groups = parse_groups(groups_raw, hosts, _group_checks(file, base, lines))
     except GroupProblems as e:
         raise InventoryError(e.problems) from None
-    problems = _session_collisions(hosts, runs, groups, file, lines) + _shared_files(runs, groups, file, lines)
+    problems = _session_collisions(runs, groups, file, lines) + _shared_files(runs, groups, file, lines)
     if problems:
         raise InventoryError(problems)
     return Inventory(path=None, hosts=hosts, runs=runs, groups=groups)
