@@ -1062,10 +1062,14 @@ class Bench:
         return rc
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+STAGES = ("all", "target", "data", "drafters", "eval", "check")
+
+
+def build_parser(description: str | None = __doc__, stages: tuple[str, ...] = STAGES) -> argparse.ArgumentParser:
+    """The bench's options (bench/peer.py reuses them, defaults included, for the target and data it shares)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="work directory (default: a new temp dir); reused across calls")
-    ap.add_argument("--stage", default="all", choices=["all", "target", "data", "drafters", "eval", "check"],
+    ap.add_argument("--stage", default="all", choices=list(stages),
                     help="which stage this call runs (see above; default: all, as far as --call-seconds allows)")
     ap.add_argument("--call-seconds", type=float, default=None,
                     help="a unit of work starts only if its expected time fits in what is left of this many seconds "
@@ -1144,7 +1148,11 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU: checks the plumbing, not the numbers")
     ap.add_argument("--probe", action="store_true",
                     help="only time the decoding loop's pieces on a random-init target of the bench's size, then exit")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if args.seeds < 1 or args.eval_prompts < 1 or args.lossless_prompts < 1 or args.pretrain_steps < 1:
         print("--seeds, --eval-prompts, --lossless-prompts and --pretrain-steps must be at least 1", file=sys.stderr)
         return 2

@@ -1,0 +1,678 @@
+"""Side by side with the field's trainer: the same DFlash drafter trained by `speculators` (0.9.0, the vLLM project's
+trainer, offline from hidden-state files) and by dflash, on one target, one data set and equal target tokens, both
+measured by our exact teacher-forced tau on the same held-out prompts.
+
+One target and one data set for both: the quality bench's (bench/quality_h200.py: its 170M qwen3_5 target and its
+greedy regenerated records, in the same --out, reused when there). Stages, each reusing --out:
+  target, data  the quality bench's own stages (pretraining ~300 s, regeneration ~60 s on an H200).
+  hs            the first --peer-records regenerated records (+ 16 that speculators holds out for its own
+                validation split) written as speculators' offline data from our target forward: the `save_to_disk`
+                set (input_ids, loss_mask, seq_len) and hidden_states/hs_{i}.safetensors (token_ids int64 [T],
+                hidden_states bf16 [T, K+1, H]: the K taps by its layer-id convention (ours + 1), then the last
+                layer before the final norm), checked with speculators' own `check_hidden_states` and its dataset
+                loader. Its time counts as the peer's cost; its size is reported as GB per million tokens.
+  peer          `python -m speculators.train` per seed (train.seed = 0..N-1) on those files, in the peer's Python
+                (--peer-python): same drafter shape (layers, heads, head size, MLP, block 16, taps), the same
+                records and epochs (so the same target tokens), lr, warm-up and cosine schedule, and anchors per
+                token (--anchors per --token-budget tokens, as its 512 per 8192); its own recipe otherwise.
+  ours          dflash train per seed on the same records and epochs (the target forward runs inside training).
+  convert       each speculators checkpoint into the z-lab layout (dflash/speculators_format.py; its converter goes
+                only z-lab -> speculators), passed through `dflash export --check`'s rules against the target.
+  eval          our exact tau (teacher-forced, bf16) for every drafter at each --blocks size, and prompt lookup's:
+                per seed, median and spread; the tau ratio ours/theirs; tokens/s, wall time to the same tokens
+                (hidden-state writing included for the peer), peak GPU memory and disk per trainer.
+  all           (default) all of them in order, as far as --call-seconds allows (exit 3: run it again).
+
+What cannot be matched, and is stated in result-peer.json's "unmatched": speculators' default optimizer is Muon for
+the 2-D weights (AdamW with torch's betas for the rest) where ours is AdamW (0.9, 0.95); its cosine ends at 0 where ours ends at 0.1 x lr; it packs documents into
+rows of --token-budget tokens and takes --anchors per row where we fill fixed buffers of that budget; its labels are
+the target's argmax (ours: the regenerated tokens; equal here, the records being the target's greedy output); its
+position weights are D-PACE (alpha 0.5, its default for DFlash), ours exp(-(k-1)/gamma); it trains from bf16 files
+written once, we recompute the target per step. Every drafter layer is full attention on both sides: speculators'
+sliding layers count the window from the anchor and run the block causal, which no engine serves (docs/quality.md).
+
+The peer's Python: a virtual environment with speculators 0.9.0 (`./dev` builds .venv-peer: torch==2.13.0 and
+speculators==0.9.0 from PyPI, then torchvision/torchaudio removed: transformers imports torchvision when present and
+PyPI's fails beside that torch). On the GPU machine (no index there) the wheels carried in a git-ignored folder,
+installed with --no-deps into a --target directory added to PYTHONPATH: speculators 0.9.0, hs-connectors 0.9.0,
+datasets 5.1.0, pyarrow, dill, multiprocess, xxhash, fsspec, pandas, python-dateutil, tzdata, loguru 0.7.3,
+pydantic-settings, python-dotenv, typer, click, shellingham, annotated-doc, openai, httpx, httpcore, h11, anyio,
+sniffio, distro, jiter, aiohttp and its parts (aiohappyeyeballs, aiosignal, attrs, frozenlist, multidict, propcache,
+yarl), psutil, rich, markdown-it-py, mdurl, pygments (bench/peer_wheels.sh downloads the set for Python 3.12).
+
+Run: `python3 bench/peer.py --out DIR` until it exits 0 (each call within --call-seconds, 540 on a GPU); `--smoke`
+runs the whole pipeline at toy sizes on CPU (plumbing, the format round trips, the reverse conversion; the test suite
+runs it). Exit codes: 0 done, 1 a trainer or check failed, 2 bad input, 3 not finished within --call-seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+T_START = time.perf_counter()
+
+import torch  # noqa: E402 - after the clock starts
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+import quality_h200 as qb  # noqa: E402 - the shared target and data
+
+STAGES = ("all", "target", "data", "hs", "peer", "ours", "convert", "eval")
+VAL_RECORDS = 16  # speculators always holds a validation split out (train_data_ratio must be < 1)
+
+# Runs `python -m speculators.train ARGS` and records the process's peak GPU memory and wall time to a JSON file.
+LAUNCHER = """
+import atexit, json, runpy, sys, time
+out = sys.argv[1]
+sys.argv = ["speculators.train", *sys.argv[2:]]
+t0 = time.time()
+import torch
+if not torch.cuda.is_available():
+    # CPU stand-in for the GPU its trainer assumes (the --smoke run in the test suite; never on a GPU): the trainer
+    # moves model and batches to `get_local_rank()` (0 = cuda:0) and synchronises the accelerator around steps; on
+    # CPU the device is "cpu" and there is nothing to synchronise. Nothing else of its code path changes.
+    import speculators.train.trainer as _trainer
+    _trainer.get_local_rank = lambda: "cpu"
+    torch.accelerator.synchronize = lambda *a, **k: None
+def _done():
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    open(out, "w").write(json.dumps({"peak_bytes": peak, "seconds": time.time() - t0}))
+atexit.register(_done)
+runpy.run_module("speculators.train", run_name="__main__")
+"""
+
+# Speculators' own checks on the written files, in its Python: check_hidden_states on every file and its
+# ArrowDataset on a few items (what its trainer reads).
+VALIDATOR = """
+import json, sys
+from pathlib import Path
+from safetensors.torch import load_file
+from speculators.data_generation.offline import check_hidden_states
+from speculators.train.data import ArrowDataset
+d = Path(sys.argv[1]); n = int(sys.argv[2]); ratio = float(sys.argv[3])
+from datasets import load_from_disk
+ds = load_from_disk(str(d))
+for i in range(len(ds)):
+    check_hidden_states(load_file(str(d / "hidden_states" / f"hs_{i}.safetensors")), ds[i]["input_ids"].tolist())
+train = ArrowDataset(max_len=100000, datapath=str(d), on_missing="raise", train_ratio=ratio, split="train")
+val = ArrowDataset(max_len=100000, datapath=str(d), on_missing="raise", train_ratio=ratio, split="val")
+item = train[0]
+print(json.dumps({"files_checked": len(ds), "train": len(train), "val": len(val),
+                  "item_keys": sorted(item), "hidden": list(item["hidden_states"].shape)}))
+"""
+
+
+# speculators' own DFlashDraftModel on one record of its training files, at given anchors: its block logits (the
+# round trip's reference: the converted export, loaded by dflash, must give the same). Float32, eager attention masks.
+PARITY = """
+import json, sys, torch
+from safetensors.torch import load_file
+from torch.nn.attention.flex_attention import create_mask
+import speculators.models.dflash.core as core
+from speculators.models.dflash import DFlashDraftModel
+src, hs_path, anchors, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+model = DFlashDraftModel.from_pretrained(src).float().eval()
+model.config.transformer_layer_config._attn_implementation = "sdpa"
+model._create_mask_fn = create_mask
+a = torch.tensor(anchors)
+core.select_anchors = lambda loss_mask, n, b: (a, torch.ones(len(anchors), dtype=torch.bool))
+f = load_file(hs_path)
+ids, hs = f["token_ids"][None], f["hidden_states"].float()
+t = ids.shape[1]
+with torch.no_grad():
+    _, logits, _, _, _ = model._backbone_forward(hs[:, :-1].flatten(1)[None], ids, torch.ones(1, t), hs[:, -1][None],
+                                                  torch.zeros(1, t, dtype=torch.long), max_anchors=len(anchors))
+torch.save(logits[0].float(), out)
+"""
+
+
+def gib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else round(nbytes / 2**30, 3)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def median_spread(values: list[float | None]) -> dict[str, Any]:
+    return qb.median_spread(values)
+
+
+class PeerBench(qb.Bench):
+    """The quality bench's target and data, then the peer's and our drafters on a subset of its records."""
+
+    def __init__(self, args: Any, work: Path, dev: torch.device) -> None:
+        super().__init__(args, work, dev)
+        self.peer_dir = work / "peer"
+        self.records_n = 48 if self.smoke else args.peer_records
+        self.epochs = 2 if self.smoke else args.peer_epochs
+        self.budget = 1024 if self.smoke else args.token_budget
+        self.anchors_n = 64 if self.smoke else args.anchors
+        self.peer_python = args.peer_python
+        self.layers = 1 if self.smoke else args.drafter_layers
+
+    # --- bookkeeping: the peer's units and their H200-sized guesses (replaced by times measured in this --out)
+
+    def estimate(self, kind: str) -> float:
+        seen = [u["seconds"] for k, u in self.state["units"].items() if k.startswith(kind + "/")]
+        if seen:
+            return float(max(seen))
+        if self.dev.type != "cuda":
+            return 0.0
+        if kind in ("pretrain", "regen", "drafter", "eval", "check"):
+            return super().estimate(kind)
+        tokens = self.records_n * self.max_len * self.epochs
+        return {"hs": 30 + self.records_n * 0.01, "peer": 60 + tokens / 60_000, "ours": 60 + tokens / 100_000,
+                "convert": 10, "peer_eval": 30 + 6 * len(self.seeds) * len(self.blocks)}[kind]
+
+    # --- layout
+
+    def subset_dir(self) -> Path:
+        return self.peer_dir / "records"
+
+    def hs_dir(self) -> Path:
+        return self.peer_dir / "speculators-data"
+
+    def ours_dir(self, seed: int) -> Path:
+        return self.peer_dir / f"ours-seed{seed}"
+
+    def theirs_dir(self, seed: int) -> Path:
+        return self.peer_dir / f"speculators-seed{seed}"
+
+    def converted_dir(self, seed: int) -> Path:
+        return self.peer_dir / f"speculators-seed{seed}-zlab"
+
+    def taps(self) -> list[int]:
+        """Our tap layers for this target and drafter depth (z-lab ids: hidden_states[id + 1])."""
+        from dflash.target import resolve_tap_layers
+
+        arch = self.base["target"]["arch"]
+        return resolve_tap_layers(None, int(arch["num_hidden_layers"]), self.layers)
+
+    def records(self) -> list[dict[str, Any]]:
+        path = self.regen_dir(0) / "regen.jsonl"
+        if not path.is_file():
+            raise qb.Refused(f"{path}: no regenerated records yet; run --stage data first")
+        lines = path.read_text().splitlines()
+        want = self.records_n + VAL_RECORDS
+        if len(lines) < want:
+            raise qb.Refused(f"{path}: {len(lines)} records, fewer than --peer-records {self.records_n} + "
+                             f"{VAL_RECORDS} held out by speculators")
+        return [json.loads(line) for line in lines[:want]]
+
+    def peer_state(self) -> dict[str, Any]:
+        return self.state.setdefault("peer", {})
+
+    # --- stages
+
+    def stage_hs(self) -> int:
+        """The training subset for both trainers, and speculators' offline files from our target forward."""
+        from dflash.speculators_format import write_dataset, write_hs_file
+
+        done = self.peer_state().get("hs")
+        if done and done.get("records") == self.records_n and self.hs_dir().is_dir():
+            return 0
+        if not self.may_start("hs", "writing speculators' hidden-state files"):
+            return 3
+        t0 = time.perf_counter()
+        recs = self.records()
+        # Our trainer's copy: the same first records_n regenerated records, pinned by the same regen manifest.
+        sub = self.subset_dir()
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / "regen.jsonl").write_text("".join(json.dumps(r, separators=(",", ":")) + "\n"
+                                                 for r in recs[: self.records_n]))
+        (sub / "regen.json").write_bytes((self.regen_dir(0) / "regen.json").read_bytes())
+        import shutil
+
+        tok_src = self.regen_dir(0) / "tokenizer"  # the manifest names it relative to itself, pinned by its hash
+        if tok_src.is_dir() and not (sub / "tokenizer").exists():
+            shutil.copytree(tok_src, sub / "tokenizer")
+        # Speculators' copy: records_n for training + VAL_RECORDS its loader splits off for validation.
+        hs = self.hs_dir()
+        if hs.exists():
+            shutil.rmtree(hs)  # our own output directory under --out, rewritten whole
+        t1 = time.perf_counter()
+        model = self.load_hf_target()
+        taps = self.taps()
+        layers = model.model.layers
+        grabbed: dict[int, torch.Tensor] = {}
+        hooks = [layers[i].register_forward_hook(lambda _m, _a, out, i=i: grabbed.__setitem__(
+            i, out[0] if isinstance(out, tuple) else out)) for i in [*taps, len(layers) - 1]]
+        written = 0
+        tokens = 0
+        order = sorted(range(len(recs)), key=lambda i: len(recs[i]["input_ids"]))
+        batch = 8 if self.smoke else 64
+        with torch.no_grad():
+            for s in range(0, len(order), batch):
+                idx = order[s: s + batch]
+                lens = [len(recs[i]["input_ids"]) for i in idx]
+                width = max(lens)
+                ids = torch.zeros(len(idx), width, dtype=torch.long)
+                att = torch.zeros(len(idx), width, dtype=torch.long)
+                for r, i in enumerate(idx):  # right padding: a causal target's earlier positions never see it
+                    ids[r, : lens[r]] = torch.tensor(recs[i]["input_ids"])
+                    att[r, : lens[r]] = 1
+                model(input_ids=ids.to(self.dev), attention_mask=att.to(self.dev), use_cache=False)
+                stack = torch.stack([grabbed[i] for i in [*taps, len(layers) - 1]], dim=2)  # [b, T, K+1, H]
+                for r, i in enumerate(idx):
+                    written += write_hs_file(hs, i, ids[r, : lens[r]].clone(), stack[r, : lens[r]])
+                    tokens += lens[r]
+        for h in hooks:
+            h.remove()
+        write_dataset(hs, recs)
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+        write_s = time.perf_counter() - t1
+        ratio = (self.records_n + 0.5) / (self.records_n + VAL_RECORDS)
+        check = self.run_peer([self.peer_python, "-c", VALIDATOR, str(hs),
+                               str(len(recs)), repr(ratio)], "speculators' checks of the written files")
+        info = json.loads(check.strip().splitlines()[-1])
+        if info["train"] != self.records_n:
+            raise qb.Refused(f"speculators' loader split {info['train']} training records, not {self.records_n}")
+        train_tokens = sum(len(r["input_ids"]) for r in recs[: self.records_n])
+        self.peer_state()["hs"] = {
+            "records": self.records_n, "val_records": VAL_RECORDS, "train_ratio": ratio, "tokens": tokens,
+            "train_tokens": train_tokens, "bytes": written, "gb_per_million_tokens": round(written / 1e9 / (tokens / 1e6), 3),
+            "write_seconds": round(write_s, 1), "speculators_check": info, "taps_zlab": taps,
+            "aux_ids_speculators": [t + 1 for t in taps]}
+        self.record("hs", "all", time.perf_counter() - t0)
+        print(f"hs: {len(recs)} records, {tokens} tokens, {written / 1e9:.3f} GB "
+              f"({self.peer_state()['hs']['gb_per_million_tokens']} GB per million tokens) in {write_s:.1f}s; "
+              f"speculators' checks: {info}", flush=True)
+        self.stage("hs", t0)
+        return 0
+
+    def load_hf_target(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(self.target_dir(0)), dtype=torch.bfloat16, use_kernels=False)
+        return model.to(self.dev).eval()
+
+    def run_peer(self, argv: list[str], what: str, log: Path | None = None) -> str:
+        env = dict(os.environ)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("w") as fh:
+                r = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
+            text = log.read_text()
+        else:
+            p = subprocess.run(argv, capture_output=True, text=True, env=env)
+            r, text = p, p.stdout + p.stderr
+        if r.returncode != 0:
+            tail = "\n".join(text.splitlines()[-25:])
+            raise PeerFailed(f"{what}: exit {r.returncode}\n{tail}")
+        return text
+
+    def draft_config(self) -> dict[str, Any]:
+        """The drafter shape as a qwen3 config for speculators' --draft-config (every layer full attention)."""
+        d = self.base["drafter"]
+        hidden = int(self.base["target"]["arch"]["hidden_size"])
+        heads = int(d["num_heads"])
+        return {"model_type": "qwen3", "hidden_size": hidden, "intermediate_size": 3 * hidden,
+                "num_hidden_layers": self.layers, "num_attention_heads": heads,
+                "num_key_value_heads": int(d["num_kv_heads"]), "head_dim": hidden // heads, "hidden_act": "silu",
+                "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+                "vocab_size": self.tok.vocab_size, "max_position_embeddings": 4096, "attention_bias": False,
+                "layer_types": ["full_attention"] * self.layers, "sliding_window": None, "use_sliding_window": False,
+                "tie_word_embeddings": False}
+
+    def mask_token_id(self) -> int:
+        from dflash.config import config_from_dict
+
+        cfg = config_from_dict(self.ours_run(0), "<peer>")
+        mask = cfg.drafter.mask_token_id
+        return int(mask if mask is not None else self.tok.mask_token_id)
+
+    def stage_peer(self) -> int:
+        hs = self.peer_state().get("hs")
+        if hs is None:
+            raise qb.Refused("no speculators data yet; run --stage hs first")
+        dcfg = self.peer_dir / "draft-config.json"
+        dcfg.write_text(json.dumps(self.draft_config(), indent=2) + "\n")
+        for k in self.seeds:
+            d = self.theirs_dir(k)
+            if self.peer_checkpoint(k) is not None and (d / "bench-peak.json").is_file():
+                continue
+            if not self.may_start("peer", f"speculators seed {k}"):
+                return 3
+            t0 = time.perf_counter()
+            argv = [self.peer_python, "-c", LAUNCHER, str(d / "bench-peak.json"),
+                    "--speculator-type", "dflash", "--seed", str(k),
+                    "--verifier-name-or-path", str(self.target_dir(0)), "--draft-config", str(dcfg),
+                    "--target-layer-ids", *[str(a) for a in hs["aux_ids_speculators"]],
+                    "--mask-token-id", str(self.mask_token_id()), "--block-size", str(self.b_train),
+                    "--data-path", str(self.hs_dir()), "--hidden-states-backend", "file", "--on-missing", "raise",
+                    "--total-seq-len", str(self.budget), "--max-anchors", str(self.anchors_n),
+                    "--train-data-ratio", repr(hs["train_ratio"]), "--hidden-states-dtype", "bfloat16",
+                    "--num-workers", "2", "--prefetch-factor", "2",
+                    "--lr", repr(self.base["train"]["lr"]), "--scheduler-type", "cosine",
+                    "--scheduler-warmup-ratio", repr(self.base["train"]["warmup_frac"]),
+                    "--epochs", str(self.epochs), "--save-path", str(d / "checkpoints"), "--log-dir", str(d / "logs"),
+                    "--no-resume-from-checkpoint"]
+            if self.dev.type != "cuda":
+                # no Triton (its fused losses), no flex backward and no bf16 autocast on CPU
+                argv += ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa"]
+                argv[argv.index("--hidden-states-dtype") + 1] = "float32"
+            self.run_peer(argv, f"speculators seed {k}", d / "train.log")
+            peak = json.loads((d / "bench-peak.json").read_text())
+            self.record("peer", f"seed{k}", time.perf_counter() - t0, peak_bytes=peak["peak_bytes"],
+                        train_seconds=peak["seconds"])
+            print(f"speculators seed {k}: trained in {time.perf_counter() - t0:.0f}s (peak "
+                  f"{gib(peak['peak_bytes'])} GiB)", flush=True)
+            self.stage(f"peer_seed{k}", t0)
+        return 0
+
+    def peer_checkpoint(self, seed: int) -> Path | None:
+        """speculators' last epoch directory (save_path/<epoch>/ with config.json)."""
+        root = self.theirs_dir(seed) / "checkpoints"
+        if not root.is_dir():
+            return None
+        epochs = sorted((p for p in root.iterdir() if p.is_dir() and p.name.isdigit() and (p / "config.json").is_file()),
+                        key=lambda p: int(p.name))
+        return epochs[-1] if epochs else None
+
+    def ours_run(self, seed: int) -> dict[str, Any]:
+        run = self.run_dict(seed, "dense" if self.smoke else self.args.drafter_attention,
+                            "false" if self.smoke else self.args.drafter_compile, "pad" if self.smoke else self.args.packing)
+        run["data"] = {**run["data"], "paths": [str(self.subset_dir())], "token_budget": self.budget}
+        run["drafter"] = {**run["drafter"], "num_layers": self.layers, "num_anchors": self.anchors_n}
+        run["target"] = {**run["target"], "tap_layers": self.taps()}
+        run["train"] = {**run["train"], "max_steps": None, "epochs": self.epochs, "eval_every": 0}
+        return run
+
+    def stage_ours(self) -> int:
+        from dflash.config import config_from_dict
+        from dflash.train import train
+
+        if not (self.subset_dir() / "regen.jsonl").is_file():
+            raise qb.Refused("no training subset yet; run --stage hs first")
+        for k in self.seeds:
+            d = self.ours_dir(k)
+            if (d / "bench-peak.json").is_file() and self.ours_checkpoint(k) is not None:
+                continue
+            if not self.may_start("ours", f"dflash seed {k}"):
+                return 3
+            t0 = time.perf_counter()
+            if self.dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            res = train(config_from_dict(self.ours_run(k), f"<peer ours seed {k}>"), d, fresh=True)
+            if res.exit_code != 0:
+                raise PeerFailed(f"dflash seed {k}: training failed (exit {res.exit_code}); see {d}/train.log")
+            peak = torch.cuda.max_memory_allocated() if self.dev.type == "cuda" else None
+            secs = time.perf_counter() - t0
+            (d / "bench-peak.json").write_text(json.dumps({"peak_bytes": peak, "seconds": secs}) + "\n")
+            self.record("ours", f"seed{k}", secs, peak_bytes=peak)
+            print(f"dflash seed {k}: trained in {secs:.0f}s (peak {gib(peak)} GiB)", flush=True)
+            self.stage(f"ours_seed{k}", t0)
+        return 0
+
+    def ours_checkpoint(self, seed: int) -> Path | None:
+        root = self.ours_dir(seed) / "checkpoints"
+        steps = sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1])) if root.is_dir() else []
+        return steps[-1] if steps else None
+
+    def stage_convert(self) -> int:
+        from dflash.speculators_format import speculators_to_zlab
+
+        for k in self.seeds:
+            src = self.peer_checkpoint(k)
+            if src is None:
+                raise qb.Refused(f"no speculators checkpoint for seed {k}; run --stage peer first")
+            dst = self.converted_dir(k)
+            marker = dst / "dflash_export.json"
+            if marker.is_file() and json.loads(marker.read_text()).get("source") == str(src.resolve()):
+                continue
+            if dst.exists():
+                import shutil
+
+                shutil.rmtree(dst)  # our own output under --out, from an older checkpoint
+            if not self.may_start("convert", f"converting speculators seed {k}"):
+                return 3
+            t0 = time.perf_counter()
+            speculators_to_zlab(src, dst, self.target_dir(0))
+            self.record("convert", f"seed{k}", time.perf_counter() - t0)
+            print(f"converted {src} -> {dst} (passes dflash export --check against {self.target_dir(0)})", flush=True)
+            if k == self.seeds[0]:
+                self.peer_state()["parity"] = self.parity(src, dst)
+                self.save_state()
+        return 0
+
+    def parity(self, src: Path, dst: Path) -> dict[str, Any]:
+        """The round trip, measured: speculators' own model (its checkpoint) and dflash's loader of the converted
+        export give the same block logits on a training record at the same anchors (float32 on the CPU)."""
+        from safetensors.torch import load_file
+
+        from dflash.eval import load_export
+        from dflash.model import DraftBatch
+        from dflash.speculators_format import hs_file
+
+        rec = load_file(str(hs_file(self.hs_dir(), 0)))
+        ids, hs = rec["token_ids"], rec["hidden_states"].float()
+        t = ids.shape[0]
+        anchors = sorted({1, t // 3, t // 2, t - self.b_train - 1})
+        ref_path = self.peer_dir / "parity-logits.pt"
+        self.run_peer([self.peer_python, "-c", PARITY, str(src), str(hs_file(self.hs_dir(), 0)), json.dumps(anchors),
+                       str(ref_path)], "speculators' model on one record")
+        theirs = torch.load(ref_path)
+        loaded = load_export(dst)
+        drafter = loaded.drafter.float()
+        embed, head = self.peer_heads()
+        batch = DraftBatch(hidden=hs[:, :-1].flatten(1), input_ids=ids, loss_mask=torch.ones(t, dtype=torch.bool),
+                           position_ids=torch.arange(t), doc_ids=torch.zeros(t, dtype=torch.long))
+        with torch.no_grad():
+            ours = head(drafter.block_states(batch, embed, torch.tensor(anchors)))
+        diff = float((ours - theirs).abs().max())
+        rel = float((ours - theirs).norm() / theirs.norm())
+        same_argmax = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+        print(f"round trip: speculators' model vs the converted export in dflash, {len(anchors)} blocks: max |diff| "
+              f"{diff:.2e}, relative {rel:.2e}, same argmax {same_argmax:.4f}", flush=True)
+        if rel > 1e-3:
+            raise PeerFailed(f"the converted export drafts differently from speculators' model (relative logit "
+                             f"difference {rel:.2e}): the conversion is wrong")
+        return {"anchors": anchors, "max_abs_diff": diff, "rel_diff": rel, "same_argmax": same_argmax}
+
+    def peer_heads(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """The target's embedding and LM head (float32, CPU): what both drafters draft through."""
+        model = self.load_hf_target() if self.dev.type == "cpu" else None
+        if model is None:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(self.target_dir(0)), dtype=torch.float32,
+                                                         use_kernels=False).eval()
+        return model.get_input_embeddings().float(), model.get_output_embeddings().float()
+
+    def stage_peer_eval(self) -> int:
+        from dflash.eval import evaluate_teacher_forced, greedy_sequences, load_checkpoint, load_export
+        from dflash.speculative import TargetLM
+        from dflash.target import Target, TargetConfig
+        from dflash.tau import continuation_length
+
+        if not self.may_start("peer_eval", "teacher-forced tau of both trainers"):
+            return 3
+        t0 = time.perf_counter()
+        _, prompts = self.heldout_prompts()
+        dtype = getattr(torch, self.args.eval_dtype)
+        target = Target(TargetConfig(path=str(self.target_dir(0))), 1, self.dev)
+        target.model.to(dtype)
+        seqs: list[list[int]] | None = None
+        per: dict[str, dict[str, dict[str, Any]]] = {"ours": {}, "theirs": {}}
+        for who in ("ours", "theirs"):
+            for k in self.seeds:
+                if who == "ours":
+                    ck_path = self.ours_checkpoint(k)
+                    if ck_path is None:
+                        raise qb.Refused(f"no dflash checkpoint for seed {k}; run --stage ours first")
+                    loaded = load_checkpoint(ck_path)
+                else:
+                    if not (self.converted_dir(k) / "config.json").is_file():
+                        raise qb.Refused(f"speculators seed {k} not converted; run --stage convert first")
+                    loaded = load_export(self.converted_dir(k))
+                loaded.drafter.to(device=self.dev, dtype=dtype)
+                lm = TargetLM(target.model, loaded.tap_layers)
+                if seqs is None:
+                    seqs = greedy_sequences(lm.model, lm.device, prompts,
+                                            continuation_length(self.n_new, max(self.blocks)))
+                per[who][str(k)] = {}
+                for b in self.blocks:
+                    import dataclasses
+
+                    loaded.drafter.cfg = dataclasses.replace(loaded.drafter.cfg, block_size=b)
+                    r = evaluate_teacher_forced(lm, loaded.drafter, prompts, self.n_new, [self.tok.eos_id],
+                                                baseline_ngram=True, sequences=seqs)
+                    per[who][str(k)][f"B{b}"] = {"tau": r["tau"], "ngram_tau": r["baseline"]["ngram"]["tau"],
+                                                 "accept_by_position": r.get("accept_by_position")}
+                    print(f"{who:>6} seed {k} B={b}: tau {qb.num(r['tau'])}  ngram "
+                          f"{qb.num(r['baseline']['ngram']['tau'])}", flush=True)
+        self.record("peer_eval", "all", time.perf_counter() - t0)
+        out = self.summary(per)
+        (self.work / "result-peer.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+        self.print_summary(out)
+        self.stage("peer_eval", t0)
+        return 0
+
+    def cost(self, who: str) -> dict[str, Any]:
+        units = self.state["units"]
+        hs = self.peer_state().get("hs") or {}
+        tokens = hs.get("train_tokens", 0) * self.epochs
+        rows = []
+        for k in self.seeds:
+            u = units.get(f"{'peer' if who == 'theirs' else 'ours'}/seed{k}") or {}
+            secs = u.get("seconds")
+            if secs is None:
+                continue
+            wall = secs + (units.get("hs/all", {}).get("seconds", 0.0) if who == "theirs" else 0.0)
+            rows.append({"seed": k, "train_seconds": secs, "wall_seconds": round(wall, 1),
+                         "tokens_per_s": round(tokens / secs, 1) if secs else None,
+                         "peak_gib": gib(u.get("peak_bytes"))})
+        walls = [r["wall_seconds"] for r in rows]
+        return {"target_tokens": tokens, "per_seed": rows,
+                "wall_seconds_median": statistics.median(walls) if walls else None,
+                "tokens_per_s_median": statistics.median([r["tokens_per_s"] for r in rows]) if rows else None,
+                "peak_gib_max": max((r["peak_gib"] or 0) for r in rows) if rows else None,
+                "disk_gb": round(hs.get("bytes", 0) / 1e9, 3) if who == "theirs" else
+                round(dir_bytes(self.subset_dir()) / 1e9, 4),
+                "hidden_state_write_seconds": hs.get("write_seconds") if who == "theirs" else None}
+
+    def summary(self, per: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+        blocks: dict[str, Any] = {}
+        for b in self.blocks:
+            key = f"B{b}"
+            ours = [per["ours"][str(k)][key]["tau"] for k in self.seeds]
+            theirs = [per["theirs"][str(k)][key]["tau"] for k in self.seeds]
+            ngram = [per["ours"][str(k)][key]["ngram_tau"] for k in self.seeds]
+            mo, mt = median_spread(ours), median_spread(theirs)
+            blocks[key] = {"ours": mo, "theirs": mt, "ngram": median_spread(ngram),
+                           "tau_ratio": round(mo["median"] / mt["median"], 4) if mo["median"] and mt["median"] else None}
+        co, ct = self.cost("ours"), self.cost("theirs")
+        wall_ratio = round(co["wall_seconds_median"] / ct["wall_seconds_median"], 4) \
+            if co["wall_seconds_median"] and ct["wall_seconds_median"] else None
+        return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "smoke": self.smoke,
+                "gpu": torch.cuda.get_device_name(0) if self.dev.type == "cuda" else None,
+                "torch": torch.__version__, "peer": "speculators 0.9.0",
+                "settings": {"records": self.records_n, "epochs": self.epochs, "token_budget": self.budget,
+                             "anchors": self.anchors_n, "drafter": self.draft_config(), "taps_zlab": self.taps(),
+                             "lr": self.base["train"]["lr"], "warmup_frac": self.base["train"]["warmup_frac"],
+                             "seeds": len(self.seeds), "eval": self.eval_settings()},
+                "unmatched": ["optimizer: theirs Muon (its default: 2-D weights, match_rms_adamw, weight decay 0.1) "
+                              "with AdamW (betas 0.9, 0.999) for the rest; ours AdamW (0.9, 0.95), weight decay 0.01",
+                              "cosine floor: theirs 0, ours 0.1 x lr",
+                              "position weights: theirs D-PACE (alpha 0.5), ours exp(-(k-1)/7)",
+                              "packing: theirs rows of token_budget with anchors per row; ours fixed buffers",
+                              "labels: theirs the target's argmax, ours the regenerated tokens (equal for greedy "
+                              "regeneration up to bf16 ties)",
+                              "hidden states: theirs bf16 files written once; ours the target recomputed per step"],
+                "blocks": blocks, "per_seed": per, "cost": {"ours": co, "theirs": ct}, "wall_ratio": wall_ratio,
+                "hs": self.peer_state().get("hs"), "units_s": self.state["units"]}
+
+    @staticmethod
+    def print_summary(out: dict[str, Any]) -> None:
+        def cell(s: dict[str, Any]) -> str:
+            return "-" if s["median"] is None else f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+
+        print(f"\nexact tau (teacher-forced), median [min-max] over {out['settings']['seeds']} seed(s):")
+        print(f"{'B':>4}  {'dflash':<20}{'speculators':<20}{'prompt lookup':<20}ratio")
+        for b, row in out["blocks"].items():
+            print(f"{b[1:]:>4}  {cell(row['ours']):<20}{cell(row['theirs']):<20}{cell(row['ngram']):<20}"
+                  f"{row['tau_ratio']}")
+        for who in ("ours", "theirs"):
+            c = out["cost"][who]
+            print(f"{who:>6}: {c['target_tokens']} target tokens, wall {c['wall_seconds_median']} s (median), "
+                  f"{c['tokens_per_s_median']} tok/s, peak {c['peak_gib_max']} GiB, disk {c['disk_gb']} GB")
+        b16 = out["blocks"].get("B16") or next(iter(out["blocks"].values()))
+        print(f"peer: speculators 0.9.0, bench target, B=16: tau ratio {b16['tau_ratio']} (ours "
+              f"{qb.num(b16['ours']['median'])} / theirs {qb.num(b16['theirs']['median'])}, medians of "
+              f"{out['settings']['seeds']} seeds), wall ratio {out['wall_ratio']} ({out['gpu'] or 'CPU smoke'}, "
+              f"{out['date'][:10]})")
+
+
+class PeerFailed(RuntimeError):
+    """A trainer or a check in the peer's Python failed: exit 1 with its output's tail."""
+
+
+def default_peer_python() -> str:
+    local = BENCH.parent / ".venv-peer" / "bin" / "python"
+    return str(local) if local.is_file() else sys.executable
+
+
+def main() -> int:
+    ap = qb.build_parser(__doc__, STAGES)
+    ap.add_argument("--peer-records", type=int, default=4096,
+                    help="regenerated records both trainers train on (the first N; speculators' files for them "
+                         "take ~8 GB per million tokens at this target's 3 x 1024 features)")
+    ap.add_argument("--peer-epochs", type=int, default=6, help="epochs over those records, both trainers")
+    ap.add_argument("--token-budget", type=int, default=16384,
+                    help="tokens per step: our buffer, speculators' --total-seq-len (with --anchors per it)")
+    ap.add_argument("--peer-python", default=default_peer_python(),
+                    help="the Python with speculators installed (default: .venv-peer's, else this one)")
+    args = ap.parse_args()
+    smoke = args.smoke
+    dev = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    if dev.type != "cuda" and not smoke:
+        print("no CUDA device: run with --smoke for a CPU plumbing check", file=sys.stderr)
+        return 2
+    if args.seeds < 1 or args.peer_records < 1 or args.peer_epochs < 1:
+        print("--seeds, --peer-records and --peer-epochs must be at least 1", file=sys.stderr)
+        return 2
+    from dflash.config import ConfigError
+    from dflash.data import DataError
+    from dflash.speculators_format import ConvertError
+
+    work = Path(args.out or "peer-out")
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(work / "triton-cache"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor-cache"))
+    bench = PeerBench(args, work, dev)
+    bench.t_call = T_START
+    order = ["target", "data", "hs", "peer", "ours", "convert", "eval"]
+    stages = order if args.stage == "all" else [args.stage]
+    rc = 0
+    try:
+        bench.prepare()
+        for name in stages:
+            rc = {"target": bench.stage_target, "data": bench.stage_data, "hs": bench.stage_hs,
+                  "peer": bench.stage_peer, "ours": bench.stage_ours, "convert": bench.stage_convert,
+                  "eval": bench.stage_peer_eval}[name]()
+            if rc != 0:
+                break
+    except (qb.Refused, ConfigError, DataError, ConvertError) as exc:
+        print(f"refused: {exc}", file=sys.stderr)
+        rc = 2
+    except PeerFailed as exc:
+        print(f"failed: {exc}", file=sys.stderr)
+        rc = 1
+    finally:
+        bench.state["calls"].append(bench.call_record(rc))
+        bench.save_state()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

