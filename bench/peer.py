@@ -5,8 +5,8 @@ measured by our exact teacher-forced tau on the same held-out prompts.
 One target and one data set for both: the quality bench's (bench/quality_h200.py: its 170M qwen3_5 target and its
 greedy regenerated records, in the same --out, reused when there). Stages, each reusing --out:
   target, data  the quality bench's own stages (pretraining ~300 s, regeneration ~60 s on an H200).
-  hs            the first --peer-records regenerated records (+ 16 that speculators holds out for its own
-                validation split) written as speculators' offline data from our target forward: the `save_to_disk`
+  hs            --peer-records regenerated records spread evenly over the corpus (+ 16 that speculators holds out
+                for its own validation split) written as speculators' offline data from our target forward: the `save_to_disk`
                 set (input_ids, loss_mask, seq_len) and hidden_states/hs_{i}.safetensors (token_ids int64 [T],
                 hidden_states bf16 [T, K+1, H]: the K taps by its layer-id convention (ours + 1), then the last
                 layer before the final norm), checked with speculators' own `check_hidden_states` and its dataset
@@ -133,6 +133,15 @@ torch.save(logits[0].float(), out)
 """
 
 
+def spread_indices(total: int, want: int) -> list[int]:
+    """`want` indices evenly spaced over `total` records, in order. The records are in corpus order (regen writes
+    them so), and the held-out prompts come from every 20th file of the whole corpus: the first N records would be
+    the first files only (the 2026-12-07 H100 run took the first 4096 of 16,380, a quarter of the corpus)."""
+    if want >= total:
+        return list(range(total))
+    return [int((i + 0.5) * total / want) for i in range(want)]
+
+
 def gib(nbytes: float | None) -> float | None:
     return None if nbytes is None else round(nbytes / 2**30, 3)
 
@@ -205,7 +214,7 @@ class PeerBench(qb.Bench):
         if len(lines) < want:
             raise qb.Refused(f"{path}: {len(lines)} records, fewer than --peer-records {self.records_n} + "
                              f"{VAL_RECORDS} held out by speculators")
-        return [json.loads(line) for line in lines[:want]]
+        return [json.loads(lines[i]) for i in spread_indices(len(lines), want)]
 
     def peer_state(self) -> dict[str, Any]:
         return self.state.setdefault("peer", {})
@@ -223,7 +232,7 @@ class PeerBench(qb.Bench):
             return 3
         t0 = time.perf_counter()
         recs = self.records()
-        # Our trainer's copy: the same first records_n regenerated records, pinned by the same regen manifest.
+        # Our trainer's copy: the same records_n regenerated records, pinned by the same regen manifest.
         sub = self.subset_dir()
         sub.mkdir(parents=True, exist_ok=True)
         (sub / "regen.jsonl").write_text("".join(json.dumps(r, separators=(",", ":")) + "\n"
@@ -357,7 +366,9 @@ class PeerBench(qb.Bench):
                     "--scheduler-warmup-ratio", repr(self.base["train"]["warmup_frac"]),
                     "--epochs", str(self.epochs), "--save-path", str(d / "checkpoints"), "--log-dir", str(d / "logs"),
                     "--no-resume-from-checkpoint"]
-            if self.dev.type != "cuda":
+            if self.dev.type == "cuda":
+                argv += ["--loss-implementation", self.args.peer_loss]
+            else:
                 # no Triton (its fused losses), no flex backward and no bf16 autocast on CPU
                 argv += ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa"]
                 argv[argv.index("--hidden-states-dtype") + 1] = "float32"
@@ -625,11 +636,14 @@ def default_peer_python() -> str:
 def main() -> int:
     ap = qb.build_parser(__doc__, STAGES)
     ap.add_argument("--peer-records", type=int, default=4096,
-                    help="regenerated records both trainers train on (the first N; speculators' files for them "
-                         "take ~8 GB per million tokens at this target's 3 x 1024 features)")
+                    help="regenerated records both trainers train on (N spread evenly over the corpus; speculators' "
+                         "files for them take 6.15 GB per million tokens at this target's 3 x 1024 features)")
     ap.add_argument("--peer-epochs", type=int, default=6, help="epochs over those records, both trainers")
     ap.add_argument("--token-budget", type=int, default=16384,
                     help="tokens per step: our buffer, speculators' --total-seq-len (with --anchors per it)")
+    ap.add_argument("--peer-loss", default="fused", choices=["fused", "eager"],
+                    help="speculators' --loss-implementation on the GPU (eager: its compatibility path; its fused "
+                         "Triton CE failed to compile under torch 2.11's dynamo on an H100, 2026-12-07)")
     ap.add_argument("--peer-python", default=default_peer_python(),
                     help="the Python with speculators installed (default: .venv-peer's, else this one)")
     args = ap.parse_args()

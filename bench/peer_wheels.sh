@@ -10,7 +10,7 @@ dir=${1:-.whl-peer}
 mkdir -p "$dir"
 pkgs=(speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 pyarrow dill multiprocess xxhash "fsspec<=2026.7.0"
       pandas python-dateutil tzdata six loguru==0.7.3 pydantic-settings python-dotenv typer click shellingham annotated-doc
-      openai httpx httpcore h11 anyio sniffio distro jiter aiohttp aiohappyeyeballs aiosignal attrs frozenlist
+      openai httpx httpcore httpx2 httpcore2 truststore h11 anyio sniffio distro jiter aiohttp aiohappyeyeballs aiosignal attrs frozenlist
       multidict propcache yarl psutil rich markdown-it-py mdurl pygments idna certifi typing-inspection)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$dir" \

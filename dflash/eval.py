@@ -121,6 +121,13 @@ def load_export(path: str | Path) -> Loaded:
         hf = json.loads(cfg_path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise EvalError(f"{cfg_path}: cannot be read as JSON ({exc})") from None
+    from dflash.init_from import causal_block_layers, causal_block_reason
+
+    causal = causal_block_layers(hf) if isinstance(hf, dict) else []
+    if causal:
+        # our drafter runs every block bidirectionally: its tau would not be this export's
+        raise EvalError(f"{cfg_path}: {causal_block_reason(hf, causal)}, which dflash's drafter does not compute; "
+                        "its tau cannot be measured here")
     try:
         dc = hf["dflash_config"]
         n = int(hf["num_hidden_layers"])

@@ -41,6 +41,26 @@ def _value(cfg: dict[str, Any], key: str) -> Any:
     return cfg["dflash_config"].get(key, cfg.get(key))
 
 
+def causal_block_layers(cfg: dict[str, Any]) -> list[int]:
+    """The layers whose block runs causal (a query sees only the block tokens up to itself) under the rule vLLM
+    applies (`is_causal`, then `dflash_config.causal`, then causal iff the layer is sliding_attention) and z-lab's
+    modeling file shares: a config without `is_causal` runs its sliding layers causal inside the block."""
+    n = int(cfg.get("num_hidden_layers") or 0)
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    if cfg.get("is_causal") is not None:
+        return list(range(n)) if cfg.get("is_causal") else []
+    if (cfg.get("dflash_config") or {}).get("causal") is not None:
+        return list(range(n)) if cfg["dflash_config"]["causal"] else []
+    return [i for i, t in enumerate(types) if t == "sliding_attention"]
+
+
+def causal_block_reason(cfg: dict[str, Any], layers: list[int]) -> str:
+    why = "is_causal is true" if cfg.get("is_causal") else "dflash_config.causal is true" \
+        if (cfg.get("dflash_config") or {}).get("causal") else "its config has no is_causal, and sliding_attention " \
+        "layers then run causal inside the block (z-lab's and vLLM's rule)"
+    return f"layers {layers} draft the block causally ({why})"
+
+
 def check_init_from(export_dir: str | Path, dcfg: DrafterConfig, target_hidden: int, taps: list[int]) -> None:
     """Raise InitFromError naming the first disagreement between the export and this run's drafter."""
     src = Path(export_dir)
@@ -68,6 +88,10 @@ def check_init_from(export_dir: str | Path, dcfg: DrafterConfig, target_hidden: 
     if list(windows) != list(ours):
         raise InitFromError(f"{where}: per-layer sliding windows {windows}, this run's are {ours}; set "
                             f"drafter.layer_sliding_windows: {windows}")
+    causal = causal_block_layers(cfg)
+    if causal:
+        raise InitFromError(f"{where}: {causal_block_reason(cfg, causal)}; dflash trains the block bidirectionally on "
+                            "every layer, so training from it would silently change what those layers compute")
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 1e6)))
     if theta != float(dcfg.rope_theta):

@@ -123,3 +123,28 @@ def test_train_checks_init_from_again_when_it_builds_the_drafter(exported: Path,
     result = train(cfg, tmp_path / "out")
     assert result.exit_code == 2
     assert "set drafter.block_size: 4" in (tmp_path / "out" / "train.log").read_text()
+
+
+def test_a_z_lab_config_without_is_causal_keeps_its_causal_sliding_layers_or_is_refused(
+        exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """z-lab's default (no is_causal): its sliding layer drafts the block causally, which our drafter does not
+    compute; training from it (or measuring its tau) would silently change it, so both refuse in one line."""
+    import shutil
+
+    from dflash.eval import EvalError, load_export
+
+    zlab = tmp_path / "zlab"
+    shutil.copytree(exported, zlab)
+    cfg = json.loads((zlab / "config.json").read_text())
+    del cfg["is_causal"]
+    (zlab / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    rc = main(["train", "--config", str(_config(tmp_path)), "--out", str(out), "--init-from", str(zlab)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "layers [0] draft the block causally" in err[0] and "no is_causal" in err[0]
+    assert not out.exists()
+    with pytest.raises(EvalError, match=r"layers \[0\] draft the block causally"):
+        load_export(zlab)
+    cfg["is_causal"] = False  # said explicitly: bidirectional, as trained
+    (zlab / "config.json").write_text(json.dumps(cfg))
+    assert load_export(zlab).tap_layers == [0, 2]

@@ -127,3 +127,13 @@ def test_the_conversion_refuses_a_non_empty_output_and_damaged_weights(smoke: di
     st.write_bytes(st.read_bytes()[:100])
     with pytest.raises(ConvertError, match="cannot be read"):
         speculators_to_zlab(src, tmp_path / "out2", smoke["out"] / "target")
+
+
+def test_the_training_subset_is_spread_over_the_whole_corpus_not_its_first_files() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    import peer
+
+    idx = peer.spread_indices(16380, 4112)
+    assert len(idx) == len(set(idx)) == 4112 and idx == sorted(idx)
+    assert idx[0] < 4 and idx[-1] > 16380 - 4  # both ends of the corpus
+    assert peer.spread_indices(10, 20) == list(range(10))
