@@ -35,9 +35,9 @@ The peer's Python: a virtual environment with speculators 0.9.0 (`./dev` builds 
 speculators==0.9.0 from PyPI, then torchvision/torchaudio removed: transformers imports torchvision when present and
 PyPI's fails beside that torch). On the GPU machine (no index there) the wheels carried in a git-ignored folder,
 installed with --no-deps into a --target directory added to PYTHONPATH: speculators 0.9.0, hs-connectors 0.9.0,
-datasets 5.1.0, pyarrow, dill, multiprocess, xxhash, fsspec, pandas, python-dateutil, tzdata, loguru 0.7.3,
+datasets 5.1.0 (pyarrow is there already), dill, multiprocess, xxhash, fsspec, pandas, python-dateutil, tzdata, loguru 0.7.3,
 pydantic-settings, python-dotenv, typer, click, shellingham, annotated-doc, openai, httpx, httpcore, h11, anyio,
-sniffio, distro, jiter, aiohttp and its parts (aiohappyeyeballs, aiosignal, attrs, frozenlist, multidict, propcache,
+sniffio, distro, jiter, httpx2, httpcore2, truststore, aiohttp and its parts (aiohappyeyeballs, aiosignal, attrs, frozenlist, multidict, propcache,
 yarl), psutil, rich, markdown-it-py, mdurl, pygments (bench/peer_wheels.sh downloads the set for Python 3.12).
 
 Run: `python3 bench/peer.py --out DIR` until it exits 0 (each call within --call-seconds, 540 on a GPU); `--smoke`
@@ -133,6 +133,27 @@ torch.save(logits[0].float(), out)
 """
 
 
+def parse_overrides(spec: str) -> list[tuple[str, dict[str, dict[str, Any]]]]:
+    """`NAME=section.key:value+section.key:value;NAME2=...` -> [(name, {section: {key: value}})]: values read as
+    YAML scalars (so 0.5, true, dpace). Each variant is one of our drafters with those config fields changed."""
+    import yaml
+
+    out: list[tuple[str, dict[str, dict[str, Any]]]] = []
+    for item in filter(None, (x.strip() for x in spec.split(";"))):
+        name, _, body = item.partition("=")
+        if not name.isidentifier() or not body:
+            raise SystemExit(f"--ours-variants: expected NAME=section.key:value[+...], got {item!r}")
+        changes: dict[str, dict[str, Any]] = {}
+        for part in body.split("+"):
+            key, sep, value = part.partition(":")
+            section, dot, field = key.partition(".")
+            if not (sep and dot and section in ("drafter", "train", "data", "target")):
+                raise SystemExit(f"--ours-variants {name}: expected section.key:value, got {part!r}")
+            changes.setdefault(section, {})[field] = yaml.safe_load(value)
+        out.append((name, changes))
+    return out
+
+
 def spread_indices(total: int, want: int) -> list[int]:
     """`want` indices evenly spaced over `total` records, in order. The records are in corpus order (regen writes
     them so), and the held-out prompts come from every 20th file of the whole corpus: the first N records would be
@@ -166,6 +187,7 @@ class PeerBench(qb.Bench):
         self.anchors_n = 64 if self.smoke else args.anchors
         self.peer_python = args.peer_python
         self.layers = 1 if self.smoke else args.drafter_layers
+        self.variants_ours = parse_overrides(args.ours_variants)
 
     # --- bookkeeping: the peer's units and their H200-sized guesses (replaced by times measured in this --out)
 
@@ -189,8 +211,8 @@ class PeerBench(qb.Bench):
     def hs_dir(self) -> Path:
         return self.peer_dir / "speculators-data"
 
-    def ours_dir(self, seed: int) -> Path:
-        return self.peer_dir / f"ours-seed{seed}"
+    def ours_dir(self, seed: int, variant: str = "") -> Path:
+        return self.peer_dir / (f"ours-{variant}-seed{seed}" if variant else f"ours-seed{seed}")
 
     def theirs_dir(self, seed: int) -> Path:
         return self.peer_dir / f"speculators-seed{seed}"
@@ -226,7 +248,8 @@ class PeerBench(qb.Bench):
         from dflash.speculators_format import write_dataset, write_hs_file
 
         done = self.peer_state().get("hs")
-        if done and done.get("records") == self.records_n and self.hs_dir().is_dir():
+        if done and done.get("records") == self.records_n and done.get("selection") == "spread" \
+                and self.hs_dir().is_dir():
             return 0
         if not self.may_start("hs", "writing speculators' hidden-state files"):
             return 3
@@ -245,8 +268,10 @@ class PeerBench(qb.Bench):
             shutil.copytree(tok_src, sub / "tokenizer")
         # Speculators' copy: records_n for training + VAL_RECORDS its loader splits off for validation.
         hs = self.hs_dir()
-        if hs.exists():
-            shutil.rmtree(hs)  # our own output directory under --out, rewritten whole
+        # New training records: every drafter trained on the old ones is stale (our own outputs under --out).
+        for stale in [hs, *self.peer_dir.glob("speculators-seed*"), *self.peer_dir.glob("ours-*seed*")]:
+            if stale.is_dir():
+                shutil.rmtree(stale)  # our own output directory under --out, rewritten whole
         t1 = time.perf_counter()
         model = self.load_hf_target()
         taps = self.taps()
@@ -287,7 +312,7 @@ class PeerBench(qb.Bench):
             raise qb.Refused(f"speculators' loader split {info['train']} training records, not {self.records_n}")
         train_tokens = sum(len(r["input_ids"]) for r in recs[: self.records_n])
         self.peer_state()["hs"] = {
-            "records": self.records_n, "val_records": VAL_RECORDS, "train_ratio": ratio, "tokens": tokens,
+            "records": self.records_n, "selection": "spread", "val_records": VAL_RECORDS, "train_ratio": ratio, "tokens": tokens,
             "train_tokens": train_tokens, "bytes": written, "gb_per_million_tokens": round(written / 1e9 / (tokens / 1e6), 3),
             "write_seconds": round(write_s, 1), "speculators_check": info, "taps_zlab": taps,
             "aux_ids_speculators": [t + 1 for t in taps]}
@@ -390,14 +415,20 @@ class PeerBench(qb.Bench):
                         key=lambda p: int(p.name))
         return epochs[-1] if epochs else None
 
-    def ours_run(self, seed: int) -> dict[str, Any]:
+    def ours_run(self, seed: int, changes: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         run = self.run_dict(seed, "dense" if self.smoke else self.args.drafter_attention,
                             "false" if self.smoke else self.args.drafter_compile, "pad" if self.smoke else self.args.packing)
         run["data"] = {**run["data"], "paths": [str(self.subset_dir())], "token_budget": self.budget}
         run["drafter"] = {**run["drafter"], "num_layers": self.layers, "num_anchors": self.anchors_n}
         run["target"] = {**run["target"], "tap_layers": self.taps()}
         run["train"] = {**run["train"], "max_steps": None, "epochs": self.epochs, "eval_every": 0}
+        for section, fields in (changes or {}).items():
+            run[section] = {**run[section], **fields}
         return run
+
+    def our_drafters(self) -> list[tuple[str, int, dict[str, dict[str, Any]]]]:
+        """(variant, seed, changes): the default recipe for every seed, each --ours-variants on seed 0."""
+        return [("", k, {}) for k in self.seeds] + [(n, self.seeds[0], c) for n, c in self.variants_ours]
 
     def stage_ours(self) -> int:
         from dflash.config import config_from_dict
@@ -405,28 +436,32 @@ class PeerBench(qb.Bench):
 
         if not (self.subset_dir() / "regen.jsonl").is_file():
             raise qb.Refused("no training subset yet; run --stage hs first")
-        for k in self.seeds:
-            d = self.ours_dir(k)
-            if (d / "bench-peak.json").is_file() and self.ours_checkpoint(k) is not None:
+        for variant, k, changes in self.our_drafters():
+            d = self.ours_dir(k, variant)
+            run = self.ours_run(k, changes)
+            done = d / "bench-peak.json"
+            if done.is_file() and self.ours_checkpoint(k, variant) is not None \
+                    and json.loads(done.read_text()).get("run") == json.loads(json.dumps(run)):
                 continue
-            if not self.may_start("ours", f"dflash seed {k}"):
+            what = f"dflash seed {k}" + (f" variant {variant}" if variant else "")
+            if not self.may_start("ours", what):
                 return 3
             t0 = time.perf_counter()
             if self.dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            res = train(config_from_dict(self.ours_run(k), f"<peer ours seed {k}>"), d, fresh=True)
+            res = train(config_from_dict(run, f"<peer ours seed {k} {variant}>"), d, fresh=True)
             if res.exit_code != 0:
-                raise PeerFailed(f"dflash seed {k}: training failed (exit {res.exit_code}); see {d}/train.log")
+                raise PeerFailed(f"{what}: training failed (exit {res.exit_code}); see {d}/train.log")
             peak = torch.cuda.max_memory_allocated() if self.dev.type == "cuda" else None
             secs = time.perf_counter() - t0
-            (d / "bench-peak.json").write_text(json.dumps({"peak_bytes": peak, "seconds": secs}) + "\n")
-            self.record("ours", f"seed{k}", secs, peak_bytes=peak)
-            print(f"dflash seed {k}: trained in {secs:.0f}s (peak {gib(peak)} GiB)", flush=True)
-            self.stage(f"ours_seed{k}", t0)
+            done.write_text(json.dumps({"peak_bytes": peak, "seconds": secs, "run": run}, default=str) + "\n")
+            self.record("ours", f"seed{k}" + (f"-{variant}" if variant else ""), secs, peak_bytes=peak)
+            print(f"{what}: trained in {secs:.0f}s (peak {gib(peak)} GiB)", flush=True)
+            self.stage(f"ours_seed{k}" + (f"_{variant}" if variant else ""), t0)
         return 0
 
-    def ours_checkpoint(self, seed: int) -> Path | None:
-        root = self.ours_dir(seed) / "checkpoints"
+    def ours_checkpoint(self, seed: int, variant: str = "") -> Path | None:
+        root = self.ours_dir(seed, variant) / "checkpoints"
         steps = sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1])) if root.is_dir() else []
         return steps[-1] if steps else None
 
@@ -515,33 +550,36 @@ class PeerBench(qb.Bench):
         target.model.to(dtype)
         seqs: list[list[int]] | None = None
         per: dict[str, dict[str, dict[str, Any]]] = {"ours": {}, "theirs": {}}
-        for who in ("ours", "theirs"):
-            for k in self.seeds:
-                if who == "ours":
-                    ck_path = self.ours_checkpoint(k)
-                    if ck_path is None:
-                        raise qb.Refused(f"no dflash checkpoint for seed {k}; run --stage ours first")
-                    loaded = load_checkpoint(ck_path)
-                else:
-                    if not (self.converted_dir(k) / "config.json").is_file():
-                        raise qb.Refused(f"speculators seed {k} not converted; run --stage convert first")
-                    loaded = load_export(self.converted_dir(k))
-                loaded.drafter.to(device=self.dev, dtype=dtype)
-                lm = TargetLM(target.model, loaded.tap_layers)
-                if seqs is None:
-                    seqs = greedy_sequences(lm.model, lm.device, prompts,
-                                            continuation_length(self.n_new, max(self.blocks)))
-                per[who][str(k)] = {}
-                for b in self.blocks:
-                    import dataclasses
+        per.update({f"ours-{n}": {} for n, _ in self.variants_ours})
+        jobs = [("ours" if not v else f"ours-{v}", k) for v, k, _ in self.our_drafters()] + \
+            [("theirs", k) for k in self.seeds]
+        for who, k in jobs:
+            if who.startswith("ours"):
+                variant = who.partition("-")[2]
+                ck_path = self.ours_checkpoint(k, variant)
+                if ck_path is None:
+                    raise qb.Refused(f"no dflash checkpoint for seed {k} {variant}; run --stage ours first")
+                loaded = load_checkpoint(ck_path)
+            else:
+                if not (self.converted_dir(k) / "config.json").is_file():
+                    raise qb.Refused(f"speculators seed {k} not converted; run --stage convert first")
+                loaded = load_export(self.converted_dir(k))
+            loaded.drafter.to(device=self.dev, dtype=dtype)
+            lm = TargetLM(target.model, loaded.tap_layers)
+            if seqs is None:
+                seqs = greedy_sequences(lm.model, lm.device, prompts,
+                                        continuation_length(self.n_new, max(self.blocks)))
+            per[who][str(k)] = {}
+            for b in self.blocks:
+                import dataclasses
 
-                    loaded.drafter.cfg = dataclasses.replace(loaded.drafter.cfg, block_size=b)
-                    r = evaluate_teacher_forced(lm, loaded.drafter, prompts, self.n_new, [self.tok.eos_id],
-                                                baseline_ngram=True, sequences=seqs)
-                    per[who][str(k)][f"B{b}"] = {"tau": r["tau"], "ngram_tau": r["baseline"]["ngram"]["tau"],
-                                                 "accept_by_position": r.get("accept_by_position")}
-                    print(f"{who:>6} seed {k} B={b}: tau {qb.num(r['tau'])}  ngram "
-                          f"{qb.num(r['baseline']['ngram']['tau'])}", flush=True)
+                loaded.drafter.cfg = dataclasses.replace(loaded.drafter.cfg, block_size=b)
+                r = evaluate_teacher_forced(lm, loaded.drafter, prompts, self.n_new, [self.tok.eos_id],
+                                            baseline_ngram=True, sequences=seqs)
+                per[who][str(k)][f"B{b}"] = {"tau": r["tau"], "ngram_tau": r["baseline"]["ngram"]["tau"],
+                                             "accept_by_position": r.get("accept_by_position")}
+                print(f"{who:>6} seed {k} B={b}: tau {qb.num(r['tau'])}  ngram "
+                      f"{qb.num(r['baseline']['ngram']['tau'])}", flush=True)
         self.record("peer_eval", "all", time.perf_counter() - t0)
         out = self.summary(per)
         (self.work / "result-peer.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
@@ -582,6 +620,13 @@ class PeerBench(qb.Bench):
             mo, mt = median_spread(ours), median_spread(theirs)
             blocks[key] = {"ours": mo, "theirs": mt, "ngram": median_spread(ngram),
                            "tau_ratio": round(mo["median"] / mt["median"], 4) if mo["median"] and mt["median"] else None}
+        ablations: dict[str, Any] = {}
+        base = per["ours"].get(str(self.seeds[0]), {})
+        for name, changes in self.variants_ours:
+            row = per.get(f"ours-{name}", {}).get(str(self.seeds[0]), {})
+            ablations[name] = {"changes": changes, **{
+                key: {"tau": row[key]["tau"], "delta_vs_default_seed": round(row[key]["tau"] - base[key]["tau"], 4)}
+                for key in row if key in base and row[key]["tau"] is not None and base[key]["tau"] is not None}}
         co, ct = self.cost("ours"), self.cost("theirs")
         wall_ratio = round(co["wall_seconds_median"] / ct["wall_seconds_median"], 4) \
             if co["wall_seconds_median"] and ct["wall_seconds_median"] else None
@@ -600,7 +645,7 @@ class PeerBench(qb.Bench):
                               "labels: theirs the target's argmax, ours the regenerated tokens (equal for greedy "
                               "regeneration up to bf16 ties)",
                               "hidden states: theirs bf16 files written once; ours the target recomputed per step"],
-                "blocks": blocks, "per_seed": per, "cost": {"ours": co, "theirs": ct}, "wall_ratio": wall_ratio,
+                "blocks": blocks, "per_seed": per, "ablations": ablations, "cost": {"ours": co, "theirs": ct}, "wall_ratio": wall_ratio,
                 "hs": self.peer_state().get("hs"), "units_s": self.state["units"]}
 
     @staticmethod
@@ -617,6 +662,10 @@ class PeerBench(qb.Bench):
             c = out["cost"][who]
             print(f"{who:>6}: {c['target_tokens']} target tokens, wall {c['wall_seconds_median']} s (median), "
                   f"{c['tokens_per_s_median']} tok/s, peak {c['peak_gib_max']} GiB, disk {c['disk_gb']} GB")
+        for name, row in out.get("ablations", {}).items():
+            cells = ", ".join(f"{b}: {v['tau']:.2f} ({v['delta_vs_default_seed']:+.2f})" for b, v in row.items()
+                              if b.startswith("B"))
+            print(f"ablation {name} {row['changes']}: {cells} (seed 0, against the default drafter)")
         b16 = out["blocks"].get("B16") or next(iter(out["blocks"].values()))
         print(f"peer: speculators 0.9.0, bench target, B=16: tau ratio {b16['tau_ratio']} (ours "
               f"{qb.num(b16['ours']['median'])} / theirs {qb.num(b16['theirs']['median'])}, medians of "
@@ -641,6 +690,11 @@ def main() -> int:
     ap.add_argument("--peer-epochs", type=int, default=6, help="epochs over those records, both trainers")
     ap.add_argument("--token-budget", type=int, default=16384,
                     help="tokens per step: our buffer, speculators' --total-seq-len (with --anchors per it)")
+    ap.add_argument("--ours-variants", default="",
+                    help="ablations: more dflash drafters on seed 0, each with config fields changed, "
+                         "NAME=section.key:value[+section.key:value] separated by ';' (e.g. "
+                         "'dpace=drafter.position_weights:dpace;doc=drafter.anchor_sampling:document'); result-peer.json "
+                         "'ablations' gives each one's tau and its difference from the default drafter of seed 0")
     ap.add_argument("--peer-loss", default="fused", choices=["fused", "eager"],
                     help="speculators' --loss-implementation on the GPU (eager: its compatibility path; its fused "
                          "Triton CE failed to compile under torch 2.11's dynamo on an H100, 2026-12-07)")

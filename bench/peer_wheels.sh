@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The pure-Python (and cp312 manylinux) wheels speculators 0.9.0 needs on the GPU machine, which has torch,
-# transformers, numpy, safetensors, tokenizers, huggingface_hub, pyyaml, tqdm and no package index: downloaded here
+# transformers 5.17, numpy, pyarrow, safetensors, tokenizers, huggingface_hub, pyyaml, tqdm and no package index: downloaded here
 # into DIR (default .whl-peer, git-ignored), carried with `run`'s carry, installed there with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-peer DIR/*.whl
 # and put on PYTHONPATH for bench/peer.py's --peer-python (see its docstring). torchvision/torchaudio are left out on
@@ -8,7 +8,9 @@
 set -euo pipefail
 dir=${1:-.whl-peer}
 mkdir -p "$dir"
-pkgs=(speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 pyarrow dill multiprocess xxhash "fsspec<=2026.7.0"
+# pyarrow is left out too: the GPU machine has pyarrow 25.0.1 (seen 2026-12-07), and its 55 MB wheel would not fit
+# run's 64 MiB carry beside .whl/. Total here ~23 MB.
+pkgs=(speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 dill multiprocess xxhash "fsspec<=2026.7.0"
       pandas python-dateutil tzdata six loguru==0.7.3 pydantic-settings python-dotenv typer click shellingham annotated-doc
       openai httpx httpcore httpx2 httpcore2 truststore h11 anyio sniffio distro jiter aiohttp aiohappyeyeballs aiosignal attrs frozenlist
       multidict propcache yarl psutil rich markdown-it-py mdurl pygments idna certifi typing-inspection)

@@ -184,6 +184,10 @@ class TrainConfig(_Section):
     min_lr_ratio: float = 0.1  # cosine ends at lr * min_lr_ratio
     weight_decay: float = 0.01
     betas: list[float] = [0.9, 0.95]
+    # adamw, or muon: Muon (torch.optim.Muon, match_rms_adamw) on the drafter's 2-D weights + AdamW on the rest
+    # (speculators' default for DFlash); muon_weight_decay is the Muon group's (speculators: 0.1)
+    optimizer: str = "adamw"
+    muon_weight_decay: float = 0.1
     grad_clip: float = 1.0
     epochs: int = 1
     max_steps: int | None = None  # when set, the run length (more epochs are scheduled if one is not enough)
@@ -221,6 +225,8 @@ class TrainConfig(_Section):
 
     _compile = _v(_one_of("auto", "true", "false"), "compile")
     _compile_scope = _v(_one_of("whole", "regional"), "compile_scope")
+    _optimizer = _v(_one_of("adamw", "muon"), "optimizer")
+    _muon_wd = _v(_at_least(0, ">="), "muon_weight_decay")
 
     @field_validator("warmup_frac")
     @classmethod
@@ -292,6 +298,8 @@ class DrafterSection(DrafterConfig):
 
     _strict = _STRICT
     _attention = _v(_one_of(*_ATTENTION), "attention")
+    _weights = _v(_one_of("exp", "dpace", "uniform"), "position_weights")
+    _sampling = _v(_one_of("buffer", "document"), "anchor_sampling")
     _counts = _v(_at_least(1, ">="), "num_layers", "num_heads", "num_kv_heads", "ce_chunk", "hidden_size", "head_dim",
                  "intermediate_size", "sliding_window")
     _block = _v(_at_least(2, ">="), "block_size")
@@ -309,6 +317,13 @@ class DrafterSection(DrafterConfig):
     def _gamma(cls, v: float) -> float:
         if not v > 0:
             raise ValueError(f"must be > 0, got {v}")
+        return v
+
+    @field_validator("dpace_alpha")
+    @classmethod
+    def _alpha(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"must be in (0, 1], got {v}")
         return v
 
 

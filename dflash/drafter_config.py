@@ -19,6 +19,14 @@ class DrafterConfig:
     block_size: int = 16  # B
     num_anchors: int = 64  # fixed anchors per buffer
     loss_gamma: float = 7.0
+    # Loss weight of block position k (issue 40's ablation): "exp" exp(-(k-1)/loss_gamma) (DFlash, SpecForge);
+    # "dpace" D-PACE (speculators' default: the expected accepted run that position k is part of, from the drafter's
+    # own detached confidences, smoothed by dpace_alpha); "uniform" 1 for every k >= 1. Always normalised by sum(w).
+    position_weights: str = "exp"
+    dpace_alpha: float = 0.5
+    # How anchors are drawn in a buffer: "buffer" uniformly over its valid positions (long documents take most);
+    # "document" each document the same expected share (short documents never starve).
+    anchor_sampling: str = "buffer"
     mask_token_id: int | None = None  # None -> caller sets (tokenizer's mask token)
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6

@@ -337,6 +337,11 @@ def _check_attention(cfg: dict[str, Any], dc: dict[str, Any], res: CheckResult) 
             # engines (which read the AutoConfig) lose the window.
             res.fail("config.json use_sliding_window", "must be true when layer_types has sliding_attention "
                      "(transformers' Qwen3Config drops sliding_window otherwise)", BOTH)
+        if _is_int(w):
+            res.notes.append(f"sliding layers {sliding}: SGLang and vLLM apply the window per query position (a query "
+                             f"at q reads keys in [q-{w}+1, q]) and, with is_causal false, the block bidirectionally: "
+                             "the rule dflash trains (speculators counts the window from the anchor and runs the block "
+                             "causal unless sliding_window_non_causal)")
         if len(sliding) < len(types or []):
             res.notes.append(f"layer_types mixes sliding and full attention (sliding: {sliding}): vLLM serves it only "
                              "with the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)")

@@ -69,7 +69,8 @@ def anchor_candidates(batch: DraftBatch) -> Tensor:
 
 
 def sample_anchors(
-    batch: DraftBatch, num_anchors: int, block_size: int, generator: torch.Generator | None
+    batch: DraftBatch, num_anchors: int, block_size: int, generator: torch.Generator | None,
+    per_document: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Pick `num_anchors` random valid anchor positions with fixed-shape ops: (anchors [A] long sorted, keep [A] bool).
 
@@ -78,6 +79,10 @@ def sample_anchors(
     whose `keep` is False. Sorted anchors keep neighbouring query tiles close in the context (sparser flex blocks).
     `block_size` is part of the signature for callers that want to exclude anchors near the end (not needed: labels
     past a document's end get weight 0).
+
+    `per_document`: weighted sampling without replacement (Efraimidis-Spirakis: the top-k of log(u) / w) with each
+    position's weight 1 / (its document's valid positions), so every document gets the same expected share of the
+    anchors however short it is; still one topk over fixed shapes (the per-document counts are a scatter_add into N).
     """
     del block_size
     n = batch.input_ids.shape[0]
@@ -86,7 +91,14 @@ def sample_anchors(
     valid = anchor_candidates(batch)
     gen_device = generator.device if generator is not None else valid.device
     scores = torch.rand(n, generator=generator, device=gen_device).to(valid.device)
-    scores = torch.where(valid, scores, torch.full_like(scores, -1.0))
+    if per_document:
+        doc = batch.doc_ids.clamp(min=0)
+        counts = torch.zeros(n, dtype=torch.float32, device=valid.device).scatter_add_(0, doc, valid.float())
+        # log-keys: n_doc * log(u) (<= 0); invalid positions sort below every valid one
+        scores = counts[doc].clamp(min=1.0) * torch.log(scores.clamp(min=1e-30))
+        scores = torch.where(valid, scores, torch.full_like(scores, -float("inf")))
+    else:
+        scores = torch.where(valid, scores, torch.full_like(scores, -1.0))
     _, idx = torch.topk(scores, num_anchors, sorted=False)
     anchors, _ = torch.sort(idx)
     return anchors, valid[anchors]
@@ -457,12 +469,14 @@ class DFlashDrafter(nn.Module):
         self.regions: Regions | None = None
 
     def position_weight(self, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
-        """[B] loss weight per block position: 0 for position 0 (the anchor itself), exp(-(k-1)/gamma) for k >= 1.
+        """[B] loss weight per block position: 0 for position 0 (the anchor itself), exp(-(k-1)/gamma) for k >= 1
+        (`position_weights: uniform`: 1). D-PACE depends on the drafter's confidences: see dpace_weights.
 
         Computed in fp64 and cast (not a buffer: `.bfloat16()` on the module must not round the weights).
         """
         k = torch.arange(self.cfg.block_size, dtype=torch.float64, device=device)
-        w = torch.where(k >= 1, torch.exp(-(k - 1) / self.cfg.loss_gamma), torch.zeros_like(k))
+        decay = torch.ones_like(k) if self.cfg.position_weights == "uniform" else torch.exp(-(k - 1) / self.cfg.loss_gamma)
+        w = torch.where(k >= 1, decay, torch.zeros_like(k))
         return w.to(dtype)
 
     def _regional(self) -> Regions | None:
@@ -571,7 +585,8 @@ class DFlashDrafter(nn.Module):
                 f"{self.fc.in_features // self.num_taps} = {self.fc.in_features}"
             )
         if anchors is None:
-            anchors, keep = sample_anchors(batch, cfg.num_anchors, b, generator)
+            anchors, keep = sample_anchors(batch, cfg.num_anchors, b, generator,
+                                           per_document=cfg.anchor_sampling == "document")
         elif keep is None:
             keep = torch.ones_like(anchors, dtype=torch.bool)
         assert keep is not None
@@ -589,7 +604,10 @@ class DFlashDrafter(nn.Module):
         valid[:, 0] = False
         labels = ids[tgt_c].reshape(m)
         wdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        weights = (self.position_weight(ids.device, wdtype)[None, :] * valid).reshape(m)
+        if cfg.position_weights == "dpace":
+            weights = dpace_weights(x.detach(), lm_head, labels, valid, cfg.dpace_alpha, cfg.ce_chunk).to(wdtype)
+        else:
+            weights = (self.position_weight(ids.device, wdtype)[None, :] * valid).reshape(m)
         regions = self._regional()
         loss_sum, correct = chunked_cross_entropy(x, lm_head, labels, weights, cfg.ce_chunk,
                                                   regions.ce if regions is not None else None)
@@ -599,6 +617,24 @@ class DFlashDrafter(nn.Module):
         counts = valid_f.sum(0)[1:]
         acc = ((correct.reshape(a, b) * valid_f).sum(0)[1:] / counts.clamp(min=1)).detach()
         return DraftOutput(loss=loss, acc=acc, weight_sum=weight_sum.detach(), num_tokens=valid.sum().detach())
+
+
+def dpace_weights(hidden: Tensor, lm_head: nn.Linear, labels: Tensor, valid: Tensor, alpha: float,
+                  chunk: int) -> Tensor:
+    """[A*B] D-PACE position weights (speculators' default for DFlash): with q_k = exp(-CE_k) the drafter's
+    (detached) probability of the right token at block position k, smoothed s_k = (1 - alpha) q_k + alpha (1 where
+    unsupervised), the weight of k is sum_{j >= k} prod_{i <= j} s_i over supervised j: how much of the expected
+    accepted run position k is part of. No grad; one extra chunked pass over the block logits."""
+    a, b = valid.shape
+    with torch.no_grad():
+        ce = torch.cat([F.cross_entropy(F.linear(hidden[s:s + chunk].to(lm_head.weight.dtype), lm_head.weight,
+                                                 lm_head.bias).float(), labels[s:s + chunk], reduction="none")
+                        for s in range(0, hidden.shape[0], chunk)]).reshape(a, b)
+        mask = valid.to(ce.dtype)
+        smooth = torch.where(valid, (1.0 - alpha) * torch.exp(-ce) + alpha, torch.ones_like(ce))
+        prefix = torch.cumprod(smooth, dim=-1)
+        weight = torch.flip(torch.cumsum(torch.flip(prefix * mask, dims=[-1]), dim=-1), dims=[-1]) * mask
+    return weight.reshape(a * b)
 
 
 def chunked_cross_entropy(
@@ -650,6 +686,7 @@ __all__ = [
     "block_attention_rule",
     "chunked_cross_entropy",
     "compile_regions",
+    "dpace_weights",
     "compile_step_model",
     "dense_mask",
     "flex_kernels",

@@ -27,6 +27,7 @@ from torch import nn
 from dflash import checkpoint as ckpt
 from dflash import compile_cache, fla_configs, locks, triton_carry
 from dflash.cache_entry import cache_home
+from dflash.optim import build_optimizer
 from dflash.config import ConfigError, RunConfig, check_mask_token_id, check_run
 from dflash.data import DataError, Document, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
@@ -597,10 +598,9 @@ class Trainer:
                                                  device_ids=[device.index] if device.type == "cuda" else None)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         t = cfg.train
-        self.opt = torch.optim.AdamW(self.params, lr=t.lr, betas=(t.betas[0], t.betas[1]),
-                                     weight_decay=t.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, t.warmup_frac,
-                                                                           t.min_lr_ratio))
+        self.opt, self.sched = build_optimizer(list(self.drafter.named_parameters()), t.optimizer, t.lr, t.betas,
+                                               t.weight_decay, t.muon_weight_decay,
+                                               lr_lambda(self.total, t.warmup_frac, t.min_lr_ratio))
         self.gen = torch.Generator(device=device)
         self.gen.manual_seed(t.seed * 1000 + d + 1)
         path = self.start.resume_path

@@ -143,6 +143,8 @@ def test_good_export_passes_check(good: Path, capsys: pytest.CaptureFixture[str]
     assert "passes" in out.out and out.err == ""
     # the fixture's drafter mixes a sliding and a full layer: a serving note, not a defect
     assert "VLLM_USE_V2_MODEL_RUNNER=1" in out.out
+    # and names the window rule the engines apply to its sliding layer (the one dflash trains)
+    assert "sliding layers [0]: SGLang and vLLM apply the window per query position" in out.out
 
 
 @pytest.mark.parametrize("rule,edit,field,engine", BROKEN, ids=[b[0] for b in BROKEN])
