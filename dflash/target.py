@@ -582,6 +582,19 @@ def use_sdpa_for_decoding(model: nn.Module) -> None:
         model.set_attn_implementation("sdpa")
 
 
+@contextlib.contextmanager
+def decoding_attention(model: nn.Module) -> Iterator[None]:
+    """Cached decoding on the training target (the held-out set, dflash/heldout.py): sdpa inside, and the packed-row
+    varlen function back afterwards when the target trained with it."""
+    before = getattr(model.config, "_attn_implementation", None)
+    use_sdpa_for_decoding(model)
+    try:
+        yield
+    finally:
+        if before == VARLEN_ATTENTION:
+            model.set_attn_implementation(register_varlen_attention())
+
+
 def register_varlen_attention() -> str:
     """Register varlen_attention_forward with transformers (idempotent) and return its name.
 

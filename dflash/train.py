@@ -7,6 +7,7 @@ rank 0 (always a drafter rank) writes the run-level events. The run directory it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import random
@@ -395,9 +396,6 @@ class Trainer:
             return self.end("error", EXIT_ERROR)
         if self.stop_requested():
             return self.end_on_signal()
-        self._build_heldout(tok)
-        if self.stop_requested():
-            return self.end_on_signal()
         self._build_target(tok.vocab_size)
         # The probe above saw a weightless instance; what counts is what the loaded model really bound.
         problems = loaded_kernel_problems(kernels, self.info.kernels, self.device, allowed)
@@ -410,6 +408,9 @@ class Trainer:
                 return self.end("error", EXIT_ERROR)
         else:
             self.log.info("loaded target binds the kernels the probe saw")
+        self._build_heldout(tok)
+        if self.stop_requested():
+            return self.end_on_signal()
         self._precapture_graphs()
         if self.stop_requested():
             return self.end_on_signal()
@@ -458,23 +459,43 @@ class Trainer:
         return t.checkpoint_every if t.eval_every is None else t.eval_every
 
     def _build_heldout(self, tok: Any) -> None:
-        """Rank 0's held-out set for the `eval` events (dflash/heldout.py), made before the training target is loaded
-        (it loads the target once itself on first use, then reads the cache). A corpus with nothing held out turns
-        evaluation off with a line saying why: it never stops a run."""
+        """Rank 0's held-out set for the `eval` events (dflash/heldout.py), made with the training target right after
+        it is loaded (no second instance; split: target rank 0 makes it for drafter rank 0), then read from the cache.
+        A corpus with nothing held out turns evaluation off with a line saying why: it never stops a run."""
         from dflash import heldout
         from dflash.eval import EvalError
 
         self.heldout: heldout.HeldOutSet | None = None
-        if not self.rank0 or not self._eval_every():
+        if not self._eval_every():
+            return
+        roles = self.roles
+        if roles.split and roles.rank == roles.targets[0]:
+            assert self.target is not None
+            if heldout.Remote.serve(self.target, 0, self.device):
+                self.log.info("eval: made the held-out set for drafter rank 0")
+            return
+        if not self.rank0:
             return
         self.phase("preparing_data", detail="held-out eval set")
+        info = self.info
+        remote = heldout.Remote(roles.targets[0], self.device, info.hidden_size * len(info.tap_layers),
+                                info.dtype) if roles.split else None
+        if remote is not None:
+            make: heldout.Continue = remote
+        else:
+            assert self.target is not None  # colocated: every rank holds the target
+            make = functools.partial(heldout.continuations, self.target)
         try:
-            self.heldout = heldout.build(self.cfg, tok, block_size=self.cfg.drafter.block_size, total_steps=self.total,
-                                         n_drafters=len(self.roles.drafters), run_dir=self.run_dir.out,
-                                         device=self.device, log=lambda m: self.log.info("%s", m))
+            self.heldout = heldout.build(self.cfg, tok, make, block_size=self.cfg.drafter.block_size,
+                                         total_steps=self.total, n_drafters=len(roles.drafters),
+                                         run_dir=self.run_dir.out, device=self.device,
+                                         log=lambda m: self.log.info("%s", m))
         except (EvalError, DataError) as exc:
             self.log.warning("eval: off for this run: %s (train.eval_every: 0 silences this)", exc)
             return
+        finally:
+            if remote is not None:
+                remote.done()
         hs = self.heldout
         self.log.info("eval: tau on %d held-out sequences (%s) every %d steps; prompt lookup's tau there %s",
                       len(hs.sequences), hs.source, self._eval_every(),
