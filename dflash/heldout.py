@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dflash.cache_entry import target_identity
 from dflash.config import RunConfig
 from dflash.data import TokenizerAdapter
 from dflash.model import DFlashDrafter
@@ -70,7 +71,7 @@ class HeldOutSet:
 
     @property
     def ngram_tau(self) -> float | None:
-        from dflash.eval import acceptance_stats
+        from dflash.measure import acceptance_stats
 
         return acceptance_stats(self.ngram, self.block_size)["tau"] if self.ngram else None
 
@@ -91,7 +92,7 @@ def heldout_prompts(cfg: RunConfig, tok: TokenizerAdapter, settings: EvalSetting
     """The prompts `dflash eval --num-prompts N --prompt-tokens P` picks for this run's checkpoints (same held-out
     documents, same order). `docs`: the corpus as configured (read when not given), not the records trained on."""
     from dflash.data import read_documents
-    from dflash.eval import heldout_documents_of, prompts_from_documents
+    from dflash.measure import heldout_documents_of, prompts_from_documents
 
     docs = read_documents(cfg.data) if docs is None else docs
     pipeline = {"total_steps": total_steps, "feeds": [None] * n_drafters}
@@ -105,9 +106,8 @@ def _key(cfg: RunConfig, tok: TokenizerAdapter, basis: dict[str, Any], settings:
     """`basis` names the prompts: their hash, or (configured data) what decides them, so that a cached set is found
     without tokenizing the corpus and building its schedule again at every start."""
     from dflash.pretrain import as_dict
-    from dflash.regen import _target_identity
 
-    blob = json.dumps({"format": FORMAT, "target": _target_identity(cfg), "tokenizer": tok.content_hash,
+    blob = json.dumps({"format": FORMAT, "target": target_identity(cfg.target), "tokenizer": tok.content_hash,
                        "prompts": basis, "settings": dataclasses.asdict(settings), "block_size": block,
                        "taps": {"tap_layers": cfg.target.tap_layers, "draft_layers": cfg.drafter.num_layers},
                        "numerics": {"dtype": cfg.target.dtype, "attention": cfg.target.attention,
@@ -151,7 +151,7 @@ def continuations(target: Target, prompts: list[list[int]], new_tokens: int) -> 
     """The held-out set's content, made with the (training) target: its greedy continuations, then one forward per
     sequence for the taps, as `dflash eval --method teacher-forced` runs it. Decoding runs on sdpa (transformers'
     cached decoding needs its own masks); the target goes back to its training attention afterwards."""
-    from dflash.eval import greedy_sequences
+    from dflash.measure import greedy_sequences
     from dflash.target import decoding_attention
 
     with decoding_attention(target.model):
@@ -222,9 +222,9 @@ def build(cfg: RunConfig, tok: TokenizerAdapter, make: Continue, *, block_size: 
     """Load the run's held-out set from the cache, or make it with `make` (the training target: `continuations`,
     or `Remote` in a split run) on first use and cache it.
 
-    Raises dflash.eval.EvalError when the corpus has no held-out document."""
+    Raises dflash.measure.EvalError when the corpus has no held-out document."""
     from dflash.data import corpus_fingerprint, read_documents
-    from dflash.eval import EvalError
+    from dflash.measure import EvalError
     from dflash.pretrain import as_dict
     from dflash.regen import prompt_rendering
     from dflash.tau import continuation_length, walk
@@ -281,7 +281,7 @@ def evaluate(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Mod
              device: torch.device) -> dict[str, Any]:
     """The `eval` event's measurements (docs/events.md) of `drafter` on the held-out set: a drafter pass at every
     anchor of every sequence, then the decode loop's walk."""
-    from dflash.eval import acceptance_stats, tau_interval
+    from dflash.measure import acceptance_stats, tau_interval
     from dflash.tau import teacher_forced
 
     t0 = time.perf_counter()

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 from dflash.kernels import inspect_kernels, quiet_expected_fallback_notice, varlen_usable
 from dflash.target_config import (  # noqa: F401 (re-exported: the config types live in a torch-free module)
-    _ARCH_POSITIVE,
     ATTENTIONS,
     CUDA_GRAPHS,
     DEFAULT_FAMILY,

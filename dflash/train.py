@@ -463,7 +463,7 @@ class Trainer:
         it is loaded (no second instance; split: target rank 0 makes it for drafter rank 0), then read from the cache.
         A corpus with nothing held out turns evaluation off with a line saying why: it never stops a run."""
         from dflash import heldout
-        from dflash.eval import EvalError
+        from dflash.measure import EvalError
 
         self.heldout: heldout.HeldOutSet | None = None
         if not self._eval_every():

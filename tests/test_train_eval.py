@@ -132,7 +132,7 @@ def test_a_cached_heldout_set_of_configured_data_is_found_without_scheduling_the
         tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Finding configured data's held-out documents tokenizes the whole corpus and builds its schedule: a week-long
     run's restarts must not pay that again once the set is cached (its key is what decides the prompts)."""
-    import dflash.eval
+    import dflash.measure
 
     data = tmp_path / "data"
     data.mkdir()
@@ -147,7 +147,7 @@ def test_a_cached_heldout_set_of_configured_data_is_found_without_scheduling_the
     def schedule_again(*_a: object, **_k: object) -> None:
         raise AssertionError("the held-out documents were looked up again")
 
-    monkeypatch.setattr(dflash.eval, "heldout_documents_of", schedule_again)
+    monkeypatch.setattr(dflash.measure, "heldout_documents_of", schedule_again)
     assert train(cfg, tmp_path / "b").exit_code == 0
     second = _events(tmp_path / "b", "eval")
     assert [(e["tau"], e["ngram_tau"], e["sequences"]) for e in second] == \
