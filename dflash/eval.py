@@ -772,6 +772,19 @@ def _pct(v: float | None) -> str:
     return "    -" if v is None else f"{100 * v:5.1f}%"
 
 
+def _check_length(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int) -> None:
+    """The teacher-forced drafter pass chunks its dense attention to bounded memory down to one anchor per chunk: a
+    longer sequence than that allows is refused in one line before the target is loaded (measure.max_eval_tokens)."""
+    from dflash.measure import max_eval_tokens
+    from dflash.tau import continuation_length
+
+    n, limit = max(len(p) for p in prompts) + continuation_length(max_new_tokens, block_size), max_eval_tokens(block_size)
+    if n > limit:
+        raise EvalError(f"--max-new-tokens {max_new_tokens}: prompt + new tokens + B-1 = {n} exceed the {limit} tokens "
+                        f"the teacher-forced drafter pass can chunk at block size {block_size}; lower it, or use "
+                        "--method decode")
+
+
 def run(args: Any) -> int:
     """The `dflash eval` command; returns the exit code (0 ok, 1 lossless failure, 2 bad input)."""
     from dflash.data import read_documents
@@ -817,6 +830,8 @@ def run(args: Any) -> int:
         prompts = prompts[: args.num_prompts]
         if not prompts:
             raise EvalError(f"no prompt of at least {args.prompt_tokens + 1} tokens in {where}")
+        if method == "teacher-forced":
+            _check_length(prompts, args.max_new_tokens, loaded.drafter.cfg.block_size)
         target = load_target(loaded, args.target, device)
         loaded.drafter.to(device)
     except (EvalError, ConfigError, DataError) as exc:

@@ -174,6 +174,18 @@ def tau_interval(methods: Sequence[Sequence[Generation]], resamples: int = 2000,
     return [pct(d) for d in draws[: len(methods)]] + ([pct(draws[-1])] if len(methods) > 1 else [])
 
 
+def max_eval_tokens(block_size: int) -> int:
+    """The longest sequence (prompt + new tokens + B - 1) a teacher-forced evaluation takes at block size B.
+
+    Why a limit: the drafter pass (dflash/tau.py, drafts_at_anchors) runs dense attention in chunks of A anchors,
+    whose mask is A*B x (n + A*B) for an n-token sequence, and picks A so a chunk stays within tau.MASK_ELEMENTS; memory
+    is then bounded whatever the length (time grows as B * new tokens * n). Below one anchor per chunk it cannot
+    shrink further: one anchor's B x (n + B) block must fit, so n <= MASK_ELEMENTS / B - B (4,194,288 tokens at B=16)."""
+    from dflash.tau import MASK_ELEMENTS
+
+    return MASK_ELEMENTS // block_size - block_size
+
+
 # ----------------------------------------------------------------------------- the target's continuations
 def greedy_sequences(model: torch.nn.Module, device: torch.device, prompts: Sequence[Sequence[int]], new_tokens: int,
                      batch_size: int = 64, progress: Callable[[int, int], None] | None = None) -> list[list[int]]:
@@ -202,4 +214,4 @@ def greedy_sequences(model: torch.nn.Module, device: torch.device, prompts: Sequ
 
 
 __all__ = ["EvalError", "acceptance_stats", "embedded_heldout", "greedy_sequences", "heldout_documents_of",
-           "prompts_from_documents", "scheduled_doc_indices", "tau_interval"]
+           "max_eval_tokens", "prompts_from_documents", "scheduled_doc_indices", "tau_interval"]

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash import checkpoint as ckpt
-from dflash import compile_cache, fla_configs, locks, triton_carry
+from dflash import compile_cache, fla_configs, triton_carry
 from dflash.cache_entry import cache_home
-from dflash.config import ConfigError, RunConfig, check_mask_token_id, check_run
-from dflash.data import DataError, Document, load_tokenizer, read_documents, tokenize
+from dflash.config import ConfigError, RunConfig, check_mask_token_id
+from dflash.data import DataError, Document, TokenizerAdapter, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
 from dflash.memory import apply_auto_checkpoint
 from dflash.model import DFlashDrafter, compile_step_model, resolve_attention
@@ -44,7 +44,6 @@ from dflash.pipeline import (
     init_distributed,
     recv_target_info,
     refeed,
-    resolve_roles,
     send_target_info,
     serve_target,
 )
@@ -53,12 +52,11 @@ from dflash.rundir import (
     RunDir,
     UsageError,
     check_out,
-    check_resume_config,
-    hold_run_lock,
     open_run_dir,
     select_start,
 )
-from dflash.target import Target, probe_kernels, target_shape
+from dflash.runprep import Hook, pick_device, preflight  # noqa: F401 (pick_device: re-exported)
+from dflash.target import Target, probe_kernels
 from dflash.target_fusion import describe as describe_fusion
 from dflash.telemetry import Heartbeat, hostname, stderr_line
 
@@ -96,13 +94,6 @@ def classify_error(exc: BaseException) -> str:
     if "nccl" in lower or "gloo" in lower or type(exc).__name__ in ("DistBackendError", "DistNetworkError"):
         return "nccl"  # the contract's class for any collective / send-recv failure, gloo's included
     return "exception"
-
-
-def pick_device(roles: Roles) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(roles.local_rank % torch.cuda.device_count())
-        return torch.device("cuda", roles.local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 def loaded_kernel_problems(probed: dict[str, str], loaded: dict[str, str], device: torch.device | str,
@@ -221,41 +212,23 @@ def prepare_documents(cfg: RunConfig) -> list[Document]:
     return read_documents(cfg.data)
 
 
-def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resume: bool = False,
+def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resume: bool | str = False,
           fresh: bool = False, allow_slow_kernels: bool = False, docs: list[Document] | None = None,
-          on_step: Callable[[int, float], None] | None = None) -> TrainResult:
+          on_step: Callable[[int, float], None] | None = None, before_lock: Hook | None = None,
+          under_lock: Hook | None = None) -> TrainResult:
     """Run (or resume) training into `out`; returns the exit code the CLI should use. Never raises for run errors:
     they become `error` + `run_end` events (the events file is the contract), except UsageError/DataError/ConfigError
-    raised before anything is written."""
-    roles = resolve_roles(cfg.dist)
-    device = pick_device(roles)
-    out = Path(out)
-    # The whole config is checked before anything below deletes (--fresh) or truncates (events.jsonl) a thing.
-    check_run(cfg, device.type)
-    if docs is None:
-        docs = prepare_documents(cfg)
-    if fresh and resume:
-        raise UsageError("--fresh and --resume exclude each other")
-    if cfg.data.tokenizer is not None and (cfg.drafter.mask_token_id is not None or "vocab_size" in cfg.target.arch):
-        # A tokenizer directory's size is known once it is read (never written): still before anything is written.
-        try:
-            shape = target_shape(cfg.target, load_tokenizer(cfg.data, docs, out / "tokenizer").vocab_size)
-        except ValueError as exc:  # target.arch.vocab_size smaller than the tokenizer
-            raise cfg.error(exc) from None
-        if shape.vocab_size is not None:
-            check_mask_token_id(cfg, shape.vocab_size, shape.vocab_from)
-    if resume and roles.rank == 0:
-        check_resume_config(out, cfg)  # a changed drafter/target/data: refused before anything is built
-    # One writer per OUT: rank 0 holds OUT/run.lock for the job (re-entrant: the CLI took it already), before
-    # --fresh deletes or events.jsonl is truncated; the OS drops it when the process ends, however it ends.
-    lock = hold_run_lock(out) if roles.rank == 0 else None
+    raised before anything is written. `resume` may be "auto" (resume when OUT has a checkpoint). The checks before
+    anything is written are dflash/runprep.py's preflight, run once here (`dflash train` adds its steps as the hooks)."""
+    prep = preflight(cfg, out, resume=resume, fresh=fresh, docs=docs, before_lock=before_lock,
+                     under_lock=under_lock)
+    cfg, out, roles, device, resume = prep.cfg, prep.out, prep.roles, prep.device, prep.resume
     try:
         check_out(out, roles, resume=resume, fresh=fresh)
         init_distributed(roles, device, cfg.dist.backend, cfg.dist.timeout_s)
         run = open_run_dir(out, roles, resume=resume)
     except BaseException:
-        if lock is not None:
-            locks.release(lock)
+        prep.release()
         raise
     live = Live(device=device)
 
@@ -272,15 +245,14 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
     gate = SignalGate(emergency_end).install()
     # Handlers first, heartbeat second: once a heartbeat is visible, a signal gets the clean shutdown.
     hb = Heartbeat(run.writer, live.heartbeat, cfg.train.heartbeat_s).start()
-    trainer = Trainer(cfg, run, roles, device, live, gate, hb, docs, on_step)
+    trainer = Trainer(cfg, run, roles, device, live, gate, hb, prep.docs, on_step, tok=prep.tok, notes=prep.notes)
     try:
         result = trainer.run(max_steps=max_steps, resume=resume, allow_slow_kernels=allow_slow_kernels)
     finally:
         gate.restore()
         hb.stop()
         run.close()
-        if lock is not None:
-            locks.release(lock)
+        prep.release()
         if roles.world_size > 1:
             _KEPT_ALIVE.append(trainer)
             if dist.is_initialized():
@@ -296,10 +268,13 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, run: RunDir, roles: Roles, device: torch.device, live: Live,
                  gate: SignalGate, hb: Heartbeat, docs: list[Document],
-                 on_step: Callable[[int, float], None] | None) -> None:
+                 on_step: Callable[[int, float], None] | None, tok: TokenizerAdapter | None = None,
+                 notes: list[str] | None = None) -> None:
         self.cfg, self.run_dir, self.roles, self.device = cfg, run, roles, device
         self.writer, self.log, self.live, self.gate, self.hb = run.writer, run.log, live, gate, hb
         self.docs = docs
+        self.tok = tok  # preflight's (dflash/runprep.py), when reading it wrote nothing; else loaded in _build_data
+        self.data_notes = notes or []
         self.on_step = on_step
         self.rank0 = roles.rank == 0
         self.triton: triton_carry.Carry | None = None  # what this host's Triton cache got back (target ranks)
@@ -426,16 +401,21 @@ class Trainer:
         """Tokenizer, corpus and start point (same on every rank; only rank 0 writes the tokenizer and schedule)."""
         cfg, roles = self.cfg, self.roles
         tok_cache = Path(cfg.data.tokenizer_cache) if cfg.data.tokenizer_cache else self.run_dir.out / "tokenizer"
-        if roles.rank == 0 or roles.world_size == 1:
-            tok = load_tokenizer(cfg.data, self.docs, tok_cache)
+        tok = self.tok  # loaded once per process: by preflight, or here when a tiny BPE had to be trained
+        if tok is None and (roles.rank == 0 or roles.world_size == 1):
+            tok = load_tokenizer(cfg.data, self.docs, tok_cache)  # rank 0 trains and writes it
         if roles.world_size > 1:
             dist.barrier()
-            if roles.rank != 0:
-                tok = load_tokenizer(cfg.data, self.docs, tok_cache)
+            if tok is None:
+                tok = load_tokenizer(cfg.data, self.docs, tok_cache)  # the other ranks read what rank 0 wrote
+        assert tok is not None
+        self.tok = tok
         self.corpus = tokenize(self.docs, tok)
         if roles.rank == 0:  # what `dflash data inspect` shows, once, in the log
             from dflash.data_inspect import training_summary_lines
 
+            for note in self.data_notes:  # an empty file, a file read twice: said, not refused
+                self.log.warning("data: warning: %s", note)
             for line in training_summary_lines(self.docs, self.corpus, tok, cfg.data, cfg.train.seed):
                 self.log.info("%s", line)
         self.start = select_start(self.run_dir.out, cfg, roles, self.corpus, resume=resume, max_steps=max_steps)
