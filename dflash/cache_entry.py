@@ -171,5 +171,22 @@ def dir_fingerprint(directory: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+def target_identity(target: Any) -> dict[str, Any]:
+    """What names a target's weights in a cache key (regenerated records, held-out sets), by content, never by where
+    they lie (a copied or moved cache must find its entries): a pretrained target by its pretrain key (everything its
+    weights depend on), any other directory by dir_fingerprint, a random init by its recipe. `target`: the run
+    config's target section (dflash.target_config.TargetConfig)."""
+    if target.path:
+        done = Path(target.path) / "pretrain.json"
+        try:
+            key = json.loads(done.read_text()).get("key") if done.is_file() else None
+        except (OSError, ValueError, AttributeError):
+            key = None
+        if key:
+            return {"pretrain_key": key}
+        return {"weights": dir_fingerprint(target.path)}
+    return {"family": getattr(target, "family", None), "arch": target.arch, "seed": target.seed}
+
+
 __all__ = ["CONTENT", "content_problem", "dir_fingerprint", "record_content", "safetensors_problem", "sha256_file",
-           "structure_problem"]
+           "structure_problem", "target_identity"]

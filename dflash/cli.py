@@ -163,7 +163,11 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
                                      "(default: held-out documents of the run's corpus)")
     v.add_argument("--num-prompts", type=int, default=8)
     v.add_argument("--prompt-tokens", type=int, default=32, help="prompt length for held-out documents")
-    v.add_argument("--max-new-tokens", type=int, default=64)
+    v.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens decoded per prompt (default 64). --method teacher-forced takes prompt + new tokens "
+                        "+ B-1 up to 2^26/B - B tokens (4,194,288 at B=16; more is refused in one line): its drafter "
+                        "pass runs in anchor chunks of at most 2^26 mask elements (bounded memory), and its time "
+                        "grows with new tokens x sequence length")
     v.add_argument("--block-size", type=int, default=None, help="draft block size B (default: the drafter's)")
     v.add_argument("--method", choices=["teacher-forced", "decode"], default=None,
                    help="teacher-forced (default for greedy): the decode loop's exact tau and acceptance per position "
@@ -272,7 +276,9 @@ def _fail(msg: str) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dflash.config import ConfigError, check_run, load_config
+    """The CLI's part only: arguments and the config file; every check before OUT is touched is train()'s preflight
+    (dflash/runprep.py), run once, with the CLI's own steps as its hooks."""
+    from dflash.config import ConfigError, load_config
     from dflash.data import DataError
 
     if args.max_steps is not None and args.max_steps < 1:
@@ -281,50 +287,38 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         if args.init_from is not None:
             cfg.train.init_from = str(Path(args.init_from).resolve())
-        # shapes, target.path, device: before train() may delete checkpoints (--fresh) or write to --out
-        check_run(cfg, "cuda" if _cuda() else "cpu")
     except ConfigError as exc:
         return _fail(str(exc))
-    from dflash import locks
-    from dflash.checkpoint import list_checkpoints
-    from dflash.rundir import check_resume_config, drop_unused_run_dir, hold_run_lock
-    from dflash.train import UsageError, prepare_documents, train
+    from dflash.runprep import RunPrep
+    from dflash.train import UsageError, train
 
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
-    lock = None
-    created = not out.exists()
+
+    def check_init_from(prep: RunPrep) -> None:
+        if prep.cfg.train.init_from is not None and not prep.resume:  # a resume continues its checkpoint
+            _check_init_from(prep)  # before anything (a cached target's log line too) reaches --out
+
+    def target_and_data(prep: RunPrep) -> None:
+        # target.pretrain / target.regen: built on first use, cached; their log lines go to OUT/train.log
+        prep.cfg, prep.docs = _target_and_data(prep.cfg, prep.docs, out)
+
     try:
-        docs = prepare_documents(cfg)  # validated before anything is written to --out
-        resume = args.resume == "always" or (args.resume == "auto" and bool(list_checkpoints(out)))
-        if cfg.train.init_from is not None and not resume:  # a resume continues its checkpoint: init_from unused
-            _check_init_from(cfg, docs, out)  # before anything (a cached target's log line too) reaches --out
-        if resume and not args.fresh:
-            check_resume_config(out, cfg)  # read-only, before the lock and before pretraining/regenerating
-        if locks.is_rank0():
-            lock = hold_run_lock(out)  # before the first write to OUT (train.log below); rank 0 for the job
-        cfg, docs = _target_and_data(cfg, docs, out)  # target.pretrain / target.regen: built on first use, cached
-        # again under the lock: `--resume auto` follows what OUT holds now
-        resume = args.resume == "always" or (args.resume == "auto" and bool(list_checkpoints(out)))
-        result = train(cfg, out, max_steps=args.max_steps, resume=resume, fresh=args.fresh,
-                       allow_slow_kernels=args.allow_slow_kernels, docs=docs)
+        result = train(cfg, out, max_steps=args.max_steps, resume={"always": True, "auto": "auto"}.get(args.resume, False),
+                       fresh=args.fresh, allow_slow_kernels=args.allow_slow_kernels, before_lock=check_init_from,
+                       under_lock=target_and_data)
     except (DataError, UsageError, ConfigError) as exc:
         return _fail(str(exc))
-    finally:
-        if lock is not None:
-            if created:
-                drop_unused_run_dir(out)
-            locks.release(lock)
     if result.world_size > 1:
         _leave_without_teardown(result.exit_code)
     return result.exit_code
 
 
-def _check_init_from(cfg: Any, docs: Any, out: Path) -> None:
+def _check_init_from(prep: Any) -> None:
     """--init-from against the config, before train() writes to OUT: the target's depth and width from its config,
-    the taps, and the mask token (the tokenizer's, read into a scratch cache so OUT stays untouched). Raises
-    UsageError with the one line to show; train() checks the same again when it builds the drafter."""
+    the taps, and the mask token (the run's tokenizer where reading it writes nothing; else a tiny BPE trained into
+    a scratch cache so OUT stays untouched). Raises UsageError with the one line to show; train() checks the same
+    again when it builds the drafter."""
     import dataclasses
-    import shutil
     import tempfile
 
     from dflash.data import load_tokenizer
@@ -332,16 +326,18 @@ def _check_init_from(cfg: Any, docs: Any, out: Path) -> None:
     from dflash.target import resolve_tap_layers, target_shape
     from dflash.train import UsageError
 
+    cfg = prep.cfg
     shape = target_shape(cfg.target)
     taps = resolve_tap_layers(cfg.target.tap_layers, shape.num_layers, cfg.drafter.num_layers)
     mask = cfg.drafter.mask_token_id
     if mask is None:
-        with tempfile.TemporaryDirectory() as tmp:
-            cache = Path(cfg.data.tokenizer_cache) if cfg.data.tokenizer_cache else Path(tmp)
-            if not cfg.data.tokenizer_cache and (out / "tokenizer").is_dir():
-                for f in (out / "tokenizer").glob("tiny-bpe-*.json"):  # a restart reuses the run's own BPE
-                    shutil.copy(f, cache)
-            mask = load_tokenizer(cfg.data, docs, cache).mask_token_id
+        tok = prep.tokenizer_if_free()
+        if tok is None and cfg.data.tokenizer_cache:  # a shared cache, not OUT: trained into it, as the run would
+            tok = prep.tok = load_tokenizer(cfg.data, prep.docs, cfg.data.tokenizer_cache)
+        if tok is None:  # OUT/tokenizer is the run's to write (the Trainer does): a scratch one for the check
+            with tempfile.TemporaryDirectory() as tmp:
+                tok = load_tokenizer(cfg.data, prep.docs, tmp)
+        mask = tok.mask_token_id
     dcfg = dataclasses.replace(cfg.drafter, mask_token_id=mask)
     try:
         check_init_from(cfg.train.init_from, dcfg, shape.hidden_size, taps)

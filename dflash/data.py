@@ -150,53 +150,73 @@ def read_regen_manifest(directory: Path) -> dict[str, Any] | None:
     return dict(obj)
 
 
-def read_documents(cfg: DataConfig) -> list[Document]:
-    """Read every configured file (or the embedded corpus); any malformed line is a DataError naming file:line."""
+def read_documents(cfg: DataConfig, notes: list[str] | None = None) -> list[Document]:
+    """Read every configured file (or the embedded corpus); any malformed line is a DataError naming file:line.
+
+    `notes` receives one line per thing a person likely did not mean and the reading did not refuse: a file with no
+    record beside others (nothing read from it), a file read more than once (listed twice, or listed and inside a
+    listed directory: its documents count that many times)."""
     if not cfg.paths:
         return embedded_corpus(cfg.max_chars)
     docs: list[Document] = []
     manifests: dict[Path, dict[str, Any] | None] = {}
+    reads: dict[Path, int] = {}
+    empty: list[Path] = []
     for path in _iter_files(cfg.paths):
-        if path.is_dir() or path.suffix in (".json", *fmt.DATASET_SUFFIXES):
-            docs.extend(read_records(path, cfg))
-            continue
-        if path.suffix == ".txt" and cfg.format in ("auto", "text"):
-            try:
-                docs.append(Document(text=fmt.read_utf8(path, json_text=False), source=str(path)))
-            except OSError as exc:
-                raise DataError(f"{path}: cannot read: {exc}") from None
-            except fmt.RecordError as exc:
-                raise DataError(str(exc)) from None
-            continue
-        if path.suffix != ".jsonl":
-            raise DataError(f"{path}: expected a .txt or .jsonl file (data.format={cfg.format})")
+        got = _read_path(path, cfg, manifests)
+        key = path.resolve()
+        reads[key] = reads.get(key, 0) + 1
+        if reads[key] == 1 and (not got or all(d.text is not None and not d.text.strip() for d in got)):
+            empty.append(path)
+        docs.extend(got)
+    if not docs:
+        raise DataError(f"{', '.join(cfg.paths)}: no documents")
+    if notes is not None:
+        notes += [f"{p}: no record in it (an empty file): nothing read from it" for p in empty]
+        notes += [f"{p}: read {n} times (data.paths names it, or a directory holding it, more than once): its "
+                  f"documents count {n} times" for p, n in reads.items() if n > 1]
+    return docs
+
+
+def _read_path(path: Path, cfg: DataConfig, manifests: dict[Path, dict[str, Any] | None]) -> list[Document]:
+    """One configured file's (or dataset directory's) documents."""
+    if path.is_dir() or path.suffix in (".json", *fmt.DATASET_SUFFIXES):
+        return list(read_records(path, cfg))
+    if path.suffix == ".txt" and cfg.format in ("auto", "text"):
         try:
-            lines = fmt.read_utf8(path).splitlines()
+            return [Document(text=fmt.read_utf8(path, json_text=False), source=str(path))]
         except OSError as exc:
             raise DataError(f"{path}: cannot read: {exc}") from None
         except fmt.RecordError as exc:
             raise DataError(str(exc)) from None
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            # a ShareGPT dump (one JSON array) saved as .jsonl: say how it is read instead of what is wrong
-            array = ("; this file looks like one JSON array, which dflash reads from a .json file (rename it), a "
-                     ".jsonl holding one object per line") if line.lstrip().startswith("[") else ""
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg}){array}") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object{array}")
-            if "input_ids" in obj and cfg.format == "auto":
-                if path.parent not in manifests:
-                    manifests[path.parent] = read_regen_manifest(path.parent)
-                docs.append(_token_record(obj, where, manifests[path.parent]))
-            else:
-                docs.append(record_document(obj, where, cfg))
-    if not docs:
-        raise DataError(f"{', '.join(cfg.paths)}: no documents")
+    if path.suffix != ".jsonl":
+        raise DataError(f"{path}: expected a .txt or .jsonl file (data.format={cfg.format})")
+    try:
+        lines = fmt.read_utf8(path).splitlines()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {exc}") from None
+    except fmt.RecordError as exc:
+        raise DataError(str(exc)) from None
+    docs: list[Document] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        # a ShareGPT dump (one JSON array) saved as .jsonl: say how it is read instead of what is wrong
+        array = ("; this file looks like one JSON array, which dflash reads from a .json file (rename it), a "
+                 ".jsonl holding one object per line") if line.lstrip().startswith("[") else ""
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: not valid JSON ({exc.msg}){array}") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: expected a JSON object{array}")
+        if "input_ids" in obj and cfg.format == "auto":
+            if path.parent not in manifests:
+                manifests[path.parent] = read_regen_manifest(path.parent)
+            docs.append(_token_record(obj, where, manifests[path.parent]))
+        else:
+            docs.append(record_document(obj, where, cfg))
     return docs
 
 
@@ -618,6 +638,15 @@ def tiny_tokenizer_name(cfg: DataConfig, docs: Sequence[Document]) -> str:
     """The cache file name of the tiny BPE for this corpus and vocabulary size (content-addressed)."""
     key = hashlib.sha256(f"{corpus_fingerprint(docs)}:{cfg.vocab_size}:{SPECIAL_TOKENS}".encode()).hexdigest()[:16]
     return f"tiny-bpe-{key}.json"
+
+
+def bpe_to_train(cfg: DataConfig, docs: Sequence[Document], cache_dir: str | Path) -> Path | None:
+    """The file load_tokenizer would train a tiny BPE into (no data.tokenizer, no pinned records, none cached yet);
+    None when it would load one instead."""
+    if cfg.tokenizer is not None or pinned_origin(docs) is not None:
+        return None
+    cache = Path(cache_dir) / tiny_tokenizer_name(cfg, docs)
+    return None if cache.is_file() else cache
 
 
 def load_tokenizer(cfg: DataConfig, docs: Sequence[Document], cache_dir: str | Path) -> TokenizerAdapter:

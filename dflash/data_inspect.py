@@ -193,10 +193,16 @@ def _tokenizer_cache(cfg: DataConfig, docs: list[Document], config_path: str | N
 def inspect(cfg: DataConfig, seed: int, config_path: str | None = None, as_json: bool = False,
             notes: list[str] | None = None) -> int:
     """Read, tokenize and summarize; print. DataError propagates (the CLI prints its one line)."""
-    from dflash.data import load_tokenizer, read_documents
+    from dflash.data import bpe_to_train, load_tokenizer, read_documents
 
-    docs = read_documents(cfg)
-    tok = load_tokenizer(cfg, docs, _tokenizer_cache(cfg, docs, config_path))
+    data_notes: list[str] = []
+    docs = read_documents(cfg, data_notes)
+    cache = _tokenizer_cache(cfg, docs, config_path)
+    bpe = bpe_to_train(cfg, docs, cache)
+    if bpe is not None:  # minutes on a large corpus, and a file in a shared directory: said before it starts
+        print(f"dflash data inspect: no data.tokenizer: training a tiny BPE ({cfg.vocab_size} tokens) on this corpus "
+              f"into {bpe} (data.tokenizer or --tokenizer names a real one)", file=sys.stderr, flush=True)
+    tok = load_tokenizer(cfg, docs, cache)
     lengths: list[int] = []
     sup: list[int] = []
     masks: list[list[bool]] = []
@@ -208,7 +214,7 @@ def inspect(cfg: DataConfig, seed: int, config_path: str | None = None, as_json:
         if first is None:
             first = (list(ids), list(mask))
     s = summarize(docs, lengths, sup, cfg, seed, lambda d, st, n: sum(masks[d][st:st + n]))
-    s.notes = [*(notes or []), *s.notes]
+    s.notes = [*(notes or []), *data_notes, *s.notes]
     # every document dropped: a run would fail minutes later (after loading its target), so say it now, and exit 1
     rc = 0 if s.pieces else 1
     if as_json:

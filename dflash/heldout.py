@@ -3,8 +3,9 @@
 The target's greedy continuations of prompts the run never trains on (the prompts `dflash eval` picks for the same
 checkpoint), together with the target's taps of every position: the target is frozen, so its taps never change, and
 an evaluation during training is then only a drafter pass and a host walk (dflash/tau.py) — no target forward, in
-any layout (a split run's drafter ranks hold no target). Made once, before the target is loaded for training, and
-cached next to the regenerated training data, keyed by everything that decides its content.
+any layout (a split run's drafter ranks hold no target). Made once with the training target itself, right after it is
+loaded (split: target rank 0 makes it for drafter rank 0, `Remote`), and cached next to the regenerated training data,
+keyed by everything that decides its content.
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dflash.cache_entry import target_identity
 from dflash.config import RunConfig
 from dflash.data import TokenizerAdapter
 from dflash.model import DFlashDrafter
 from dflash.speculative import Generation, NgramProposer
+from dflash.target import Target
 
 FORMAT = 1
 Log = Callable[[str], None]
+# prompts, continuation length -> (prompt + continuation per prompt, the target's taps of each: [n, K*H] on the host)
+Continue = Callable[[list[list[int]], int], tuple[list[list[int]], list[Tensor]]]
 
 
 @dataclass
@@ -66,7 +71,7 @@ class HeldOutSet:
 
     @property
     def ngram_tau(self) -> float | None:
-        from dflash.eval import acceptance_stats
+        from dflash.measure import acceptance_stats
 
         return acceptance_stats(self.ngram, self.block_size)["tau"] if self.ngram else None
 
@@ -87,7 +92,7 @@ def heldout_prompts(cfg: RunConfig, tok: TokenizerAdapter, settings: EvalSetting
     """The prompts `dflash eval --num-prompts N --prompt-tokens P` picks for this run's checkpoints (same held-out
     documents, same order). `docs`: the corpus as configured (read when not given), not the records trained on."""
     from dflash.data import read_documents
-    from dflash.eval import heldout_documents_of, prompts_from_documents
+    from dflash.measure import heldout_documents_of, prompts_from_documents
 
     docs = read_documents(cfg.data) if docs is None else docs
     pipeline = {"total_steps": total_steps, "feeds": [None] * n_drafters}
@@ -101,9 +106,8 @@ def _key(cfg: RunConfig, tok: TokenizerAdapter, basis: dict[str, Any], settings:
     """`basis` names the prompts: their hash, or (configured data) what decides them, so that a cached set is found
     without tokenizing the corpus and building its schedule again at every start."""
     from dflash.pretrain import as_dict
-    from dflash.regen import _target_identity
 
-    blob = json.dumps({"format": FORMAT, "target": _target_identity(cfg), "tokenizer": tok.content_hash,
+    blob = json.dumps({"format": FORMAT, "target": target_identity(cfg.target), "tokenizer": tok.content_hash,
                        "prompts": basis, "settings": dataclasses.asdict(settings), "block_size": block,
                        "taps": {"tap_layers": cfg.target.tap_layers, "draft_layers": cfg.drafter.num_layers},
                        "numerics": {"dtype": cfg.target.dtype, "attention": cfg.target.attention,
@@ -143,16 +147,86 @@ def _load(d: Path, log: Log) -> dict[str, Any] | None:
         return None
 
 
-def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps: int, n_drafters: int,
-          run_dir: Path, device: torch.device, log: Log = print) -> HeldOutSet:
-    """Load the run's held-out set from the cache, or make it with the target (first use) and cache it.
+def continuations(target: Target, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[Tensor]]:
+    """The held-out set's content, made with the (training) target: its greedy continuations, then one forward per
+    sequence for the taps, as `dflash eval --method teacher-forced` runs it. Decoding runs on sdpa (transformers'
+    cached decoding needs its own masks); the target goes back to its training attention afterwards."""
+    from dflash.measure import greedy_sequences
+    from dflash.target import decoding_attention
 
-    Raises dflash.eval.EvalError when the corpus has no held-out document."""
+    with decoding_attention(target.model):
+        seqs = greedy_sequences(target.model, target.device, prompts, new_tokens)
+        taps: list[Tensor] = []
+        for seq in seqs:
+            ids = torch.tensor([seq], dtype=torch.long)
+            with torch.no_grad():
+                taps.append(target.hidden_states(ids, torch.ones_like(ids))[0].to("cpu").clone())
+    if target.device.type == "cuda":
+        torch.cuda.empty_cache()  # the decoding's KV cache: the drafter is built next and sizes itself on what is free
+    return seqs, taps
+
+
+class Remote:
+    """A split run's two ends of the held-out set: drafter rank 0 holds no target, so it sends its prompts to target
+    rank 0, which makes the set with its training target and sends it back. Drafter rank 0 always sends exactly one
+    request (None when its cache had the set or evaluation is off) and target rank 0 always answers one."""
+
+    def __init__(self, peer: int, device: torch.device, width: int, dtype: torch.dtype) -> None:
+        self.peer, self.device, self.width, self.dtype = peer, device, width, dtype
+        self.sent = False
+
+    def __call__(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[Tensor]]:
+        from dflash.pipeline import recv_object, send_object
+
+        self.sent = True
+        send_object({"prompts": prompts, "new_tokens": new_tokens}, self.peer, self.device)
+        seqs: list[list[int]] = recv_object(self.peer, self.device)
+        return seqs, [self._recv(len(s)) for s in seqs]
+
+    def done(self) -> None:
+        """Nothing more to ask (the cache had the set, or there was no prompt): target rank 0 stops waiting."""
+        from dflash.pipeline import send_object
+
+        if not self.sent:
+            self.sent = True
+            send_object(None, self.peer, self.device)
+
+    def _recv(self, n: int) -> Tensor:
+        import torch.distributed as dist
+
+        from dflash.pipeline import comm_device
+
+        buf = torch.zeros(n, self.width, dtype=self.dtype, device=comm_device(self.device))
+        dist.recv(buf, self.peer)
+        return buf.to("cpu")
+
+    @staticmethod
+    def serve(target: Target, peer: int, device: torch.device) -> bool:
+        """Target rank 0: answer drafter rank 0's one request; True when a set was made."""
+        import torch.distributed as dist
+
+        from dflash.pipeline import comm_device, recv_object, send_object
+
+        req = recv_object(peer, device)
+        if req is None:
+            return False
+        seqs, taps = continuations(target, req["prompts"], int(req["new_tokens"]))
+        send_object(seqs, peer, device)
+        for t in taps:
+            dist.send(t.to(comm_device(device)).contiguous(), peer)
+        return True
+
+
+def build(cfg: RunConfig, tok: TokenizerAdapter, make: Continue, *, block_size: int, total_steps: int,
+          n_drafters: int, run_dir: Path, device: torch.device, log: Log = print) -> HeldOutSet:
+    """Load the run's held-out set from the cache, or make it with `make` (the training target: `continuations`,
+    or `Remote` in a split run) on first use and cache it.
+
+    Raises dflash.measure.EvalError when the corpus has no held-out document."""
     from dflash.data import corpus_fingerprint, read_documents
-    from dflash.eval import EvalError, greedy_sequences
+    from dflash.measure import EvalError
     from dflash.pretrain import as_dict
     from dflash.regen import prompt_rendering
-    from dflash.target import Target, hf_progress_bars, use_sdpa_for_decoding
     from dflash.tau import continuation_length, walk
 
     settings = EvalSettings.of(cfg)
@@ -176,19 +250,8 @@ def build(cfg: RunConfig, tok: TokenizerAdapter, *, block_size: int, total_steps
             raise EvalError(f"no held-out prompt of more than {settings.prompt_tokens} tokens ({desc})")
         t0 = time.perf_counter()
         log(f"eval: making the held-out set ({len(prompts)} prompts, {settings.new_tokens} new tokens each, "
-            f"{desc}) with the target; cached as {d}")
-        with hf_progress_bars(False):  # the log shows the training target's load; this one is said above
-            target = Target(cfg.target, cfg.drafter.num_layers, device, vocab=tok.vocab_size)
-        use_sdpa_for_decoding(target.model)  # cached decoding needs transformers' own masks
-        seqs = greedy_sequences(target.model, device, prompts, continuation_length(settings.new_tokens, block_size))
-        taps: list[Tensor] = []
-        for seq in seqs:  # one forward per sequence, as `dflash eval --method teacher-forced` runs it
-            ids = torch.tensor([seq], dtype=torch.long)
-            with torch.no_grad():
-                taps.append(target.hidden_states(ids, torch.ones_like(ids))[0].to("cpu").clone())
-        del target
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            f"{desc}) with the training target; cached as {d}")
+        seqs, taps = make(prompts, continuation_length(settings.new_tokens, block_size))
         tmp = d.parent / f".{d.name}.tmp{os.getpid()}"
         tmp.mkdir(parents=True, exist_ok=True)
         torch.save(taps, tmp / "taps.pt")
@@ -218,7 +281,7 @@ def evaluate(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Mod
              device: torch.device) -> dict[str, Any]:
     """The `eval` event's measurements (docs/events.md) of `drafter` on the held-out set: a drafter pass at every
     anchor of every sequence, then the decode loop's walk."""
-    from dflash.eval import acceptance_stats, tau_interval
+    from dflash.measure import acceptance_stats, tau_interval
     from dflash.tau import teacher_forced
 
     t0 = time.perf_counter()
@@ -237,4 +300,5 @@ def evaluate(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_head: nn.Mod
             "seconds": round(time.perf_counter() - t0, 3), "tau_ci95": list(ci) if ci is not None else None}
 
 
-__all__ = ["EvalSettings", "HeldOutSet", "build", "cache_dir_of", "evaluate", "heldout_prompts"]
+__all__ = ["Continue", "EvalSettings", "HeldOutSet", "Remote", "build", "cache_dir_of", "continuations", "evaluate",
+           "heldout_prompts"]

@@ -312,20 +312,20 @@ def _unpack_ints(t: torch.Tensor, n: int) -> tuple[Key, dict[str, torch.Tensor]]
                  "doc_ids": f[3].clone()}
 
 
-def _comm_device(device: torch.device) -> torch.device:
+def comm_device(device: torch.device) -> torch.device:
     """NCCL moves CUDA tensors only; gloo moves CPU tensors."""
     return device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def send_object(obj: Any, dst: int, device: torch.device) -> None:
     data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-    dev = _comm_device(device)
+    dev = comm_device(device)
     dist.send(torch.tensor([data.numel()], dtype=torch.long, device=dev), dst)
     dist.send(data.to(dev), dst)
 
 
 def recv_object(src: int, device: torch.device) -> Any:
-    dev = _comm_device(device)
+    dev = comm_device(device)
     n = torch.zeros(1, dtype=torch.long, device=dev)
     dist.recv(n, src)
     data = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
@@ -364,7 +364,7 @@ def send_target_info(info: TargetInfo, dst: int, device: torch.device) -> None:
             "packing": info.packing, "embed_shape": list(info.embed_tokens.weight.shape),
             "head_shape": list(info.lm_head.weight.shape), "head_bias": info.lm_head.bias is not None}
     send_object(meta, dst, device)
-    dev = _comm_device(device)
+    dev = comm_device(device)
     dist.send(info.embed_tokens.weight.detach().to(dev).contiguous(), dst)
     dist.send(info.lm_head.weight.detach().to(dev).contiguous(), dst)
     if info.lm_head.bias is not None:
@@ -374,7 +374,7 @@ def send_target_info(info: TargetInfo, dst: int, device: torch.device) -> None:
 def recv_target_info(src: int, device: torch.device) -> TargetInfo:
     meta = recv_object(src, device)
     dtype = _NAME_DTYPES[meta["dtype"]]
-    dev = _comm_device(device)
+    dev = comm_device(device)
     emb = torch.zeros(meta["embed_shape"], dtype=dtype, device=dev)
     dist.recv(emb, src)
     head = torch.zeros(meta["head_shape"], dtype=dtype, device=dev)
@@ -504,7 +504,7 @@ class RemoteSource:
         self.kh = kh
         self.dtype = dtype
         self.device = device
-        self.dev = _comm_device(device)
+        self.dev = comm_device(device)
 
     def __call__(self, j: int, key: Key) -> DraftBatch:
         src = self.roles.target_for(j, self.roles.rank)
@@ -538,7 +538,7 @@ def serve_target(roles: Roles, target: Any, corpus: TokenizedCorpus, schedule: S
     lane_drafters, lane_targets = roles.lane(roles.rank)
     lane_refeeds = [refeeds[roles.drafters.index(r)] for r in lane_drafters]
     work = target_worklist(lane_refeeds, len(lane_targets), lane_targets.index(roles.rank))
-    dev = _comm_device(device)
+    dev = comm_device(device)
     stopped: set[int] = set()
     sent = 0
     for _seq, d, key in work:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from dflash import locks
-from dflash.cache_entry import content_problem, dir_fingerprint, record_content, structure_problem
+from dflash.cache_entry import content_problem, record_content, structure_problem, target_identity
 from dflash.config import ConfigError, RunConfig
 from dflash.data import REGEN_MANIFEST, DataError, Document, TokenizerAdapter, corpus_fingerprint, load_tokenizer
 from dflash.evalprogress import isatty
@@ -345,27 +345,11 @@ def _regen(cfg: RunConfig, docs: Sequence[Document], out: str | Path, settings: 
             "seconds": round(time.perf_counter() - t0, 1), "complete": written == len(todo)}
 
 
-def _target_identity(cfg: RunConfig) -> dict[str, Any]:
-    """What names the target's weights, by content, never by where they lie (a copied or moved cache must find its
-    records): a pretrained target by its pretrain key (everything its weights depend on), any other directory by
-    cache_entry.dir_fingerprint (sizes and sampled bytes of its files), a random init by its recipe."""
-    if cfg.target.path:
-        done = Path(cfg.target.path) / "pretrain.json"
-        try:
-            key = json.loads(done.read_text()).get("key") if done.is_file() else None
-        except (OSError, ValueError, AttributeError):
-            key = None
-        if key:
-            return {"pretrain_key": key}
-        return {"weights": dir_fingerprint(cfg.target.path)}
-    return {"family": getattr(cfg.target, "family", None), "arch": cfg.target.arch, "seed": cfg.target.seed}
-
-
 def regen_key_fields(cfg: RunConfig, tok: TokenizerAdapter, docs: Sequence[Document],
                      settings: RegenSettings) -> dict[str, Any]:
     """Everything the regenerated records depend on, hashed into their cache entry's name; `rendering` only where
     prompt_rendering names something (so entries made before it existed keep their name when prompts are unchanged)."""
-    fields: dict[str, Any] = {"format": _FORMAT, "target": _target_identity(cfg), "tokenizer": tok.content_hash,
+    fields: dict[str, Any] = {"format": _FORMAT, "target": target_identity(cfg.target), "tokenizer": tok.content_hash,
                               "corpus": corpus_fingerprint(docs),
                               "settings": dataclasses.asdict(settings.resolved(cfg.data.max_len))}
     if rendering := prompt_rendering(tok, docs):

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 from dflash.kernels import inspect_kernels, quiet_expected_fallback_notice, varlen_usable
 from dflash.target_config import (  # noqa: F401 (re-exported: the config types live in a torch-free module)
-    _ARCH_POSITIVE,
     ATTENTIONS,
     CUDA_GRAPHS,
     DEFAULT_FAMILY,
@@ -580,6 +579,19 @@ def use_sdpa_for_decoding(model: nn.Module) -> None:
     eval) needs transformers' own masks, which it builds only for its built-in implementations."""
     if getattr(model.config, "_attn_implementation", None) == VARLEN_ATTENTION:
         model.set_attn_implementation("sdpa")
+
+
+@contextlib.contextmanager
+def decoding_attention(model: nn.Module) -> Iterator[None]:
+    """Cached decoding on the training target (the held-out set, dflash/heldout.py): sdpa inside, and the packed-row
+    varlen function back afterwards when the target trained with it."""
+    before = getattr(model.config, "_attn_implementation", None)
+    use_sdpa_for_decoding(model)
+    try:
+        yield
+    finally:
+        if before == VARLEN_ATTENTION:
+            model.set_attn_implementation(register_varlen_attention())
 
 
 def register_varlen_attention() -> str:

@@ -7,6 +7,7 @@ rank 0 (always a drafter rank) writes the run-level events. The run directory it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import random
@@ -25,14 +26,14 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash import checkpoint as ckpt
-from dflash import compile_cache, fla_configs, locks, triton_carry
+from dflash import compile_cache, fla_configs, triton_carry
 from dflash.cache_entry import cache_home
-from dflash.optim import build_optimizer
-from dflash.config import ConfigError, RunConfig, check_mask_token_id, check_run
-from dflash.data import DataError, Document, load_tokenizer, read_documents, tokenize
+from dflash.config import ConfigError, RunConfig, check_mask_token_id
+from dflash.data import DataError, Document, TokenizerAdapter, load_tokenizer, read_documents, tokenize
 from dflash.kernels import FlexWarningWatch, check_kernels, dynamo_counts, versions
 from dflash.memory import apply_auto_checkpoint
 from dflash.model import DFlashDrafter, compile_step_model, resolve_attention
+from dflash.optim import build_optimizer
 from dflash.pace import Pace
 from dflash.pipeline import (
     Feeder,
@@ -44,7 +45,6 @@ from dflash.pipeline import (
     init_distributed,
     recv_target_info,
     refeed,
-    resolve_roles,
     send_target_info,
     serve_target,
 )
@@ -53,12 +53,11 @@ from dflash.rundir import (
     RunDir,
     UsageError,
     check_out,
-    check_resume_config,
-    hold_run_lock,
     open_run_dir,
     select_start,
 )
-from dflash.target import Target, probe_kernels, target_shape
+from dflash.runprep import Hook, pick_device, preflight  # noqa: F401 (pick_device: re-exported)
+from dflash.target import Target, probe_kernels
 from dflash.target_fusion import describe as describe_fusion
 from dflash.telemetry import Heartbeat, hostname, stderr_line
 
@@ -96,13 +95,6 @@ def classify_error(exc: BaseException) -> str:
     if "nccl" in lower or "gloo" in lower or type(exc).__name__ in ("DistBackendError", "DistNetworkError"):
         return "nccl"  # the contract's class for any collective / send-recv failure, gloo's included
     return "exception"
-
-
-def pick_device(roles: Roles) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(roles.local_rank % torch.cuda.device_count())
-        return torch.device("cuda", roles.local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 def loaded_kernel_problems(probed: dict[str, str], loaded: dict[str, str], device: torch.device | str,
@@ -221,41 +213,23 @@ def prepare_documents(cfg: RunConfig) -> list[Document]:
     return read_documents(cfg.data)
 
 
-def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resume: bool = False,
+def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resume: bool | str = False,
           fresh: bool = False, allow_slow_kernels: bool = False, docs: list[Document] | None = None,
-          on_step: Callable[[int, float], None] | None = None) -> TrainResult:
+          on_step: Callable[[int, float], None] | None = None, before_lock: Hook | None = None,
+          under_lock: Hook | None = None) -> TrainResult:
     """Run (or resume) training into `out`; returns the exit code the CLI should use. Never raises for run errors:
     they become `error` + `run_end` events (the events file is the contract), except UsageError/DataError/ConfigError
-    raised before anything is written."""
-    roles = resolve_roles(cfg.dist)
-    device = pick_device(roles)
-    out = Path(out)
-    # The whole config is checked before anything below deletes (--fresh) or truncates (events.jsonl) a thing.
-    check_run(cfg, device.type)
-    if docs is None:
-        docs = prepare_documents(cfg)
-    if fresh and resume:
-        raise UsageError("--fresh and --resume exclude each other")
-    if cfg.data.tokenizer is not None and (cfg.drafter.mask_token_id is not None or "vocab_size" in cfg.target.arch):
-        # A tokenizer directory's size is known once it is read (never written): still before anything is written.
-        try:
-            shape = target_shape(cfg.target, load_tokenizer(cfg.data, docs, out / "tokenizer").vocab_size)
-        except ValueError as exc:  # target.arch.vocab_size smaller than the tokenizer
-            raise cfg.error(exc) from None
-        if shape.vocab_size is not None:
-            check_mask_token_id(cfg, shape.vocab_size, shape.vocab_from)
-    if resume and roles.rank == 0:
-        check_resume_config(out, cfg)  # a changed drafter/target/data: refused before anything is built
-    # One writer per OUT: rank 0 holds OUT/run.lock for the job (re-entrant: the CLI took it already), before
-    # --fresh deletes or events.jsonl is truncated; the OS drops it when the process ends, however it ends.
-    lock = hold_run_lock(out) if roles.rank == 0 else None
+    raised before anything is written. `resume` may be "auto" (resume when OUT has a checkpoint). The checks before
+    anything is written are dflash/runprep.py's preflight, run once here (`dflash train` adds its steps as the hooks)."""
+    prep = preflight(cfg, out, resume=resume, fresh=fresh, docs=docs, before_lock=before_lock,
+                     under_lock=under_lock)
+    cfg, out, roles, device, resume = prep.cfg, prep.out, prep.roles, prep.device, prep.resume
     try:
         check_out(out, roles, resume=resume, fresh=fresh)
         init_distributed(roles, device, cfg.dist.backend, cfg.dist.timeout_s)
         run = open_run_dir(out, roles, resume=resume)
     except BaseException:
-        if lock is not None:
-            locks.release(lock)
+        prep.release()
         raise
     live = Live(device=device)
 
@@ -272,15 +246,14 @@ def train(cfg: RunConfig, out: str | Path, *, max_steps: int | None = None, resu
     gate = SignalGate(emergency_end).install()
     # Handlers first, heartbeat second: once a heartbeat is visible, a signal gets the clean shutdown.
     hb = Heartbeat(run.writer, live.heartbeat, cfg.train.heartbeat_s).start()
-    trainer = Trainer(cfg, run, roles, device, live, gate, hb, docs, on_step)
+    trainer = Trainer(cfg, run, roles, device, live, gate, hb, prep.docs, on_step, tok=prep.tok, notes=prep.notes)
     try:
         result = trainer.run(max_steps=max_steps, resume=resume, allow_slow_kernels=allow_slow_kernels)
     finally:
         gate.restore()
         hb.stop()
         run.close()
-        if lock is not None:
-            locks.release(lock)
+        prep.release()
         if roles.world_size > 1:
             _KEPT_ALIVE.append(trainer)
             if dist.is_initialized():
@@ -296,10 +269,13 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, run: RunDir, roles: Roles, device: torch.device, live: Live,
                  gate: SignalGate, hb: Heartbeat, docs: list[Document],
-                 on_step: Callable[[int, float], None] | None) -> None:
+                 on_step: Callable[[int, float], None] | None, tok: TokenizerAdapter | None = None,
+                 notes: list[str] | None = None) -> None:
         self.cfg, self.run_dir, self.roles, self.device = cfg, run, roles, device
         self.writer, self.log, self.live, self.gate, self.hb = run.writer, run.log, live, gate, hb
         self.docs = docs
+        self.tok = tok  # preflight's (dflash/runprep.py), when reading it wrote nothing; else loaded in _build_data
+        self.data_notes = notes or []
         self.on_step = on_step
         self.rank0 = roles.rank == 0
         self.triton: triton_carry.Carry | None = None  # what this host's Triton cache got back (target ranks)
@@ -396,9 +372,6 @@ class Trainer:
             return self.end("error", EXIT_ERROR)
         if self.stop_requested():
             return self.end_on_signal()
-        self._build_heldout(tok)
-        if self.stop_requested():
-            return self.end_on_signal()
         self._build_target(tok.vocab_size)
         # The probe above saw a weightless instance; what counts is what the loaded model really bound.
         problems = loaded_kernel_problems(kernels, self.info.kernels, self.device, allowed)
@@ -411,6 +384,9 @@ class Trainer:
                 return self.end("error", EXIT_ERROR)
         else:
             self.log.info("loaded target binds the kernels the probe saw")
+        self._build_heldout(tok)
+        if self.stop_requested():
+            return self.end_on_signal()
         self._precapture_graphs()
         if self.stop_requested():
             return self.end_on_signal()
@@ -426,16 +402,21 @@ class Trainer:
         """Tokenizer, corpus and start point (same on every rank; only rank 0 writes the tokenizer and schedule)."""
         cfg, roles = self.cfg, self.roles
         tok_cache = Path(cfg.data.tokenizer_cache) if cfg.data.tokenizer_cache else self.run_dir.out / "tokenizer"
-        if roles.rank == 0 or roles.world_size == 1:
-            tok = load_tokenizer(cfg.data, self.docs, tok_cache)
+        tok = self.tok  # loaded once per process: by preflight, or here when a tiny BPE had to be trained
+        if tok is None and (roles.rank == 0 or roles.world_size == 1):
+            tok = load_tokenizer(cfg.data, self.docs, tok_cache)  # rank 0 trains and writes it
         if roles.world_size > 1:
             dist.barrier()
-            if roles.rank != 0:
-                tok = load_tokenizer(cfg.data, self.docs, tok_cache)
+            if tok is None:
+                tok = load_tokenizer(cfg.data, self.docs, tok_cache)  # the other ranks read what rank 0 wrote
+        assert tok is not None
+        self.tok = tok
         self.corpus = tokenize(self.docs, tok)
         if roles.rank == 0:  # what `dflash data inspect` shows, once, in the log
             from dflash.data_inspect import training_summary_lines
 
+            for note in self.data_notes:  # an empty file, a file read twice: said, not refused
+                self.log.warning("data: warning: %s", note)
             for line in training_summary_lines(self.docs, self.corpus, tok, cfg.data, cfg.train.seed):
                 self.log.info("%s", line)
         self.start = select_start(self.run_dir.out, cfg, roles, self.corpus, resume=resume, max_steps=max_steps)
@@ -459,23 +440,43 @@ class Trainer:
         return t.checkpoint_every if t.eval_every is None else t.eval_every
 
     def _build_heldout(self, tok: Any) -> None:
-        """Rank 0's held-out set for the `eval` events (dflash/heldout.py), made before the training target is loaded
-        (it loads the target once itself on first use, then reads the cache). A corpus with nothing held out turns
-        evaluation off with a line saying why: it never stops a run."""
+        """Rank 0's held-out set for the `eval` events (dflash/heldout.py), made with the training target right after
+        it is loaded (no second instance; split: target rank 0 makes it for drafter rank 0), then read from the cache.
+        A corpus with nothing held out turns evaluation off with a line saying why: it never stops a run."""
         from dflash import heldout
-        from dflash.eval import EvalError
+        from dflash.measure import EvalError
 
         self.heldout: heldout.HeldOutSet | None = None
-        if not self.rank0 or not self._eval_every():
+        if not self._eval_every():
+            return
+        roles = self.roles
+        if roles.split and roles.rank == roles.targets[0]:
+            assert self.target is not None
+            if heldout.Remote.serve(self.target, 0, self.device):
+                self.log.info("eval: made the held-out set for drafter rank 0")
+            return
+        if not self.rank0:
             return
         self.phase("preparing_data", detail="held-out eval set")
+        info = self.info
+        remote = heldout.Remote(roles.targets[0], self.device, info.hidden_size * len(info.tap_layers),
+                                info.dtype) if roles.split else None
+        if remote is not None:
+            make: heldout.Continue = remote
+        else:
+            assert self.target is not None  # colocated: every rank holds the target
+            make = functools.partial(heldout.continuations, self.target)
         try:
-            self.heldout = heldout.build(self.cfg, tok, block_size=self.cfg.drafter.block_size, total_steps=self.total,
-                                         n_drafters=len(self.roles.drafters), run_dir=self.run_dir.out,
-                                         device=self.device, log=lambda m: self.log.info("%s", m))
+            self.heldout = heldout.build(self.cfg, tok, make, block_size=self.cfg.drafter.block_size,
+                                         total_steps=self.total, n_drafters=len(roles.drafters),
+                                         run_dir=self.run_dir.out, device=self.device,
+                                         log=lambda m: self.log.info("%s", m))
         except (EvalError, DataError) as exc:
             self.log.warning("eval: off for this run: %s (train.eval_every: 0 silences this)", exc)
             return
+        finally:
+            if remote is not None:
+                remote.done()
         hs = self.heldout
         self.log.info("eval: tau on %d held-out sequences (%s) every %d steps; prompt lookup's tau there %s",
                       len(hs.sequences), hs.source, self._eval_every(),

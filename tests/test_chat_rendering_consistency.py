@@ -129,10 +129,11 @@ def _old_key(cfg: Any, tok: TokenizerAdapter, docs: list[Document], settings: Re
     """regen's cache-key fields before it rendered chats as training does (the entries already on disk)."""
     from dataclasses import asdict
 
+    from dflash.cache_entry import target_identity
     from dflash.data import corpus_fingerprint
-    from dflash.regen import _FORMAT, _target_identity
+    from dflash.regen import _FORMAT
 
-    return {"format": _FORMAT, "target": _target_identity(cfg), "tokenizer": tok.content_hash,
+    return {"format": _FORMAT, "target": target_identity(cfg.target), "tokenizer": tok.content_hash,
             "corpus": corpus_fingerprint(docs), "settings": asdict(settings.resolved(cfg.data.max_len))}
 
 

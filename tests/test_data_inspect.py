@@ -137,3 +137,37 @@ def test_data_with_nothing_left_to_train_on_exits_1_saying_so(tmp_path: Path) ->
     assert js.returncode == 1 and json.loads(js.stdout)["pieces"] == 0
     f.write_text('{"text": "a longer document with enough tokens to keep"}\n')
     assert _run(tmp_path, "--config", str(cfg)).returncode == 0
+
+
+def test_an_empty_file_beside_others_and_a_file_read_twice_are_said(tmp_path: Path) -> None:
+    """Issue 39: an empty .jsonl in a data directory and a path listed twice were read without a word (the second
+    doubles that file's weight in training)."""
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.jsonl").write_text("".join(json.dumps({"text": f"plain text number {i} " * 10}) + "\n" for i in range(6)))
+    (d / "b.jsonl").write_text("")
+    (d / "c.jsonl").write_text("\n\n")
+    r = _run(tmp_path, str(d), str(d / "a.jsonl"))
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stdout.splitlines() if line.startswith("note: ")]
+    assert notes == [f"note: {d / 'b.jsonl'}: no record in it (an empty file): nothing read from it",
+                     f"note: {d / 'c.jsonl'}: no record in it (an empty file): nothing read from it",
+                     f"note: {(d / 'a.jsonl').resolve()}: read 2 times (data.paths names it, or a directory holding "
+                     "it, more than once): its documents count 2 times"]
+    assert "documents: 12 (12 text)" in r.stdout  # reading is unchanged: said, not altered
+    js = json.loads(_run(tmp_path, str(d), "--json").stdout)
+    assert [n for n in js["notes"] if "read 2 times" in n] == [] and len(js["notes"]) == 2
+
+
+def test_inspect_says_where_it_trains_a_tiny_bpe_and_only_when_it_does(tmp_path: Path) -> None:
+    """Without data.tokenizer, inspect trains a BPE per corpus into the shared cache: one line on stderr says so and
+    where; the second inspect finds it there and says nothing."""
+    f = tmp_path / "a.jsonl"
+    f.write_text("".join(json.dumps({"text": f"plain text number {i} " * 10}) + "\n" for i in range(6)))
+    r = _run(tmp_path, str(f))
+    assert r.returncode == 0, r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if "tiny BPE" in x]
+    made = list((tmp_path / "cache" / "tokenizer").glob("tiny-bpe-*.json"))
+    assert len(made) == 1 and f"into {made[0]} " in line and line.startswith("dflash data inspect: no data.tokenizer")
+    again = _run(tmp_path, str(f), "--json")
+    assert again.returncode == 0 and "tiny BPE" not in again.stderr

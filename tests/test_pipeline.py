@@ -164,20 +164,37 @@ def _split_worker(rank: int, world: int, port: int, out: str, result: str, secti
         if step == sigterm_at:
             os.kill(os.getpid(), signal.SIGTERM)
 
+    import dflash.target
+
+    built = []  # Target instances this rank constructs (the held-out set must not add one: issue 39)
+    init = dflash.target.Target.__init__
+
+    def counting_init(self: dflash.target.Target, *a: object, **k: object) -> None:
+        built.append(1)
+        init(self, *a, **k)
+
+    dflash.target.Target.__init__ = counting_init  # type: ignore[method-assign]
     res = train(run_config(**sections), out, resume=resume, on_step=on_step if sigterm_at else None)
     Path(f"{result}.{rank}").write_text(json.dumps({"losses": res.losses, "code": res.exit_code,
-                                                    "reason": res.reason}))
+                                                    "reason": res.reason, "targets_built": len(built)}))
     os._exit(0)  # as `dflash train` leaves a multi-rank run: torch's process-group destructors can deadlock at exit
 
 
-def test_split_target_and_drafter_ranks_give_colocated_losses(tmp_path: Path) -> None:
+def test_split_target_and_drafter_ranks_give_colocated_losses(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     sections = {"train": {"max_steps": 8, "checkpoint_every": 0, "eval_every": 4}}
     split = {**sections, "dist": {"roles": "split", "target_ranks": 1}}
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache-split"))  # the held-out set is made, not found
     mp.start_processes(_split_worker, args=(2, _free_port(), str(tmp_path / "split"), str(tmp_path / "r"), split),
                        nprocs=2, join=True, start_method="spawn")
     drafter = json.loads((tmp_path / "r.0").read_text())
     target = json.loads((tmp_path / "r.1").read_text())
     assert drafter["code"] == 0 and target["code"] == 0 and len(drafter["losses"]) == 8
+    # The held-out set was made by the target rank's training target: the drafter rank never loads a target.
+    assert (drafter["targets_built"], target["targets_built"]) == (0, 1)
+    assert "eval: made the held-out set for drafter rank 0" in (tmp_path / "split" / "train.rank1.log").read_text()
+    assert len(list((tmp_path / "cache-split").glob("heldout-*/taps.pt"))) == 1
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache-colocated"))  # made again, locally: the same set
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same float reduction order as the workers
     try:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from dflash_fixtures import run_config
 
 from dflash.telemetry import read_events
@@ -53,6 +54,50 @@ def test_eval_events_at_every_checkpoint_equal_dflash_eval_of_that_checkpoint(
     assert len(list(cache.glob("heldout-*/taps.pt"))) == 1
 
 
+def test_the_heldout_set_is_made_with_the_training_target_no_second_instance(
+        tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39: a run's first evaluation made its held-out set with a second target instance, loaded before the
+    training one (at 27B a second full load of the weights). One Target per run, cold cache or warm."""
+    import dflash.target
+
+    built: list[str] = []
+    init = dflash.target.Target.__init__
+
+    def counting_init(self: dflash.target.Target, *a: object, **k: object) -> None:
+        built.append("target")
+        init(self, *a, **k)
+
+    monkeypatch.setattr(dflash.target.Target, "__init__", counting_init)
+    cfg = run_config(train={"max_steps": 2, "checkpoint_every": 0, "eval_every": 2})
+    assert train(cfg, tmp_path / "a").exit_code == 0
+    assert len(built) == 1 and len(list(cache.glob("heldout-*/taps.pt"))) == 1
+    log = (tmp_path / "a" / "train.log").read_text()
+    assert "making the held-out set" in log and "with the training target" in log
+    # made after the target's load, before the drafter is built
+    assert log.index("target: ") < log.index("making the held-out set") < log.index("drafter: ")
+    assert train(cfg, tmp_path / "b").exit_code == 0  # the cached set: still one target
+    assert len(built) == 2
+    assert [e["tau"] for e in _events(tmp_path / "a", "eval")] == [e["tau"] for e in _events(tmp_path / "b", "eval")]
+
+
+def test_decoding_attention_puts_the_training_attention_back() -> None:
+    """The held-out set decodes with the training target on sdpa; a target that trains with the packed-row varlen
+    function must get it back, or every training forward would run with a dense mask."""
+    from dflash.target import Target, decoding_attention, register_varlen_attention
+
+    cfg = run_config()
+    t = Target(cfg.target, 1, torch.device("cpu"), vocab=64)
+    name = register_varlen_attention()
+    t.model.set_attn_implementation(name)
+    with decoding_attention(t.model):
+        assert t.model.config._attn_implementation == "sdpa"
+    assert t.model.config._attn_implementation == name
+    t.model.set_attn_implementation("sdpa")
+    with decoding_attention(t.model):
+        pass
+    assert t.model.config._attn_implementation == "sdpa"
+
+
 def test_eval_every_zero_turns_evaluation_off(tmp_path: Path, cache: Path) -> None:
     out = tmp_path / "run"
     assert train(run_config(train={"max_steps": 4, "checkpoint_every": 2, "eval_every": 0}), out).exit_code == 0
@@ -87,7 +132,7 @@ def test_a_cached_heldout_set_of_configured_data_is_found_without_scheduling_the
         tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Finding configured data's held-out documents tokenizes the whole corpus and builds its schedule: a week-long
     run's restarts must not pay that again once the set is cached (its key is what decides the prompts)."""
-    import dflash.eval
+    import dflash.measure
 
     data = tmp_path / "data"
     data.mkdir()
@@ -102,7 +147,7 @@ def test_a_cached_heldout_set_of_configured_data_is_found_without_scheduling_the
     def schedule_again(*_a: object, **_k: object) -> None:
         raise AssertionError("the held-out documents were looked up again")
 
-    monkeypatch.setattr(dflash.eval, "heldout_documents_of", schedule_again)
+    monkeypatch.setattr(dflash.measure, "heldout_documents_of", schedule_again)
     assert train(cfg, tmp_path / "b").exit_code == 0
     second = _events(tmp_path / "b", "eval")
     assert [(e["tau"], e["ngram_tau"], e["sequences"]) for e in second] == \
