@@ -74,6 +74,7 @@ resume_argv = _W["resume_argv"]
 proc_starttime = _W["proc_starttime"]
 RESTARTING_FILE: str = _W["RESTARTING_FILE"]
 NOTIFIERS_FILE: str = _W["NOTIFIERS_FILE"]
+event_problem = _W["event_problem"]  # the contract's reader check: every events line any verb reads passes it
 
 
 # -- output -------------------------------------------------------------------------------------------------
@@ -477,7 +478,7 @@ class ProcWatch:
                 "leftovers": self.leftovers(info) if exited else [],
                 "attempt": info.get("attempt"), "started": info.get("started"), "ended": ended,
                 "restarts": info.get("restarts"), "restart_max": info.get("restart_max"), "restart": restart,
-                "cleaned": cleaned}
+                "cleaned": cleaned, "since": attempt_since(self.run)}
 
     def poll(self, force: bool = False) -> dict[str, Any]:
         snap = self.snapshot()
@@ -645,15 +646,20 @@ def bounded_lines(fh: Any, limit: int) -> Any:
 
 
 def event_object(raw: bytes, length: int) -> Any:
-    """One events line as a JSON object, or why it is none (a str). The contract's types are checked by the
-    client (dflash.telemetry, through opsctl.runstate), which counts both kinds of bad line alike."""
+    """One events line as an event, or why it is none (a str): not JSON, not an object, or a key of the wrong type
+    (event_problem, the contract's reader check). Every reader here (follow, status and its fold, the watch fold,
+    launch's verdicts, the previous attempt) takes its lines from this one function, so a line of the wrong types
+    (`"step": "six"`, a run_start with `"resumed_from": "x"`) is skipped and counted alike by all of them."""
     if length > MAX_EVENT_LINE:
         return f"longer than {MAX_EVENT_LINE} bytes (MAX_EVENT_LINE)"
     try:
         ev = json.loads(raw)
     except ValueError:
         return "not JSON"
-    return ev if isinstance(ev, dict) else "not a JSON object"
+    if not isinstance(ev, dict):
+        return "not a JSON object"
+    why = event_problem(ev)
+    return ev if why is None else why
 
 
 def cut_line(head: bytes, whole: int, limit: int) -> bytes:
@@ -764,7 +770,7 @@ class HistoryThinner:
 # of the same file sends the saved messages again (re-thinned to its possibly larger stride) and reads only what was
 # appended since.
 BACKLOG_FOLD_FILE = "watch-fold.json"
-BACKLOG_FOLD_FORMAT = 1
+BACKLOG_FOLD_FORMAT = 2  # 2: lines of the wrong types are bad_event messages (event_problem)
 BACKLOG_FOLD_AFTER_BYTES = 4 << 20
 
 
@@ -1733,6 +1739,10 @@ def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("attempt", file=run.log, attempt=len(olds) + 1, attempts=len(olds) + 1, current=True)
     follower = Follower(run, nvml, int(opts.get("log_offset", 0)), int(opts.get("events_offset", 0)),
                    int(opts.get("tail", 10)), float(opts.get("gpu_interval", 1.0)))
+    if follower.events is not None:
+        # the process (and its attempt's `since`) before the events: the client's RunState then folds an earlier
+        # attempt's events for tau and charts only, as `status` does (attempt_since)
+        follower.proc.poll(force=True)
     # what is there now (from the offsets, or the last `tail` lines), then `backlog_end`
     follower.catch_up(thin=bool(opts.get("thin_history")))
     if opts.get("once"):
@@ -1745,13 +1755,24 @@ def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     return follow_loop(follower, run, ready_deadline=None, keep_following=True)
 
 
+def attempt_since(run: Run) -> float:
+    """Where the current attempt's events begin (the host's clock): a second before its launch or, for a restart, its
+    own start. An event older than this is an earlier attempt's: it counts for the run's tau and the charts, never
+    for this attempt's state or step. `status` folds by it, and every `proc` message carries it (`since`), so the
+    client's RunState applies the same rule to what `watch` reads (an attempt killed before its run_start shows
+    step 0 in both, not the previous attempt's last step)."""
+    launch = read_json(run.state_file("launch.json")) or {}
+    started = (read_json(run.state_file("pid")) or {}).get("started")
+    ts = launch.get("ts")
+    return max(float(ts) if isinstance(ts, (int, float)) else 0.0,
+               float(started) if isinstance(started, (int, float)) else 0.0) - 1.0
+
+
 def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     proc_watch = ProcWatch(run)
     launch = read_json(run.state_file("launch.json")) or {}
     killed = read_json(run.state_file("killed"))
-    started = (read_json(run.state_file("pid")) or {}).get("started")
-    # The current attempt's events (a restart starts a new one after the launch)
-    since = max(float(launch.get("ts", 0)), float(started) if isinstance(started, (int, float)) else 0.0) - 1.0
+    since = attempt_since(run)
     # The events since the last run_start that a reducer needs: phase, last steps, errors, checkpoint, end.
     picked: dict[int, tuple[int, dict[str, Any]]] = {}
     steps: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque(maxlen=20)
@@ -1775,15 +1796,16 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                     bad[:] = [bad[0] + 1, f"events file offset {start}: {ev}"]
                     continue
                 tau.note(ev, (start, off, ev))
+                kind = ev.get("kind")
+                if kind == "run_start":
+                    bad[:] = [0, None]  # the lines skipped since the last run_start, of any attempt (as RunState)
                 if isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since:
                     continue
-                kind = ev.get("kind")
                 eta.note(ev)
                 if kind == "run_start":
                     steps.clear()
                     errors.clear()
                     last.clear()
-                    bad[:] = [0, None]
                     mem.__init__()
                 mem.note(ev)
                 if kind == "step":
@@ -1823,7 +1845,7 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
 # (STATE_DIR/FOLD_FILE) with the byte offset it reached, and the next status goes on from there when the file is
 # still the same one (inode, and the FOLD_CHECK bytes before the offset) and the attempt is the same (`since`).
 FOLD_FILE = "status-fold.json"
-FOLD_FORMAT = 2  # 2: the memory rules' windows (MemoryWatch) too
+FOLD_FORMAT = 3  # 2: the memory rules' windows (MemoryWatch) too; 3: lines of the wrong types skipped
 FOLD_AFTER_BYTES = 4 << 20
 FOLD_CHECK = 4096
 
@@ -2042,10 +2064,7 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     if run.events and os.path.exists(run.events):
         tail = Tail(run.events, events_offset)
         for _off, _end, raw in tail.read([]):
-            try:
-                ev = json.loads(raw)
-            except ValueError:
-                continue
+            ev = event_object(raw, _end - _off - 1)
             if isinstance(ev, dict) and ev.get("kind") == "run_end":
                 run_end = ev
             if isinstance(ev, dict) and ev.get("kind") in ("run_end", "checkpoint"):
@@ -2071,11 +2090,15 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     rc = EXIT_CODES["ok"]
     live = snap["state"] in ("running", "restarting")  # restarting: the wrapper starts the next attempt soon
 
-    def refuse(detail: str) -> int:
-        # A dry run changes nothing either way: it reports what a real clean would refuse (warn) and exits 0.
-        emit("check", name="inductor_cache", ok=dry, warn=dry, detail=("a real clean would refuse: " if dry else "")
+    def refuse(detail: str, config: bool = False) -> int:
+        """A refusal; in a dry run, what a real clean would refuse. `config`: the run's configuration is refused
+        (its inductor_cache_dir is the home directory, a system directory, outside its roots): a dry run fails
+        with the real clean's exit code 5, for no later moment makes that clean work. Otherwise it is the run's
+        state now (running, processes left, another process using the cache): a dry run warns and exits 0."""
+        soft = dry and not config
+        emit("check", name="inductor_cache", ok=soft, warn=soft, detail=("a real clean would refuse: " if dry else "")
              + detail)
-        return EXIT_CODES["ok"] if dry else EXIT_CODES["refused"]
+        return EXIT_CODES["ok"] if soft else EXIT_CODES["refused"]
 
     left = leftovers(run) if not live else []
     if live:
@@ -2087,14 +2110,16 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     else:
         try:
             real = run.validated_cache()
+        except AgentError as exc:
+            rc = refuse(str(exc), config=True)
+        else:
             users = cache_users(real)
             if users:
-                raise AgentError(f"{real} is in use by {describe_users(users)}: not cleaned")
-            n, size = empty_dir(real, dry)
-            emit("check", name="inductor_cache", ok=True,
-                 detail=("would empty" if dry else "emptied") + f" {real}: {n} entries, {size / 2**20:.1f} MiB")
-        except AgentError as exc:
-            rc = refuse(str(exc))
+                rc = refuse(f"{real} is in use by {describe_users(users)}: not cleaned")
+            else:
+                n, size = empty_dir(real, dry)
+                emit("check", name="inductor_cache", ok=True,
+                     detail=("would empty" if dry else "emptied") + f" {real}: {n} entries, {size / 2**20:.1f} MiB")
     if opts.get("logs"):
         # Earlier attempts' logs go only when asked (clean --logs); the current attempt's log always stays.
         for old in old_logs(run):

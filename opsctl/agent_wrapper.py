@@ -72,6 +72,71 @@ def read_json(path: str) -> dict[str, Any] | None:
         return None
 
 
+# The event contract's types (docs/events.md; dflash/telemetry.py COMMON and KINDS, copied here because this file
+# runs alone on the host: tests/test_event_check.py keeps the two equal). Every reader of an events file on the host
+# (the agent's status, its folds, follow, history; this wrapper's EventsWatch) skips a line that fails
+# `event_problem`, and the client (dflash.telemetry.parse_event, complete=False) judges it the same.
+_INT, _NUM, _STR, _NUL, _LIST, _DICT, _BOOL = "int", "float|int", "str", "None", "list", "dict", "bool"
+EVENT_COMMON: dict[str, tuple[str, ...]] = {"v": (_INT,), "ts": (_NUM,), "kind": (_STR,), "run_id": (_STR,),
+                                            "rank": (_INT,), "seq": (_INT,)}
+EVENT_KINDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "run_start": {"config": (_DICT,), "versions": (_DICT,), "kernels": (_DICT,), "device": (_STR,),
+                  "world_size": (_INT,), "roles": (_DICT,), "resumed_from": (_INT, _NUL), "pid": (_INT,),
+                  "host": (_STR,), "total_steps": (_INT,)},
+    "phase": {"phase": (_STR,)},
+    "heartbeat": {"phase": (_STR,), "step": (_INT,), "rss_mb": (_NUM,), "gpu_mem_mb": (_NUM, _NUL)},
+    "step": {"step": (_INT,), "epoch": (_INT,), "loss": (_NUM,), "acc": (_LIST,), "lr": (_NUM,),
+             "grad_norm": (_NUM,), "tokens": (_INT,), "tokens_per_s": (_NUM,), "step_time_s": (_NUM,),
+             "queue_depth": (_INT,), "queue_wait_s": (_NUM,), "recompiles": (_INT,), "total_steps": (_INT,)},
+    "checkpoint": {"path": (_STR,), "step": (_INT,), "manifest_sha256": (_STR,), "bytes": (_INT,),
+                   "seconds": (_NUM,)},
+    "error": {"class": (_STR,), "message": (_STR,), "traceback": (_STR, _NUL), "fatal": (_BOOL,)},
+    "run_end": {"reason": (_STR,), "exit_code": (_INT,), "step": (_INT,)},
+    "eval": {"step": (_INT,), "tau": (_NUM, _NUL), "accept_by_position": (_LIST,), "ngram_tau": (_NUM, _NUL),
+             "block_size": (_INT,), "sequences": (_INT,), "tokens": (_INT,), "seconds": (_NUM,)},
+}
+_FLOAT_WORDS = ("nan", "inf", "-inf")  # how the writer spells a non-finite float (JSON has none)
+_FLOAT_WORD_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s")
+_PY_TYPES: dict[str, tuple[type, ...]] = {_INT: (int,), _NUM: (float, int), _STR: (str,), _NUL: (type(None),),
+                                          _LIST: (list,), _DICT: (dict,), _BOOL: (bool,)}
+
+
+def _type_problem(ev: dict[str, Any], spec: dict[str, tuple[str, ...]], where: str) -> str | None:
+    for key, names in spec.items():
+        if key not in ev:
+            continue
+        value = ev[key]
+        if key in _FLOAT_WORD_KEYS and value in _FLOAT_WORDS:
+            continue
+        ok = any(isinstance(value, _PY_TYPES[n]) for n in names)
+        if isinstance(value, bool) and _BOOL not in names:
+            ok = False  # bool is an int subclass; only where bool is named
+        if not ok:
+            want = "/".join(n for n in names)
+            return f"{where}: key {key!r} must be {want}, got {type(value).__name__}"
+    return None
+
+
+def event_problem(ev: Any) -> str | None:
+    """Why one events line (json.loads'ed) is no event by the contract's types, or None when it is one: the reader's
+    check (dflash.telemetry.validate_event with complete=False): every key present of the right type, a missing key
+    or a kind newer than this reader left to the reader's defaults. A line that fails it is skipped and counted."""
+    if not isinstance(ev, dict):
+        return "not a JSON object"
+    kind = ev.get("kind")
+    if not isinstance(kind, str):
+        return "event: key 'kind' must be str" + ("" if "kind" in ev else " (it is missing)")
+    why = _type_problem(ev, EVENT_COMMON, "event") or _type_problem(ev, EVENT_KINDS.get(kind, {}), kind)
+    if why:
+        return why
+    if kind == "step" and not all(isinstance(a, (int, float)) or a in _FLOAT_WORDS for a in ev.get("acc", ())):
+        return "step: acc must be a list of numbers"
+    if kind == "eval" and not all(a is None or (isinstance(a, (int, float)) and not isinstance(a, bool))
+                                  for a in ev.get("accept_by_position", ())):
+        return "eval: accept_by_position must be a list of numbers (or null)"
+    return None
+
+
 # The last line of a Python traceback: `KeyboardInterrupt`, `RuntimeError: boom`, `torch.OutOfMemoryError: ...`.
 _EXC_LINE = re.compile(r"[A-Za-z_][\w.]*(:.*)?$")
 
@@ -508,7 +573,7 @@ class EventsWatch:
                     ev = json.loads(raw)
                 except ValueError:
                     continue
-                if isinstance(ev, dict):
+                if event_problem(ev) is None:  # the agent's readers skip the same lines (agent.event_object)
                     self._note(ev)
 
     def seed_tau(self) -> None:
@@ -522,7 +587,7 @@ class EventsWatch:
                             ev = json.loads(raw)
                         except ValueError:
                             continue
-                        if isinstance(ev, dict):
+                        if event_problem(ev) is None:
                             self.tau.note(ev)
         except OSError:
             pass
@@ -935,7 +1000,7 @@ def attempt_taus(events: str | None, attempts: list[dict[str, Any]]) -> None:
                     ev = json.loads(raw)
                 except ValueError:
                     continue
-                if isinstance(ev, dict) and ev.get("kind") == "eval" and isinstance(ev.get("ts"), (int, float)) \
+                if event_problem(ev) is None and ev.get("kind") == "eval" and isinstance(ev.get("ts"), (int, float)) \
                         and isinstance(ev.get("step"), int):
                     evals.append((float(ev["ts"]), ev["step"], _tau_num(ev.get("tau"))))
     except OSError:
