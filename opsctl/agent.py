@@ -679,13 +679,19 @@ def human_bytes(n: int) -> str:
 
 # `follow` with `thin_history` (watch's backlog): the step events of a long history are sent at most THIN_POINTS
 # apart (every 2^k-th step, the alignment the charts' RunSeries keeps), all the others and the last THIN_TAIL events
-# whole. What a client folds from the history is then the same: every non-step event (evals, errors, checkpoints,
-# heartbeats, run_start/run_end), each attempt's first THIN_HEAD steps (ETA warm-up, alert baselines), every step
+# whole. What a client folds from the history is then the same: every non-step event but heartbeats (evals, errors,
+# checkpoints, run_start/run_end), each attempt's first THIN_HEAD steps (ETA warm-up, alert baselines), every step
 # whose loss is not a finite number (the NaN alert), and a tail long enough that the ETA's moving average (alpha
 # 0.05) and the alert windows (the latest step, queue and step-time windows) have forgotten the thinned middle.
+# Heartbeats (one per rank every 5 s: a week of them outnumbers the steps) say only where the run is now, except
+# for the memory rules (MemoryWatch): of the thinned middle only those that fill the rules' baseline windows are
+# sent; the tail holds the recent windows (at least its last THIN_TAIL_S seconds: the allocator-retry window,
+# RETRY_WINDOW_S, and the heartbeat before it, whatever the number of ranks writing).
 THIN_POINTS = 4000
 THIN_TAIL = 2000
+THIN_TAIL_S = 900.0
 THIN_HEAD = 50
+THIN_HEARTBEATS_AFTER = 4 << 20  # a backlog this big is thinned for its heartbeats even when its steps are few
 THIN_PROBE = 256 << 10  # bytes read from the events file's end to find its last step
 
 
@@ -725,11 +731,25 @@ class HistoryThinner:
         self.ring: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
         self.head = 0  # step events let out since the last run_start
         self.kept: list[tuple[str, dict[str, Any], bool]] | None = None
+        self.memory = _W["MemoryWatch"]()  # the attempt's memory rules over what was let out: which heartbeats count
+        self.last_ts: float | None = None  # the newest event's time: the tail keeps THIN_TAIL_S seconds before it
+
+    @staticmethod
+    def _ts(item: tuple[str, dict[str, Any]]) -> float | None:
+        ev = item[1].get("event") if item[0] == "event" else None
+        ts = ev.get("ts") if isinstance(ev, dict) else None
+        return float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else None
 
     def push(self, kind: str, fields: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         self.ring.append((kind, fields))
+        ts = self._ts((kind, fields))
+        if ts is not None and (self.last_ts is None or ts > self.last_ts):
+            self.last_ts = ts
         out = []
         while len(self.ring) > THIN_TAIL:
+            first = self._ts(self.ring[0])
+            if first is not None and self.last_ts is not None and first >= self.last_ts - THIN_TAIL_S:
+                break  # within the tail's seconds
             item = self.ring.popleft()
             keep, pinned = self._judge(item)
             if keep:
@@ -752,7 +772,13 @@ class HistoryThinner:
             return True, True
         if ev.get("kind") == "run_start":
             self.head = 0
+            self.memory = _W["MemoryWatch"]()
             return True, True
+        if ev.get("kind") == "heartbeat":  # sent only where it fills a memory rule's baseline window
+            before = sum(len(base) for base, _ in self.memory.mem.values())
+            self.memory.note(ev)
+            return sum(len(base) for base, _ in self.memory.mem.values()) > before, True
+        self.memory.note(ev)
         if ev.get("kind") != "step":
             return True, True
         self.head += 1
@@ -770,7 +796,7 @@ class HistoryThinner:
 # of the same file sends the saved messages again (re-thinned to its possibly larger stride) and reads only what was
 # appended since.
 BACKLOG_FOLD_FILE = "watch-fold.json"
-BACKLOG_FOLD_FORMAT = 2  # 2: lines of the wrong types are bad_event messages (event_problem)
+BACKLOG_FOLD_FORMAT = 2  # 2: lines of the wrong types are bad_event messages (event_problem); heartbeats thinned
 BACKLOG_FOLD_AFTER_BYTES = 4 << 20
 
 
@@ -865,6 +891,8 @@ class Follower:
             middle = [(str(k), f, bool(p)) for k, f, p in saved["middle"]]
             ring = [(str(k), f) for k, f in saved["ring"]]
             head = int(saved["head"])
+            memory = _W["MemoryWatch"]()
+            memory.load(saved["memory"])
         except (KeyError, TypeError, ValueError, OSError):
             return
         kept: list[tuple[str, dict[str, Any], bool]] = []
@@ -876,7 +904,7 @@ class Follower:
                 self._note(ev)
             emit(kind, **fields)
             kept.append((kind, fields, pinned))
-        thinner.head, thinner.kept = head, kept
+        thinner.head, thinner.kept, thinner.memory = head, kept, memory
         for kind, fields in ring:
             ev = fields.get("event") if kind == "event" else None
             if isinstance(ev, dict):
@@ -898,7 +926,8 @@ class Follower:
             return
         save_state(self.run, BACKLOG_FOLD_FILE, {
             "format": BACKLOG_FOLD_FORMAT, "events": self.events.path, "stride": thinner.stride, "head": thinner.head,
-            "mark": mark, "middle": thinner.kept, "ring": [list(item) for item in thinner.ring]})
+            "mark": mark, "middle": thinner.kept, "ring": [list(item) for item in thinner.ring],
+            "memory": thinner.memory.state()})
 
     def _note(self, ev: dict[str, Any]) -> None:
         ts = ev.get("ts")
@@ -927,7 +956,8 @@ class Follower:
         `thin`: a long events backlog's step events are thinned (HistoryThinner); what follows is sent whole."""
         if thin and self.events is not None:
             stride = thin_stride(self.events.path, self.events.offset)
-            self.thinner = HistoryThinner(stride) if stride > 1 else None
+            big = self.events.size() - self.events.position() >= THIN_HEARTBEATS_AFTER
+            self.thinner = HistoryThinner(stride) if stride > 1 or big else None
             if self.thinner is not None and self.events.position() == 0:  # the whole backlog: fold it
                 self.thinner.kept = []
                 self._resume_backlog(self.thinner)
@@ -1394,6 +1424,76 @@ def finished_refusal(run: Run, prev: dict[str, Any], argv: list[str]) -> str | N
             f"or give it another --out")
 
 
+def _argv_max_steps(argv: list[str]) -> int | None:
+    """The `--max-steps N` (or `--max-steps=N`) of a dflash command line, the last one given; None without it."""
+    found = None
+    for i, a in enumerate(argv):
+        value = argv[i + 1] if a == "--max-steps" and i + 1 < len(argv) else (
+            a.split("=", 1)[1] if a.startswith("--max-steps=") else None)
+        if value is not None and value.isdigit():
+            found = int(value)
+    return found
+
+
+def beyond_refusal(run: Run, argv: list[str]) -> str | None:
+    """Why this command would resume past its own last step (None: go ahead, or nothing says so).
+
+    An attempt extended with `opsctl launch HOST RUN -- --max-steps 400` and stopped at step 139 leaves its newest
+    checkpoint at 139; the plain command (its config's 100 steps) resumes from there and the training core refuses
+    with `already at step 139 of 100` after its start-up. Known before anything starts when the command resumes
+    (`--resume`, not `--fresh`), the newest checkpoint of the events still exists, and this command's length is
+    known: its own `--max-steps`, or an earlier attempt with this very command line whose run_start had a fixed
+    `train.max_steps` (an epochs-based config keeps the checkpoint's planned length instead: nothing to refuse) and
+    no file named in it changed since."""
+    if not run.events or "--fresh" in argv or not any(a == "--resume" or a.startswith("--resume=") for a in argv):
+        return None
+    ckpt: tuple[int, str] | None = None
+    starts: list[dict[str, Any]] = []
+    try:
+        with open(run.events, "rb") as fh:
+            for head, length, complete in long_lines(fh, MAX_EVENT_LINE):
+                if not complete or (b'"checkpoint"' not in head and b'"run_start"' not in head):
+                    continue
+                ev = event_object(head, length)
+                if not isinstance(ev, dict):
+                    continue
+                if ev.get("kind") == "checkpoint" and isinstance(ev.get("step"), int) and isinstance(ev.get("path"), str):
+                    ckpt = (ev["step"], ev["path"])
+                elif ev.get("kind") == "run_start" and isinstance(ev.get("ts"), (int, float)):
+                    starts.append(ev)
+    except OSError:
+        return None
+    if ckpt is None or not os.path.exists(run.path(ckpt[1])):
+        return None
+    step, total, how = ckpt[0], _argv_max_steps(argv), "its --max-steps"
+    if total is None:
+        for a in reversed(read_history(run.state_dir, run.log, run.keep_logs)):
+            started, ended = a.get("started"), a.get("ended")
+            if a.get("argv") != argv or not isinstance(started, (int, float)):
+                continue
+            mine = [e for e in starts if e["ts"] >= started - 1.0
+                    and (not isinstance(ended, (int, float)) or e["ts"] <= ended + 1.0)]
+            train = ((mine[-1].get("config") or {}).get("train") or {}) if mine else {}
+            if not mine or not isinstance(mine[-1].get("total_steps"), int) or train.get("max_steps") is None:
+                continue
+            outputs = {run.path(run.events), run.path(run.log)}  # written by the run itself: no input changed
+            for f in argv:
+                p = run.path(f) if not f.startswith("-") else None
+                try:
+                    if p and p not in outputs and os.path.isfile(p) and os.path.getmtime(p) > started:
+                        return None  # a config named in the command changed since (e.g. more steps)
+                except OSError:
+                    pass
+            total, how = mine[-1]["total_steps"], f"its attempt #{a.get('id')} with this command trained {mine[-1]['total_steps']} steps"
+            break
+    if total is None or step < total:
+        return None
+    return (f"run {run.name} would resume past its own end: its newest checkpoint is at step {step} ({ckpt[1]}), "
+            f"this command trains {total} steps ({how}); the training core would refuse it (already at step {step} "
+            f"of {total}). To go on: opsctl launch HOST {run.name} -- --max-steps N (N above {step}); to start over: "
+            f"add --fresh to its command, or give it another --out")
+
+
 def rotate_logs(run: Run) -> tuple[str, int]:
     """Keep earlier attempts' logs: LOG -> LOG.1 -> ... -> LOG.keep_logs (the oldest beyond it goes); returns what
     was done and the rotation count an attempt records as its `log_seq` (the wrapper's rule, shared).
@@ -1548,6 +1648,10 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     prev = previous_attempt(run)
     why = finished_refusal(run, prev, argv)
     if why:  # before anything is touched: the finished run's files and state stay exactly as they are
+        check("not_finished", False, why)
+        return refused()
+    why = beyond_refusal(run, argv)
+    if why:  # likewise: an extended attempt's checkpoint is past this command's last step
         check("not_finished", False, why)
         return refused()
 
@@ -2266,8 +2370,10 @@ VERBS = {"launch": verb_launch, "follow": verb_follow, "status": verb_status, "k
 def main(argv: list[str]) -> None:
     watch_stdin()
     nvml = Nvml()
+    # events_checked: every `event` this agent sends passed the contract's check (event_problem); the client need not
+    # check it again (a week-long backlog's events cost the client a third of its fold in that check)
     emit("hello", agent_version=AGENT_VERSION, host=socket.gethostname(), pid=os.getpid(),
-         python=sys.version.split()[0], nvml=nvml.status, verb=argv[0] if argv else None)
+         python=sys.version.split()[0], nvml=nvml.status, verb=argv[0] if argv else None, events_checked=True)
     try:
         if len(argv) != 2 or argv[0] not in VERBS:
             raise AgentError("usage: agent VERB JSON_ARGS with VERB one of {}".format(", ".join(sorted(VERBS))))

@@ -163,6 +163,7 @@ class RunState:
         # Where the current attempt's events begin (the agent's `proc` `since`, opsctl.agent.attempt_since): older
         # events are an earlier attempt's, counted for tau only, as `status` folds them.
         self._since: float | None = None
+        self._events_checked = False  # the agent said (hello) it sends only events that passed the contract's check
         self.tau = TauTrack()
         self.eta = EtaClock()
 
@@ -214,6 +215,7 @@ class RunState:
             self._v.gpus = list(msg.get("gpus") or [])
         elif t == "hello":
             self._v.nvml = msg.get("nvml")
+            self._events_checked = msg.get("events_checked") is True
         elif t == "killed" or (t == "status" and msg.get("killed_by_opsctl")):
             self.killed_by_us = True
         return True
@@ -232,6 +234,8 @@ class RunState:
             self._v.bad_event = f"events file offset {msg.get('off')}: {msg.get('error')}"
             return None
         ev = msg.get("event")
+        if self._events_checked and isinstance(ev, dict):
+            return ev  # checked by the agent with the same table (agent_wrapper.event_problem): once is enough
         try:
             # the reader's check (types of the keys present); a copy: "nan" words stay as the writer put them
             parse_event(dict(ev) if isinstance(ev, dict) else ev, complete=False)

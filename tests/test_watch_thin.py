@@ -95,10 +95,13 @@ def test_a_thinned_backlog_folds_to_the_same_record_and_curve(tmp_path: Path) ->
     n_full, n_thin = (sum(1 for m in msgs if m["t"] == "event" and m["event"]["kind"] == "step")
                       for msgs in (full, thin))
     assert n_full == 40_000 + 1_500 and n_thin < n_full * 0.25, (n_full, n_thin)
-    # every other kind of line is sent whole, in the same order
+    # every other kind of line but heartbeats is sent whole, in the same order; of the heartbeats (one every 7 steps
+    # here) those of the tail and the few that fill the memory rules' baseline windows
     others = [[(m["t"], m.get("off")) for m in msgs if m["t"] == "bad_event"
-               or (m["t"] == "event" and m["event"]["kind"] != "step")] for msgs in (full, thin)]
+               or (m["t"] == "event" and m["event"]["kind"] not in ("step", "heartbeat"))] for msgs in (full, thin)]
     assert others[0] == others[1]
+    beats = [sum(1 for m in msgs if m["t"] == "event" and m["event"]["kind"] == "heartbeat") for msgs in (full, thin)]
+    assert beats[0] > 5_000 and beats[1] < 0.1 * beats[0], beats
     offs = [m["off"] for m in thin if m["t"] in ("event", "bad_event")]
     assert offs == sorted(offs)
 
@@ -206,3 +209,42 @@ def test_the_next_watch_of_a_long_history_resends_the_saved_backlog_and_reads_on
     after = _follow(tmp_path, True)
     assert [m["event"]["loss"] for m in after if m["t"] == "event" and m["event"].get("step") == ev["step"]][0] == 9.5
     assert _same(after, (fold.unlink(), _follow(tmp_path, True))[1])
+
+
+def test_heartbeats_of_a_thinned_backlog_keep_the_memory_alerts_and_the_last_beat(tmp_path: Path) -> None:
+    """Two ranks' heartbeats every 5 s over ~14 h (20,000 steps at 2.5 s): host RSS grows 10 -> 14 GiB, and the
+    allocator retried in the last minutes. The thinned backlog holds a fraction of the heartbeats, and the record
+    (memory_growth and alloc_retries alerts with their evidence, the heartbeat's age, the state) is the full read's."""
+    t = T0
+    lines: list[dict[str, Any]] = []
+
+    def ev(kind: str, **kw: Any) -> None:
+        lines.append({"v": 1, "ts": t, "kind": kind, "run_id": "x", "rank": kw.pop("rank", 0), "seq": len(lines),
+                      **kw})
+
+    steps = 20_000
+    ev("run_start", total_steps=30_000, resumed_from=None)
+    ev("phase", phase="training")
+    retries = 0
+    for n in range(1, steps + 1):
+        t += 2.5
+        ev("step", step=n, epoch=0, loss=4.0 / math.sqrt(n), acc=[0.5], lr=1e-3, grad_norm=1.0, tokens=4096,
+           tokens_per_s=1600.0, step_time_s=2.5, queue_depth=0, queue_wait_s=0.0, recompiles=0, total_steps=30_000)
+        if n % 2 == 0:
+            if n > steps - 200:
+                retries += 1
+            for rank in (0, 1):
+                ev("heartbeat", rank=rank, phase="training", step=n, rss_mb=10_240.0 + 4096.0 * n / steps,
+                   gpu_mem_mb=60_000.0, gpu_reserved_mb=70_000.0, gpu_alloc_retries=retries)
+    with open(tmp_path / "events.jsonl", "w") as fh:
+        fh.writelines(json.dumps(line) + "\n" for line in lines)
+    full, thin = _follow(tmp_path, False), _follow(tmp_path, True)
+    beats = [sum(1 for m in msgs if m["t"] == "event" and m["event"]["kind"] == "heartbeat") for msgs in (full, thin)]
+    assert beats[0] == 20_000 and beats[1] < 0.25 * beats[0], beats
+    now = t + 3.0
+    ra, rb = _fold(full, now).snapshot(), _fold(thin, now).snapshot()
+    assert ra == rb, {k: (ra[k], rb[k]) for k in ra if ra[k] != rb.get(k)}
+    evidence = {x["key"]: x["evidence"] for x in ra["alerts"]}
+    assert "host RSS 10.1 GiB at step 240 -> 14.0 GiB at step 20000" in evidence["memory_growth"] and "rank 1" in evidence["memory_growth"], evidence
+    assert "allocator retries" in evidence["alloc_retries"], evidence
+    assert ra["state"] == "training" and ra["heartbeat_age_s"] == 3.0 and ra["step"] == steps
