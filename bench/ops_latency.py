@@ -507,7 +507,8 @@ def long_run_ssh(sshd: Any, base: Path, steps: int, repeats: int, heartbeat_ever
     floor_hosts = sshd.write_hosts_yaml(base / "floor.yaml", pct=VMID, runs={"s": run(short)})
     times: dict[str, list[float]] = {k: [] for k in ("status_full_s", "status_fold_s", "watch_once_first_s",
                                                     "watch_once_fold_s", "frame_first_s", "frame_fold_s",
-                                                    "floor_status_s", "floor_watch_once_s", "floor_frame_s")}
+                                                    "floor_status_s", "floor_watch_once_s", "floor_frame_s",
+                                                    "wrapper_refresh_s", "watch_once_wrapper_fold_s")}
     shows = f"{steps:,}".encode()
     for _ in range(repeats):
         for key, argv in (("floor_status_s", ("status", "box", "s", "--json")),
@@ -532,10 +533,24 @@ def long_run_ssh(sshd: Any, base: Path, steps: int, repeats: int, heartbeat_ever
         (state / BACKLOG_FOLD_FILE).unlink(missing_ok=True)
         times["frame_first_s"].append(first_frame(hosts, "box:r", shows))
         times["frame_fold_s"].append(first_frame(hosts, "box:r", shows))
+        try:  # the fold the run's wrapper keeps (opsctl/agent_wrapper.py refresh_backlog_fold), then the first watch
+            from opsctl.agent_wrapper import refresh_backlog_fold
+        except ImportError:  # an opsctl before it
+            continue
+        (state / BACKLOG_FOLD_FILE).unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        refresh_backlog_fold(str(state), str(events))  # its first pass over the whole file, in the wrapper's thread
+        times["wrapper_refresh_s"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        r = _opsctl(hosts, "watch", "box", "--once")
+        times["watch_once_wrapper_fold_s"].append(time.perf_counter() - t0)
+        assert r.returncode == 0, r.stderr
     out: dict[str, Any] = {"steps": steps, "heartbeat_every": heartbeat_every,
                            "events_mb": round(events.stat().st_size / 1e6, 1),
                            "lines": sum(1 for _ in events.open("rb"))}
     for key, xs in times.items():
+        if not xs:
+            continue
         out[key] = [round(x, 3) for x in xs]
         out[key[:-2] + "_median_s"] = round(statistics.median(xs), 3)
     return out

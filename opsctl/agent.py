@@ -12,7 +12,6 @@ import errno
 import fcntl
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -31,7 +30,6 @@ TAIL_KEEP = 200  # log lines kept in memory for a crash report
 # What one line may cost: a longer log line is sent as its first MAX_LOG_LINE bytes and ` ... [cut 19.9 MB]`, so a
 # 20 MB line (a dumped tensor, a progress bar without newlines) can neither flood the client nor hide newer lines.
 MAX_LOG_LINE = 64 << 10
-MAX_EVENT_LINE = 1 << 20  # an events line longer than this is not an event (docs/events.md): skipped, counted
 READ_CHUNK = 4 << 20  # bytes of one file read per poll
 EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "transport": 3, "timeout": 4, "refused": 5, "taken_over": 6}
 
@@ -75,6 +73,22 @@ proc_starttime = _W["proc_starttime"]
 RESTARTING_FILE: str = _W["RESTARTING_FILE"]
 NOTIFIERS_FILE: str = _W["NOTIFIERS_FILE"]
 event_problem = _W["event_problem"]  # the contract's reader check: every events line any verb reads passes it
+MAX_EVENT_LINE: int = _W["MAX_EVENT_LINE"]  # an events line longer than this is not an event (docs/events.md)
+event_object = _W["event_object"]  # one events line as an event, or why it is none
+# watch's thinned backlog (HistoryThinner) and its fold (watch-fold.json): the wrapper keeps the fold up to date
+HistoryThinner = _W["HistoryThinner"]
+thin_stride = _W["thin_stride"]
+THIN_POINTS: int = _W["THIN_POINTS"]
+THIN_TAIL: int = _W["THIN_TAIL"]
+THIN_TAIL_S: float = _W["THIN_TAIL_S"]
+THIN_HEAD: int = _W["THIN_HEAD"]
+THIN_HEARTBEATS_AFTER: int = _W["THIN_HEARTBEATS_AFTER"]
+BACKLOG_FOLD_FILE: str = _W["BACKLOG_FOLD_FILE"]
+BACKLOG_FOLD_FORMAT: int = _W["BACKLOG_FOLD_FORMAT"]
+BACKLOG_FOLD_AFTER_BYTES: int = _W["BACKLOG_FOLD_AFTER_BYTES"]
+FOLD_CHECK: int = _W["FOLD_CHECK"]
+_fold_mark = _W["_fold_mark"]
+_backlog_mark = _W["_backlog_mark"]
 
 
 # -- output -------------------------------------------------------------------------------------------------
@@ -645,23 +659,6 @@ def bounded_lines(fh: Any, limit: int) -> Any:
         yield cut_line(head, length, limit)
 
 
-def event_object(raw: bytes, length: int) -> Any:
-    """One events line as an event, or why it is none (a str): not JSON, not an object, or a key of the wrong type
-    (event_problem, the contract's reader check). Every reader here (follow, status and its fold, the watch fold,
-    launch's verdicts, the previous attempt) takes its lines from this one function, so a line of the wrong types
-    (`"step": "six"`, a run_start with `"resumed_from": "x"`) is skipped and counted alike by all of them."""
-    if length > MAX_EVENT_LINE:
-        return f"longer than {MAX_EVENT_LINE} bytes (MAX_EVENT_LINE)"
-    try:
-        ev = json.loads(raw)
-    except ValueError:
-        return "not JSON"
-    if not isinstance(ev, dict):
-        return "not a JSON object"
-    why = event_problem(ev)
-    return ev if why is None else why
-
-
 def cut_line(head: bytes, whole: int, limit: int) -> bytes:
     """A line of `whole` bytes as sent: itself when it fits in `limit`, else its first `limit` bytes and how much
     was cut, visibly (` ... [cut 19.9 MB]`)."""
@@ -675,129 +672,6 @@ def human_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} bytes"
-
-
-# `follow` with `thin_history` (watch's backlog): the step events of a long history are sent at most THIN_POINTS
-# apart (every 2^k-th step, the alignment the charts' RunSeries keeps), all the others and the last THIN_TAIL events
-# whole. What a client folds from the history is then the same: every non-step event but heartbeats (evals, errors,
-# checkpoints, run_start/run_end), each attempt's first THIN_HEAD steps (ETA warm-up, alert baselines), every step
-# whose loss is not a finite number (the NaN alert), and a tail long enough that the ETA's moving average (alpha
-# 0.05) and the alert windows (the latest step, queue and step-time windows) have forgotten the thinned middle.
-# Heartbeats (one per rank every 5 s: a week of them outnumbers the steps) say only where the run is now, except
-# for the memory rules (MemoryWatch): of the thinned middle only those that fill the rules' baseline windows are
-# sent; the tail holds the recent windows (at least its last THIN_TAIL_S seconds: the allocator-retry window,
-# RETRY_WINDOW_S, and the heartbeat before it, whatever the number of ranks writing).
-THIN_POINTS = 4000
-THIN_TAIL = 2000
-THIN_TAIL_S = 900.0
-THIN_HEAD = 50
-THIN_HEARTBEATS_AFTER = 4 << 20  # a backlog this big is thinned for its heartbeats even when its steps are few
-THIN_PROBE = 256 << 10  # bytes read from the events file's end to find its last step
-
-
-def thin_stride(path: str, offset: int) -> int:
-    """The power of two that leaves about THIN_POINTS steps of a history reaching the last step found in the file's
-    last THIN_PROBE bytes (1: no thinning; a history that short costs nothing to send whole)."""
-    try:
-        with open(path, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            start = max(offset, size - THIN_PROBE)
-            fh.seek(start)
-            chunk = fh.read(size - start)
-    except OSError:
-        return 1
-    last = 0
-    for raw in reversed(chunk.split(b"\n")[1 if start > offset else 0:]):
-        if b'"step"' not in raw:
-            continue
-        ev = event_object(raw, len(raw))
-        if isinstance(ev, dict) and ev.get("kind") == "step" and isinstance(ev.get("step"), int):
-            last = ev["step"]
-            break
-    stride = 1
-    while last // stride > THIN_POINTS:
-        stride *= 2
-    return stride
-
-
-class HistoryThinner:
-    """Holds the last THIN_TAIL messages of a backlog and lets older ones out in order, dropping the step events
-    nobody would miss (see THIN_POINTS). `push` and `flush` return the messages to send now. With `kept` a list,
-    every message let out before the tail is also recorded there as (kind, fields, pinned) for the backlog fold:
-    pinned messages are kept at any stride, the others only for being on this one."""
-
-    def __init__(self, stride: int) -> None:
-        self.stride = stride
-        self.ring: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
-        self.head = 0  # step events let out since the last run_start
-        self.kept: list[tuple[str, dict[str, Any], bool]] | None = None
-        self.memory = _W["MemoryWatch"]()  # the attempt's memory rules over what was let out: which heartbeats count
-        self.last_ts: float | None = None  # the newest event's time: the tail keeps THIN_TAIL_S seconds before it
-
-    @staticmethod
-    def _ts(item: tuple[str, dict[str, Any]]) -> float | None:
-        ev = item[1].get("event") if item[0] == "event" else None
-        ts = ev.get("ts") if isinstance(ev, dict) else None
-        return float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else None
-
-    def push(self, kind: str, fields: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        self.ring.append((kind, fields))
-        ts = self._ts((kind, fields))
-        if ts is not None and (self.last_ts is None or ts > self.last_ts):
-            self.last_ts = ts
-        out = []
-        while len(self.ring) > THIN_TAIL:
-            first = self._ts(self.ring[0])
-            if first is not None and self.last_ts is not None and first >= self.last_ts - THIN_TAIL_S:
-                break  # within the tail's seconds
-            item = self.ring.popleft()
-            keep, pinned = self._judge(item)
-            if keep:
-                out.append(item)
-                if self.kept is not None:
-                    self.kept.append((item[0], item[1], pinned))
-        return out
-
-    def flush(self) -> list[tuple[str, dict[str, Any]]]:
-        for item in self.ring:  # the tail goes whole; its run_starts still reset the counters for what follows
-            self._judge(item)
-        out, self.ring = list(self.ring), collections.deque()
-        return out
-
-    def _judge(self, item: tuple[str, dict[str, Any]]) -> tuple[bool, bool]:
-        """(send it, pinned: sent whatever the stride)."""
-        kind, fields = item
-        ev = fields.get("event") if kind == "event" else None
-        if not isinstance(ev, dict):
-            return True, True
-        if ev.get("kind") == "run_start":
-            self.head = 0
-            self.memory = _W["MemoryWatch"]()
-            return True, True
-        if ev.get("kind") == "heartbeat":  # sent only where it fills a memory rule's baseline window
-            before = sum(len(base) for base, _ in self.memory.mem.values())
-            self.memory.note(ev)
-            return sum(len(base) for base, _ in self.memory.mem.values()) > before, True
-        self.memory.note(ev)
-        if ev.get("kind") != "step":
-            return True, True
-        self.head += 1
-        step, loss = ev.get("step"), ev.get("loss")
-        if (self.head <= THIN_HEAD or not isinstance(step, int) or not isinstance(loss, (int, float))
-                or isinstance(loss, bool) or not math.isfinite(loss)):
-            return True, True
-        return step % self.stride == 0, False
-
-
-# The thinned backlog of a long events file costs the agent a parse of every line (~1 s for a week-long run's 70 MB)
-# at every `watch`. After catching up a backlog of BACKLOG_FOLD_AFTER_BYTES or more, the agent saves what it let out
-# before the tail (with whether each is pinned), the tail itself and the thinner's counter, at the byte offset it
-# reached (STATE_DIR/BACKLOG_FOLD_FILE, marked as the status fold is and by the file's first bytes); the next `watch`
-# of the same file sends the saved messages again (re-thinned to its possibly larger stride) and reads only what was
-# appended since.
-BACKLOG_FOLD_FILE = "watch-fold.json"
-BACKLOG_FOLD_FORMAT = 2  # 2: lines of the wrong types are bad_event messages (event_problem); heartbeats thinned
-BACKLOG_FOLD_AFTER_BYTES = 4 << 20
 
 
 class Follower:
@@ -878,56 +752,26 @@ class Follower:
         """Send a saved backlog fold of this events file again, re-thinned to `thinner`'s stride, and go on reading
         from its offset; nothing (a full read follows) when there is none that fits the file as it is now."""
         assert self.events is not None
-        saved = read_json(self.run.state_file(BACKLOG_FOLD_FILE))
-        try:
-            if (not saved or saved.get("format") != BACKLOG_FOLD_FORMAT or saved.get("events") != self.events.path
-                    or int(saved["stride"]) > thinner.stride or thinner.stride % int(saved["stride"])):
-                return
-            mark = saved["mark"]
-            offset = int(mark["offset"])
-            with open(self.events.path, "rb") as fh:
-                if offset > os.fstat(fh.fileno()).st_size or _backlog_mark(fh, offset) != mark:
-                    return
-            middle = [(str(k), f, bool(p)) for k, f, p in saved["middle"]]
-            ring = [(str(k), f) for k, f in saved["ring"]]
-            head = int(saved["head"])
-            memory = _W["MemoryWatch"]()
-            memory.load(saved["memory"])
-        except (KeyError, TypeError, ValueError, OSError):
+        ring = _W["resume_backlog_fold"](self.run.state_dir, self.events.path, thinner)
+        if ring is None:
             return
-        kept: list[tuple[str, dict[str, Any], bool]] = []
-        for kind, fields, pinned in middle:
+        for kind, fields, _pinned in thinner.kept or []:
             ev = fields.get("event") if kind == "event" else None
-            if not pinned and isinstance(ev, dict) and ev.get("step", 0) % thinner.stride:
-                continue  # on the old stride, not on this one
             if isinstance(ev, dict):
                 self._note(ev)
             emit(kind, **fields)
-            kept.append((kind, fields, pinned))
-        thinner.head, thinner.kept, thinner.memory = head, kept, memory
         for kind, fields in ring:
             ev = fields.get("event") if kind == "event" else None
             if isinstance(ev, dict):
                 self._note(ev)
             for k, f in thinner.push(kind, fields):
                 emit(k, **f)
-        self.events.offset = offset
+        self.events.offset = ring.offset
 
     def _save_backlog(self, thinner: HistoryThinner) -> None:
-        """Save the fold of the backlog just read (atomic; never raises: watch works the same without it). Only
-        where a launch made STATE_DIR."""
+        """Save the fold of the backlog just read (atomic; never raises: watch works the same without it)."""
         assert self.events is not None and thinner.kept is not None
-        if not os.path.isdir(self.run.state_dir) or self.events.offset < BACKLOG_FOLD_AFTER_BYTES:
-            return
-        try:
-            with open(self.events.path, "rb") as fh:
-                mark = _backlog_mark(fh, self.events.offset)
-        except OSError:
-            return
-        save_state(self.run, BACKLOG_FOLD_FILE, {
-            "format": BACKLOG_FOLD_FORMAT, "events": self.events.path, "stride": thinner.stride, "head": thinner.head,
-            "mark": mark, "middle": thinner.kept, "ring": [list(item) for item in thinner.ring],
-            "memory": thinner.memory.state()})
+        _W["save_backlog_fold"](self.run.state_dir, self.events.path, thinner, self.events.offset)
 
     def _note(self, ev: dict[str, Any]) -> None:
         ts = ev.get("ts")
@@ -1951,22 +1795,6 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
 FOLD_FILE = "status-fold.json"
 FOLD_FORMAT = 3  # 2: the memory rules' windows (MemoryWatch) too; 3: lines of the wrong types skipped
 FOLD_AFTER_BYTES = 4 << 20
-FOLD_CHECK = 4096
-
-
-def _fold_mark(fh: Any, offset: int) -> dict[str, Any]:
-    st = os.fstat(fh.fileno())
-    fh.seek(max(0, offset - FOLD_CHECK))
-    tail = fh.read(min(offset, FOLD_CHECK))
-    return {"ino": st.st_ino, "dev": st.st_dev, "offset": offset, "tail": hashlib.sha256(tail).hexdigest()}
-
-
-def _backlog_mark(fh: Any, offset: int) -> dict[str, Any]:
-    """The status fold's mark and the file's first FOLD_CHECK bytes: a file rewritten in place (same inode) with the
-    same last bytes but other history must not be taken for the one folded (the watch fold sends that history)."""
-    fh.seek(0)
-    head = fh.read(min(offset, FOLD_CHECK))
-    return {**_fold_mark(fh, offset), "head": hashlib.sha256(head).hexdigest()}
 
 
 def fold_resume(run: Run, fh: Any, since: float, steps: Any, errors: Any, last: dict[str, Any], bad: list[Any],

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
-from agentlib import drive, of, run_args  # noqa: E402
+from agentlib import drive, of, opsctl, run_args, script_run  # noqa: E402
 
 from opsctl import agent  # noqa: E402
 from opsctl.watch import RunModel  # noqa: E402
@@ -248,3 +250,83 @@ def test_heartbeats_of_a_thinned_backlog_keep_the_memory_alerts_and_the_last_bea
     assert "host RSS 10.1 GiB at step 240 -> 14.0 GiB at step 20000" in evidence["memory_growth"] and "rank 1" in evidence["memory_growth"], evidence
     assert "allocator retries" in evidence["alloc_retries"], evidence
     assert ra["state"] == "training" and ra["heartbeat_age_s"] == 3.0 and ra["step"] == steps
+
+
+def test_the_wrappers_refresh_leaves_the_fold_a_thinned_follow_would_and_goes_on_from_it(tmp_path: Path) -> None:
+    """agent_wrapper.refresh_backlog_fold (the run's wrapper runs it while the run writes, and when it ends): the
+    fold it saves makes the next `follow` send exactly what a fresh thinned read sends, also after the run wrote on
+    (read from the saved offset on, an over-long line and a line that is no JSON among the new ones)."""
+    from opsctl import agent_wrapper as w
+
+    events = tmp_path / "events.jsonl"
+    last_ts = _write_events(events, 40_000, 24_000)
+    state = tmp_path / "state"
+    state.mkdir()
+    fold = state / agent.BACKLOG_FOLD_FILE
+    w.refresh_backlog_fold(str(state), str(events))
+    assert json.loads(fold.read_text())["mark"]["offset"] == events.stat().st_size
+    from_fold = _follow(tmp_path, True)
+    fold.unlink()
+    assert _same(from_fold, _follow(tmp_path, True))
+    w.refresh_backlog_fold(str(state), str(events))
+    with open(events, "a") as fh:
+        t = last_ts
+        for n in range(40_001, 41_001):
+            t += 2.0
+            fh.write(json.dumps({"v": 1, "ts": t, "kind": "step", "run_id": "x", "rank": 0, "seq": n, "step": n,
+                                 "epoch": 0, "loss": 4.0 / math.sqrt(n), "acc": [0.5], "lr": 1e-3, "grad_norm": 1.0,
+                                 "tokens": 4096, "tokens_per_s": 1365.0, "step_time_s": 2.0, "queue_depth": 0,
+                                 "queue_wait_s": 0.0, "recompiles": 2, "total_steps": 50_000}) + "\n")
+            if n == 40_500:
+                fh.write('{"kind": "step", "pad": "' + "x" * (agent.MAX_EVENT_LINE + 10) + '"}\n')
+                fh.write("not json\n")
+        fh.write(partial := '{"v": 1, "kind": "step", "ste')  # the line being written: not folded yet
+    before = fold.read_text()
+    w.refresh_backlog_fold(str(state), str(events))
+    saved = json.loads(fold.read_text())
+    assert fold.read_text() != before and saved["mark"]["offset"] == events.stat().st_size - len(partial)
+    resumed = _follow(tmp_path, True)
+    fold.unlink()
+    fresh = _follow(tmp_path, True)
+    assert _same(resumed, fresh)
+    bad = [m["error"] for m in fresh if m["t"] == "bad_event"]
+    assert bad[-2:] == [f"longer than {agent.MAX_EVENT_LINE} bytes (MAX_EVENT_LINE)", "not JSON"], bad
+
+
+def test_the_first_watch_of_a_long_run_sends_the_fold_its_wrapper_kept(tmp_path: Path, sshd,
+                                                                       container: Callable[..., int]) -> None:
+    """A real launch over ssh + pct of a run that writes 16,000 steps (5 MB of events) and ends: its wrapper leaves
+    watch's backlog fold, and the first `watch --once` sends it (a mark put in the fold shows) instead of reading the
+    file; what it shows is what a read of the whole file shows."""
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=container(200), runs={
+        "r": script_run(tmp_path, "ok_run.py", "--steps", "16000", "--step-time", "0", "--load-time", "0",
+                        tmux_session="kept-fold")})
+    fold = tmp_path / ".opsctl" / "r" / agent.BACKLOG_FOLD_FILE
+    try:
+        assert opsctl(hosts, "launch", "box", "r", "--follow", timeout=300).returncode == 0
+        deadline = time.monotonic() + 60
+        while not fold.exists():
+            assert time.monotonic() < deadline, "the wrapper left no fold"
+            time.sleep(0.1)
+        assert json.loads(fold.read_text())["mark"]["offset"] == (tmp_path / "events.jsonl").stat().st_size
+
+        def record() -> dict[str, Any]:
+            r = opsctl(hosts, "watch", "box", "--once", "--json")
+            assert r.returncode == 0, r.stderr
+            rec = json.loads(r.stdout)
+            return {k: v for k, v in (rec[0] if isinstance(rec, list) else rec).items() if k != "link"}
+
+        saved = fold.read_text()
+        tampered = json.loads(saved)
+        last = tampered["ring"][-2][1]["event"]  # the last step (before run_end)
+        assert last["kind"] == "step" and last["step"] == 16_000
+        last["loss"] = 123.0
+        fold.write_text(json.dumps(tampered))
+        assert record()["loss"] == 123.0  # sent from the fold the wrapper kept, not read from the file
+        fold.write_text(saved)
+        kept = record()
+        fold.unlink()
+        whole = record()
+        assert kept == whole and whole["step"] == 16_000 and whole["state"] == "finished"
+    finally:
+        opsctl(hosts, "kill", "box", "r")
