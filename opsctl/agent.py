@@ -803,6 +803,8 @@ class Follower:
             big = self.events.size() - self.events.position() >= THIN_HEARTBEATS_AFTER
             self.thinner = HistoryThinner(stride) if stride > 1 or big else None
             if self.thinner is not None and self.events.position() == 0:  # the whole backlog: fold it
+                if stride > 1:  # the client's step charts keep no finer stride (watch.RunSeries.raise_stride)
+                    emit("thin", stride=stride)
                 self.thinner.kept = []
                 self._resume_backlog(self.thinner)
         goal = [(t, t.size()) for t in (self.log, self.events) if t is not None]
