@@ -14,7 +14,8 @@ run's restart policy lives (a crashed attempt is started again, with the resume 
 it needs no client connected) and where `notify` commands are fired on crashed / finished / stalled / restarting /
 disk_full / tau_regression.
 The agent runs this same text (exec'd into a namespace) for the rules both halves share: the attempt history, log
-rotation, the crash line of a log, and how extra arguments join a command.
+rotation, the crash line of a log, how extra arguments join a command, the event contract's check (event_problem),
+and watch's thinned backlog with its fold (HistoryThinner; the wrapper keeps the fold up to date while the run writes).
 """
 
 # Keep this file ASCII only and stdlib only: the client ships its text inside the agent's blob (agent.WRAPPER_SLOT).
