@@ -9,7 +9,11 @@ two of them silent (accept, never answer), asked in series (as before) and at on
 reading the whole events file (no saved fold) against going on from the fold the previous status saved; and
 `watch HOST --once` of the same run with every step event of its backlog (OPSCTL_WATCH_FULL_HISTORY=1), the thinned
 backlog read whole (the first watch) and from the agent's saved backlog fold (every later watch); and
-`export HOST RUN --tensorboard DIR` of it.
+`export HOST RUN --tensorboard DIR` of it. `--only long-ssh` (issue 39 item 3): a week-long run of --long-steps steps
+with a heartbeat every --heartbeat-every steps (2: a heartbeat each 5 s at 2.5 s a step, as dflash writes them) on a
+pct container behind the loopback sshd: `status HOST RUN --json` (full read, then from its fold), `watch HOST --once`
+(the first of the file, then from the agent's backlog fold) and the dashboard's first full frame (`opsctl watch
+HOST:RUN` in a pseudo-terminal, from its start until it shows the run's last step), first and from the fold.
 """
 
 from __future__ import annotations
@@ -362,6 +366,31 @@ def watch_report(hosts: Path, seconds: float, repeats: int) -> dict[str, Any]:
     return report
 
 
+def write_long_events(path: Path, steps: int, heartbeat_every: int = 0, step_s: float = 3.0) -> None:
+    """A week-long run's events: `steps` step events `step_s` apart, an evaluation every 1000 steps and (with
+    `heartbeat_every`) a heartbeat every that many steps, ending now."""
+    t = time.time() - step_s * steps
+    with open(path, "w") as fh:
+        fh.write(json.dumps({"v": 1, "ts": t, "kind": "run_start", "run_id": "x", "rank": 0, "seq": 0,
+                             "total_steps": int(1.5 * steps), "resumed_from": None}) + "\n")
+        for n in range(1, steps + 1):
+            t += step_s
+            fh.write(json.dumps({"v": 1, "ts": t, "kind": "step", "run_id": "x", "rank": 0, "seq": n, "step": n,
+                                 "epoch": 0, "loss": 1.0 / n, "acc": [0.5, 0.4, 0.3, 0.2], "lr": 1e-3,
+                                 "grad_norm": 1.0, "tokens": 49152, "tokens_per_s": 16384.0, "step_time_s": step_s,
+                                 "queue_depth": 0, "queue_wait_s": 0.0, "recompiles": 0,
+                                 "total_steps": int(1.5 * steps)}) + "\n")
+            if heartbeat_every and n % heartbeat_every == 0:
+                fh.write(json.dumps({"v": 1, "ts": t + step_s / 2, "kind": "heartbeat", "run_id": "x", "rank": 0,
+                                     "seq": n, "phase": "training", "step": n, "rss_mb": 20_000.0,
+                                     "gpu_mem_mb": 60_000.0, "gpu_reserved_mb": 70_000.0,
+                                     "gpu_alloc_retries": 0}) + "\n")
+            if n % 1000 == 0:
+                fh.write(json.dumps({"v": 1, "ts": t, "kind": "eval", "run_id": "x", "rank": 0, "seq": n, "step": n,
+                                     "tau": 2.0 + n / steps, "accept_by_position": [0.5] * 15, "ngram_tau": 1.4,
+                                     "sequences": 32, "tokens": 4096, "seconds": 1.0}) + "\n")
+
+
 def long_run_status(base: Path, steps: int, repeats: int) -> dict[str, Any]:
     """status of one run whose events file holds `steps` step events: full read vs the saved fold (opsctl.agent
     FOLD_FILE), each `repeats` times, alternating; the local host (no SSH: the agent's reading is what differs)."""
@@ -369,21 +398,7 @@ def long_run_status(base: Path, steps: int, repeats: int) -> dict[str, Any]:
     from opsctl.watch import FULL_HISTORY_ENV
 
     base.mkdir(parents=True)
-    t = time.time() - 3.0 * steps
-    with open(base / "events.jsonl", "w") as fh:
-        fh.write(json.dumps({"v": 1, "ts": t, "kind": "run_start", "run_id": "x", "rank": 0, "seq": 0,
-                             "total_steps": int(1.5 * steps), "resumed_from": None}) + "\n")
-        for n in range(1, steps + 1):
-            t += 3.0
-            fh.write(json.dumps({"v": 1, "ts": t, "kind": "step", "run_id": "x", "rank": 0, "seq": n, "step": n,
-                                 "epoch": 0, "loss": 1.0 / n, "acc": [0.5, 0.4, 0.3, 0.2], "lr": 1e-3,
-                                 "grad_norm": 1.0, "tokens": 49152, "tokens_per_s": 16384.0, "step_time_s": 3.0,
-                                 "queue_depth": 0, "queue_wait_s": 0.0, "recompiles": 0,
-                                 "total_steps": int(1.5 * steps)}) + "\n")
-            if n % 1000 == 0:
-                fh.write(json.dumps({"v": 1, "ts": t, "kind": "eval", "run_id": "x", "rank": 0, "seq": n, "step": n,
-                                     "tau": 2.0 + n / steps, "accept_by_position": [0.5] * 15, "ngram_tau": 1.4,
-                                     "sequences": 32, "tokens": 4096, "seconds": 1.0}) + "\n")
+    write_long_events(base / "events.jsonl", steps)
     state = base / ".opsctl" / "r"
     state.mkdir(parents=True)  # as a launch leaves it: status saves its fold only where a launch made STATE_DIR
     hosts = base / "hosts.yaml"
@@ -429,18 +444,132 @@ def long_run_status(base: Path, steps: int, repeats: int) -> dict[str, Any]:
             "full_median_s": round(statistics.median(full), 3), "fold_median_s": round(statistics.median(folded), 3)}
 
 
+def first_frame(hosts: Path, target: str, shows: bytes, size: tuple[int, int] = (160, 50),
+                timeout: float = 120.0) -> float:
+    """Seconds from starting `opsctl watch TARGET` in a pseudo-terminal until its screen shows `shows` (the run's last
+    step, drawn once the backlog is folded: the first full frame), then the dashboard is stopped (SIGTERM)."""
+    t0 = time.perf_counter()
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.environ.update(TERM="xterm-256color", COLUMNS=str(size[0]), LINES=str(size[1]))
+        os.chdir(REPO)
+        os.execv(sys.executable, [sys.executable, "-m", "opsctl", "--hosts", str(hosts), "watch", target])
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
+    got = bytearray()
+    seen = threading.Event()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            got.extend(chunk)
+            if shows in got:
+                seen.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        assert seen.wait(timeout), f"the dashboard never showed {shows!r}"
+        return time.perf_counter() - t0
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+        os.close(fd)
+
+
+def long_run_ssh(sshd: Any, base: Path, steps: int, repeats: int, heartbeat_every: int) -> dict[str, Any]:
+    """The week-long run on the pct container behind the loopback sshd (issue 39 item 3): status (full, from its
+    fold), watch --once (first, from the backlog fold) and the dashboard's first full frame (first, from the fold)."""
+    from opsctl.agent import BACKLOG_FOLD_FILE, FOLD_FILE
+
+    base.mkdir(parents=True)
+    events = base / "events.jsonl"
+    write_long_events(events, steps, heartbeat_every)
+    state = base / ".opsctl" / "r"
+    state.mkdir(parents=True)  # as a launch leaves it: the agent saves its folds only where a launch made STATE_DIR
+    short = base / "short"  # the floor: the same verbs on a 200-step run (the CLI's start-up, ssh, pct, the agent)
+    short.mkdir()
+    write_long_events(short / "events.jsonl", 200, heartbeat_every)
+
+    def run(d: Path) -> dict[str, Any]:
+        return {"workdir": str(d), "command": ["true"], "log": "run.log", "events": "events.jsonl",
+                "state_dir": str(d / ".opsctl" / d.name), "inductor_cache_dir": str(d / "cache"),
+                "clean_roots": [str(d)]}
+
+    hosts = sshd.write_hosts_yaml(base / "hosts.yaml", pct=VMID, runs={"r": {**run(base), "state_dir": str(state)}})
+    floor_hosts = sshd.write_hosts_yaml(base / "floor.yaml", pct=VMID, runs={"s": run(short)})
+    times: dict[str, list[float]] = {k: [] for k in ("status_full_s", "status_fold_s", "watch_once_first_s",
+                                                    "watch_once_fold_s", "frame_first_s", "frame_fold_s",
+                                                    "floor_status_s", "floor_watch_once_s", "floor_frame_s",
+                                                    "wrapper_refresh_s", "watch_once_wrapper_fold_s")}
+    shows = f"{steps:,}".encode()
+    for _ in range(repeats):
+        for key, argv in (("floor_status_s", ("status", "box", "s", "--json")),
+                          ("floor_watch_once_s", ("watch", "box", "--once"))):
+            t0 = time.perf_counter()
+            r = _opsctl(floor_hosts, *argv)
+            times[key].append(time.perf_counter() - t0)
+            assert r.returncode == 0, r.stderr
+        times["floor_frame_s"].append(first_frame(floor_hosts, "box:s", b"200"))
+        (state / FOLD_FILE).unlink(missing_ok=True)
+        for key in ("status_full_s", "status_fold_s"):
+            t0 = time.perf_counter()
+            r = _opsctl(hosts, "status", "box", "r", "--json")
+            times[key].append(time.perf_counter() - t0)
+            assert r.returncode == 0, r.stderr
+        (state / BACKLOG_FOLD_FILE).unlink(missing_ok=True)
+        for key in ("watch_once_first_s", "watch_once_fold_s"):
+            t0 = time.perf_counter()
+            r = _opsctl(hosts, "watch", "box", "--once")
+            times[key].append(time.perf_counter() - t0)
+            assert r.returncode == 0, r.stderr
+        (state / BACKLOG_FOLD_FILE).unlink(missing_ok=True)
+        times["frame_first_s"].append(first_frame(hosts, "box:r", shows))
+        times["frame_fold_s"].append(first_frame(hosts, "box:r", shows))
+        try:  # the fold the run's wrapper keeps (opsctl/agent_wrapper.py refresh_backlog_fold), then the first watch
+            from opsctl.agent_wrapper import refresh_backlog_fold
+        except ImportError:  # an opsctl before it
+            continue
+        (state / BACKLOG_FOLD_FILE).unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        refresh_backlog_fold(str(state), str(events))  # its first pass over the whole file, in the wrapper's thread
+        times["wrapper_refresh_s"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        r = _opsctl(hosts, "watch", "box", "--once")
+        times["watch_once_wrapper_fold_s"].append(time.perf_counter() - t0)
+        assert r.returncode == 0, r.stderr
+    out: dict[str, Any] = {"steps": steps, "heartbeat_every": heartbeat_every,
+                           "events_mb": round(events.stat().st_size / 1e6, 1),
+                           "lines": sum(1 for _ in events.open("rb"))}
+    for key, xs in times.items():
+        if not xs:
+            continue
+        out[key] = [round(x, 3) for x in xs]
+        out[key[:-2] + "_median_s"] = round(statistics.median(xs), 3)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--lines", type=int, default=2000)
     ap.add_argument("--interval", type=float, default=0.005, help="seconds between lines of the chatty run")
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--cpu-seconds", type=float, default=30)
-    ap.add_argument("--only", choices=("watch", "status", "fleet", "long"),
+    ap.add_argument("--only", choices=("watch", "status", "fleet", "long", "long-ssh"),
                     help="watch: the dashboard's idle CPU and --once --json vs status; status: status --json vs "
                          "watch --once --json over all runs of a host; fleet: status of 5 hosts (2 silent) in series "
                          "and at once; long: status of a week-long run, full read vs the saved fold, and its watch --once, every "
-                         "step event vs the thinned backlog, and its TensorBoard export")
+                         "step event vs the thinned backlog, and its TensorBoard export; long-ssh: the same run (with heartbeats) on a "
+                         "pct container over ssh: status, watch --once and the dashboard's first full frame")
     ap.add_argument("--long-steps", type=int, default=200_000, help="step events of --only long's run")
+    ap.add_argument("--heartbeat-every", type=int, default=2, help="--only long-ssh: a heartbeat every N steps")
     ap.add_argument("--watch-seconds", type=float, default=20, help="how long the idle dashboard is measured")
     ap.add_argument("--repeats", type=int, default=5, help="runs of --once --json and status --json each")
     a = ap.parse_args()
@@ -466,6 +595,11 @@ def main() -> int:
             finished_run(hosts)
             report["host_status"] = host_once_vs_status(hosts, a.repeats)
             print(json.dumps(report, indent=2))
+            return 0
+        if a.only == "long-ssh":
+            report["long_run_ssh"] = long_run_ssh(sshd, base / "long", a.long_steps, a.repeats, a.heartbeat_every)
+            print(json.dumps(report, indent=2))
+            shutil.rmtree(base / "long")  # this call's own mkdtemp (~100 MB of events at the default size)
             return 0
         if a.only == "fleet":
             report["fleet_status"] = fleet_status(sshd, base / "fleet", a.repeats)

@@ -12,7 +12,6 @@ import errno
 import fcntl
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -31,7 +30,6 @@ TAIL_KEEP = 200  # log lines kept in memory for a crash report
 # What one line may cost: a longer log line is sent as its first MAX_LOG_LINE bytes and ` ... [cut 19.9 MB]`, so a
 # 20 MB line (a dumped tensor, a progress bar without newlines) can neither flood the client nor hide newer lines.
 MAX_LOG_LINE = 64 << 10
-MAX_EVENT_LINE = 1 << 20  # an events line longer than this is not an event (docs/events.md): skipped, counted
 READ_CHUNK = 4 << 20  # bytes of one file read per poll
 EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "transport": 3, "timeout": 4, "refused": 5, "taken_over": 6}
 
@@ -74,6 +72,23 @@ resume_argv = _W["resume_argv"]
 proc_starttime = _W["proc_starttime"]
 RESTARTING_FILE: str = _W["RESTARTING_FILE"]
 NOTIFIERS_FILE: str = _W["NOTIFIERS_FILE"]
+event_problem = _W["event_problem"]  # the contract's reader check: every events line any verb reads passes it
+MAX_EVENT_LINE: int = _W["MAX_EVENT_LINE"]  # an events line longer than this is not an event (docs/events.md)
+event_object = _W["event_object"]  # one events line as an event, or why it is none
+# watch's thinned backlog (HistoryThinner) and its fold (watch-fold.json): the wrapper keeps the fold up to date
+HistoryThinner = _W["HistoryThinner"]
+thin_stride = _W["thin_stride"]
+THIN_POINTS: int = _W["THIN_POINTS"]
+THIN_TAIL: int = _W["THIN_TAIL"]
+THIN_TAIL_S: float = _W["THIN_TAIL_S"]
+THIN_HEAD: int = _W["THIN_HEAD"]
+THIN_HEARTBEATS_AFTER: int = _W["THIN_HEARTBEATS_AFTER"]
+BACKLOG_FOLD_FILE: str = _W["BACKLOG_FOLD_FILE"]
+BACKLOG_FOLD_FORMAT: int = _W["BACKLOG_FOLD_FORMAT"]
+BACKLOG_FOLD_AFTER_BYTES: int = _W["BACKLOG_FOLD_AFTER_BYTES"]
+FOLD_CHECK: int = _W["FOLD_CHECK"]
+_fold_mark = _W["_fold_mark"]
+_backlog_mark = _W["_backlog_mark"]
 
 
 # -- output -------------------------------------------------------------------------------------------------
@@ -477,7 +492,7 @@ class ProcWatch:
                 "leftovers": self.leftovers(info) if exited else [],
                 "attempt": info.get("attempt"), "started": info.get("started"), "ended": ended,
                 "restarts": info.get("restarts"), "restart_max": info.get("restart_max"), "restart": restart,
-                "cleaned": cleaned}
+                "cleaned": cleaned, "since": attempt_since(self.run)}
 
     def poll(self, force: bool = False) -> dict[str, Any]:
         snap = self.snapshot()
@@ -644,18 +659,6 @@ def bounded_lines(fh: Any, limit: int) -> Any:
         yield cut_line(head, length, limit)
 
 
-def event_object(raw: bytes, length: int) -> Any:
-    """One events line as a JSON object, or why it is none (a str). The contract's types are checked by the
-    client (dflash.telemetry, through opsctl.runstate), which counts both kinds of bad line alike."""
-    if length > MAX_EVENT_LINE:
-        return f"longer than {MAX_EVENT_LINE} bytes (MAX_EVENT_LINE)"
-    try:
-        ev = json.loads(raw)
-    except ValueError:
-        return "not JSON"
-    return ev if isinstance(ev, dict) else "not a JSON object"
-
-
 def cut_line(head: bytes, whole: int, limit: int) -> bytes:
     """A line of `whole` bytes as sent: itself when it fits in `limit`, else its first `limit` bytes and how much
     was cut, visibly (` ... [cut 19.9 MB]`)."""
@@ -669,103 +672,6 @@ def human_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} bytes"
-
-
-# `follow` with `thin_history` (watch's backlog): the step events of a long history are sent at most THIN_POINTS
-# apart (every 2^k-th step, the alignment the charts' RunSeries keeps), all the others and the last THIN_TAIL events
-# whole. What a client folds from the history is then the same: every non-step event (evals, errors, checkpoints,
-# heartbeats, run_start/run_end), each attempt's first THIN_HEAD steps (ETA warm-up, alert baselines), every step
-# whose loss is not a finite number (the NaN alert), and a tail long enough that the ETA's moving average (alpha
-# 0.05) and the alert windows (the latest step, queue and step-time windows) have forgotten the thinned middle.
-THIN_POINTS = 4000
-THIN_TAIL = 2000
-THIN_HEAD = 50
-THIN_PROBE = 256 << 10  # bytes read from the events file's end to find its last step
-
-
-def thin_stride(path: str, offset: int) -> int:
-    """The power of two that leaves about THIN_POINTS steps of a history reaching the last step found in the file's
-    last THIN_PROBE bytes (1: no thinning; a history that short costs nothing to send whole)."""
-    try:
-        with open(path, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            start = max(offset, size - THIN_PROBE)
-            fh.seek(start)
-            chunk = fh.read(size - start)
-    except OSError:
-        return 1
-    last = 0
-    for raw in reversed(chunk.split(b"\n")[1 if start > offset else 0:]):
-        if b'"step"' not in raw:
-            continue
-        ev = event_object(raw, len(raw))
-        if isinstance(ev, dict) and ev.get("kind") == "step" and isinstance(ev.get("step"), int):
-            last = ev["step"]
-            break
-    stride = 1
-    while last // stride > THIN_POINTS:
-        stride *= 2
-    return stride
-
-
-class HistoryThinner:
-    """Holds the last THIN_TAIL messages of a backlog and lets older ones out in order, dropping the step events
-    nobody would miss (see THIN_POINTS). `push` and `flush` return the messages to send now. With `kept` a list,
-    every message let out before the tail is also recorded there as (kind, fields, pinned) for the backlog fold:
-    pinned messages are kept at any stride, the others only for being on this one."""
-
-    def __init__(self, stride: int) -> None:
-        self.stride = stride
-        self.ring: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
-        self.head = 0  # step events let out since the last run_start
-        self.kept: list[tuple[str, dict[str, Any], bool]] | None = None
-
-    def push(self, kind: str, fields: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        self.ring.append((kind, fields))
-        out = []
-        while len(self.ring) > THIN_TAIL:
-            item = self.ring.popleft()
-            keep, pinned = self._judge(item)
-            if keep:
-                out.append(item)
-                if self.kept is not None:
-                    self.kept.append((item[0], item[1], pinned))
-        return out
-
-    def flush(self) -> list[tuple[str, dict[str, Any]]]:
-        for item in self.ring:  # the tail goes whole; its run_starts still reset the counters for what follows
-            self._judge(item)
-        out, self.ring = list(self.ring), collections.deque()
-        return out
-
-    def _judge(self, item: tuple[str, dict[str, Any]]) -> tuple[bool, bool]:
-        """(send it, pinned: sent whatever the stride)."""
-        kind, fields = item
-        ev = fields.get("event") if kind == "event" else None
-        if not isinstance(ev, dict):
-            return True, True
-        if ev.get("kind") == "run_start":
-            self.head = 0
-            return True, True
-        if ev.get("kind") != "step":
-            return True, True
-        self.head += 1
-        step, loss = ev.get("step"), ev.get("loss")
-        if (self.head <= THIN_HEAD or not isinstance(step, int) or not isinstance(loss, (int, float))
-                or isinstance(loss, bool) or not math.isfinite(loss)):
-            return True, True
-        return step % self.stride == 0, False
-
-
-# The thinned backlog of a long events file costs the agent a parse of every line (~1 s for a week-long run's 70 MB)
-# at every `watch`. After catching up a backlog of BACKLOG_FOLD_AFTER_BYTES or more, the agent saves what it let out
-# before the tail (with whether each is pinned), the tail itself and the thinner's counter, at the byte offset it
-# reached (STATE_DIR/BACKLOG_FOLD_FILE, marked as the status fold is and by the file's first bytes); the next `watch`
-# of the same file sends the saved messages again (re-thinned to its possibly larger stride) and reads only what was
-# appended since.
-BACKLOG_FOLD_FILE = "watch-fold.json"
-BACKLOG_FOLD_FORMAT = 1
-BACKLOG_FOLD_AFTER_BYTES = 4 << 20
 
 
 class Follower:
@@ -846,53 +752,26 @@ class Follower:
         """Send a saved backlog fold of this events file again, re-thinned to `thinner`'s stride, and go on reading
         from its offset; nothing (a full read follows) when there is none that fits the file as it is now."""
         assert self.events is not None
-        saved = read_json(self.run.state_file(BACKLOG_FOLD_FILE))
-        try:
-            if (not saved or saved.get("format") != BACKLOG_FOLD_FORMAT or saved.get("events") != self.events.path
-                    or int(saved["stride"]) > thinner.stride or thinner.stride % int(saved["stride"])):
-                return
-            mark = saved["mark"]
-            offset = int(mark["offset"])
-            with open(self.events.path, "rb") as fh:
-                if offset > os.fstat(fh.fileno()).st_size or _backlog_mark(fh, offset) != mark:
-                    return
-            middle = [(str(k), f, bool(p)) for k, f, p in saved["middle"]]
-            ring = [(str(k), f) for k, f in saved["ring"]]
-            head = int(saved["head"])
-        except (KeyError, TypeError, ValueError, OSError):
+        ring = _W["resume_backlog_fold"](self.run.state_dir, self.events.path, thinner)
+        if ring is None:
             return
-        kept: list[tuple[str, dict[str, Any], bool]] = []
-        for kind, fields, pinned in middle:
+        for kind, fields, _pinned in thinner.kept or []:
             ev = fields.get("event") if kind == "event" else None
-            if not pinned and isinstance(ev, dict) and ev.get("step", 0) % thinner.stride:
-                continue  # on the old stride, not on this one
             if isinstance(ev, dict):
                 self._note(ev)
             emit(kind, **fields)
-            kept.append((kind, fields, pinned))
-        thinner.head, thinner.kept = head, kept
         for kind, fields in ring:
             ev = fields.get("event") if kind == "event" else None
             if isinstance(ev, dict):
                 self._note(ev)
             for k, f in thinner.push(kind, fields):
                 emit(k, **f)
-        self.events.offset = offset
+        self.events.offset = ring.offset
 
     def _save_backlog(self, thinner: HistoryThinner) -> None:
-        """Save the fold of the backlog just read (atomic; never raises: watch works the same without it). Only
-        where a launch made STATE_DIR."""
+        """Save the fold of the backlog just read (atomic; never raises: watch works the same without it)."""
         assert self.events is not None and thinner.kept is not None
-        if not os.path.isdir(self.run.state_dir) or self.events.offset < BACKLOG_FOLD_AFTER_BYTES:
-            return
-        try:
-            with open(self.events.path, "rb") as fh:
-                mark = _backlog_mark(fh, self.events.offset)
-        except OSError:
-            return
-        save_state(self.run, BACKLOG_FOLD_FILE, {
-            "format": BACKLOG_FOLD_FORMAT, "events": self.events.path, "stride": thinner.stride, "head": thinner.head,
-            "mark": mark, "middle": thinner.kept, "ring": [list(item) for item in thinner.ring]})
+        _W["save_backlog_fold"](self.run.state_dir, self.events.path, thinner, self.events.offset)
 
     def _note(self, ev: dict[str, Any]) -> None:
         ts = ev.get("ts")
@@ -921,8 +800,11 @@ class Follower:
         `thin`: a long events backlog's step events are thinned (HistoryThinner); what follows is sent whole."""
         if thin and self.events is not None:
             stride = thin_stride(self.events.path, self.events.offset)
-            self.thinner = HistoryThinner(stride) if stride > 1 else None
+            big = self.events.size() - self.events.position() >= THIN_HEARTBEATS_AFTER
+            self.thinner = HistoryThinner(stride) if stride > 1 or big else None
             if self.thinner is not None and self.events.position() == 0:  # the whole backlog: fold it
+                if stride > 1:  # the client's step charts keep no finer stride (watch.RunSeries.raise_stride)
+                    emit("thin", stride=stride)
                 self.thinner.kept = []
                 self._resume_backlog(self.thinner)
         goal = [(t, t.size()) for t in (self.log, self.events) if t is not None]
@@ -1388,6 +1270,76 @@ def finished_refusal(run: Run, prev: dict[str, Any], argv: list[str]) -> str | N
             f"or give it another --out")
 
 
+def _argv_max_steps(argv: list[str]) -> int | None:
+    """The `--max-steps N` (or `--max-steps=N`) of a dflash command line, the last one given; None without it."""
+    found = None
+    for i, a in enumerate(argv):
+        value = argv[i + 1] if a == "--max-steps" and i + 1 < len(argv) else (
+            a.split("=", 1)[1] if a.startswith("--max-steps=") else None)
+        if value is not None and value.isdigit():
+            found = int(value)
+    return found
+
+
+def beyond_refusal(run: Run, argv: list[str]) -> str | None:
+    """Why this command would resume past its own last step (None: go ahead, or nothing says so).
+
+    An attempt extended with `opsctl launch HOST RUN -- --max-steps 400` and stopped at step 139 leaves its newest
+    checkpoint at 139; the plain command (its config's 100 steps) resumes from there and the training core refuses
+    with `already at step 139 of 100` after its start-up. Known before anything starts when the command resumes
+    (`--resume`, not `--fresh`), the newest checkpoint of the events still exists, and this command's length is
+    known: its own `--max-steps`, or an earlier attempt with this very command line whose run_start had a fixed
+    `train.max_steps` (an epochs-based config keeps the checkpoint's planned length instead: nothing to refuse) and
+    no file named in it changed since."""
+    if not run.events or "--fresh" in argv or not any(a == "--resume" or a.startswith("--resume=") for a in argv):
+        return None
+    ckpt: tuple[int, str] | None = None
+    starts: list[dict[str, Any]] = []
+    try:
+        with open(run.events, "rb") as fh:
+            for head, length, complete in long_lines(fh, MAX_EVENT_LINE):
+                if not complete or (b'"checkpoint"' not in head and b'"run_start"' not in head):
+                    continue
+                ev = event_object(head, length)
+                if not isinstance(ev, dict):
+                    continue
+                if ev.get("kind") == "checkpoint" and isinstance(ev.get("step"), int) and isinstance(ev.get("path"), str):
+                    ckpt = (ev["step"], ev["path"])
+                elif ev.get("kind") == "run_start" and isinstance(ev.get("ts"), (int, float)):
+                    starts.append(ev)
+    except OSError:
+        return None
+    if ckpt is None or not os.path.exists(run.path(ckpt[1])):
+        return None
+    step, total, how = ckpt[0], _argv_max_steps(argv), "its --max-steps"
+    if total is None:
+        for a in reversed(read_history(run.state_dir, run.log, run.keep_logs)):
+            started, ended = a.get("started"), a.get("ended")
+            if a.get("argv") != argv or not isinstance(started, (int, float)):
+                continue
+            mine = [e for e in starts if e["ts"] >= started - 1.0
+                    and (not isinstance(ended, (int, float)) or e["ts"] <= ended + 1.0)]
+            train = ((mine[-1].get("config") or {}).get("train") or {}) if mine else {}
+            if not mine or not isinstance(mine[-1].get("total_steps"), int) or train.get("max_steps") is None:
+                continue
+            outputs = {run.path(run.events), run.path(run.log)}  # written by the run itself: no input changed
+            for f in argv:
+                p = run.path(f) if not f.startswith("-") else None
+                try:
+                    if p and p not in outputs and os.path.isfile(p) and os.path.getmtime(p) > started:
+                        return None  # a config named in the command changed since (e.g. more steps)
+                except OSError:
+                    pass
+            total, how = mine[-1]["total_steps"], f"its attempt #{a.get('id')} with this command trained {mine[-1]['total_steps']} steps"
+            break
+    if total is None or step < total:
+        return None
+    return (f"run {run.name} would resume past its own end: its newest checkpoint is at step {step} ({ckpt[1]}), "
+            f"this command trains {total} steps ({how}); the training core would refuse it (already at step {step} "
+            f"of {total}). To go on: opsctl launch HOST {run.name} -- --max-steps N (N above {step}); to start over: "
+            f"add --fresh to its command, or give it another --out")
+
+
 def rotate_logs(run: Run) -> tuple[str, int]:
     """Keep earlier attempts' logs: LOG -> LOG.1 -> ... -> LOG.keep_logs (the oldest beyond it goes); returns what
     was done and the rotation count an attempt records as its `log_seq` (the wrapper's rule, shared).
@@ -1542,6 +1494,10 @@ def verb_launch(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     prev = previous_attempt(run)
     why = finished_refusal(run, prev, argv)
     if why:  # before anything is touched: the finished run's files and state stay exactly as they are
+        check("not_finished", False, why)
+        return refused()
+    why = beyond_refusal(run, argv)
+    if why:  # likewise: an extended attempt's checkpoint is past this command's last step
         check("not_finished", False, why)
         return refused()
 
@@ -1733,6 +1689,10 @@ def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
         emit("attempt", file=run.log, attempt=len(olds) + 1, attempts=len(olds) + 1, current=True)
     follower = Follower(run, nvml, int(opts.get("log_offset", 0)), int(opts.get("events_offset", 0)),
                    int(opts.get("tail", 10)), float(opts.get("gpu_interval", 1.0)))
+    if follower.events is not None:
+        # the process (and its attempt's `since`) before the events: the client's RunState then folds an earlier
+        # attempt's events for tau and charts only, as `status` does (attempt_since)
+        follower.proc.poll(force=True)
     # what is there now (from the offsets, or the last `tail` lines), then `backlog_end`
     follower.catch_up(thin=bool(opts.get("thin_history")))
     if opts.get("once"):
@@ -1745,13 +1705,24 @@ def verb_follow(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     return follow_loop(follower, run, ready_deadline=None, keep_following=True)
 
 
+def attempt_since(run: Run) -> float:
+    """Where the current attempt's events begin (the host's clock): a second before its launch or, for a restart, its
+    own start. An event older than this is an earlier attempt's: it counts for the run's tau and the charts, never
+    for this attempt's state or step. `status` folds by it, and every `proc` message carries it (`since`), so the
+    client's RunState applies the same rule to what `watch` reads (an attempt killed before its run_start shows
+    step 0 in both, not the previous attempt's last step)."""
+    launch = read_json(run.state_file("launch.json")) or {}
+    started = (read_json(run.state_file("pid")) or {}).get("started")
+    ts = launch.get("ts")
+    return max(float(ts) if isinstance(ts, (int, float)) else 0.0,
+               float(started) if isinstance(started, (int, float)) else 0.0) - 1.0
+
+
 def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     proc_watch = ProcWatch(run)
     launch = read_json(run.state_file("launch.json")) or {}
     killed = read_json(run.state_file("killed"))
-    started = (read_json(run.state_file("pid")) or {}).get("started")
-    # The current attempt's events (a restart starts a new one after the launch)
-    since = max(float(launch.get("ts", 0)), float(started) if isinstance(started, (int, float)) else 0.0) - 1.0
+    since = attempt_since(run)
     # The events since the last run_start that a reducer needs: phase, last steps, errors, checkpoint, end.
     picked: dict[int, tuple[int, dict[str, Any]]] = {}
     steps: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque(maxlen=20)
@@ -1775,15 +1746,16 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
                     bad[:] = [bad[0] + 1, f"events file offset {start}: {ev}"]
                     continue
                 tau.note(ev, (start, off, ev))
+                kind = ev.get("kind")
+                if kind == "run_start":
+                    bad[:] = [0, None]  # the lines skipped since the last run_start, of any attempt (as RunState)
                 if isinstance(ev.get("ts"), (int, float)) and ev["ts"] < since:
                     continue
-                kind = ev.get("kind")
                 eta.note(ev)
                 if kind == "run_start":
                     steps.clear()
                     errors.clear()
                     last.clear()
-                    bad[:] = [0, None]
                     mem.__init__()
                 mem.note(ev)
                 if kind == "step":
@@ -1823,24 +1795,8 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
 # (STATE_DIR/FOLD_FILE) with the byte offset it reached, and the next status goes on from there when the file is
 # still the same one (inode, and the FOLD_CHECK bytes before the offset) and the attempt is the same (`since`).
 FOLD_FILE = "status-fold.json"
-FOLD_FORMAT = 2  # 2: the memory rules' windows (MemoryWatch) too
+FOLD_FORMAT = 3  # 2: the memory rules' windows (MemoryWatch) too; 3: lines of the wrong types skipped
 FOLD_AFTER_BYTES = 4 << 20
-FOLD_CHECK = 4096
-
-
-def _fold_mark(fh: Any, offset: int) -> dict[str, Any]:
-    st = os.fstat(fh.fileno())
-    fh.seek(max(0, offset - FOLD_CHECK))
-    tail = fh.read(min(offset, FOLD_CHECK))
-    return {"ino": st.st_ino, "dev": st.st_dev, "offset": offset, "tail": hashlib.sha256(tail).hexdigest()}
-
-
-def _backlog_mark(fh: Any, offset: int) -> dict[str, Any]:
-    """The status fold's mark and the file's first FOLD_CHECK bytes: a file rewritten in place (same inode) with the
-    same last bytes but other history must not be taken for the one folded (the watch fold sends that history)."""
-    fh.seek(0)
-    head = fh.read(min(offset, FOLD_CHECK))
-    return {**_fold_mark(fh, offset), "head": hashlib.sha256(head).hexdigest()}
 
 
 def fold_resume(run: Run, fh: Any, since: float, steps: Any, errors: Any, last: dict[str, Any], bad: list[Any],
@@ -2042,10 +1998,7 @@ def verb_kill(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     if run.events and os.path.exists(run.events):
         tail = Tail(run.events, events_offset)
         for _off, _end, raw in tail.read([]):
-            try:
-                ev = json.loads(raw)
-            except ValueError:
-                continue
+            ev = event_object(raw, _end - _off - 1)
             if isinstance(ev, dict) and ev.get("kind") == "run_end":
                 run_end = ev
             if isinstance(ev, dict) and ev.get("kind") in ("run_end", "checkpoint"):
@@ -2071,11 +2024,15 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     rc = EXIT_CODES["ok"]
     live = snap["state"] in ("running", "restarting")  # restarting: the wrapper starts the next attempt soon
 
-    def refuse(detail: str) -> int:
-        # A dry run changes nothing either way: it reports what a real clean would refuse (warn) and exits 0.
-        emit("check", name="inductor_cache", ok=dry, warn=dry, detail=("a real clean would refuse: " if dry else "")
+    def refuse(detail: str, config: bool = False) -> int:
+        """A refusal; in a dry run, what a real clean would refuse. `config`: the run's configuration is refused
+        (its inductor_cache_dir is the home directory, a system directory, outside its roots): a dry run fails
+        with the real clean's exit code 5, for no later moment makes that clean work. Otherwise it is the run's
+        state now (running, processes left, another process using the cache): a dry run warns and exits 0."""
+        soft = dry and not config
+        emit("check", name="inductor_cache", ok=soft, warn=soft, detail=("a real clean would refuse: " if dry else "")
              + detail)
-        return EXIT_CODES["ok"] if dry else EXIT_CODES["refused"]
+        return EXIT_CODES["ok"] if soft else EXIT_CODES["refused"]
 
     left = leftovers(run) if not live else []
     if live:
@@ -2087,14 +2044,16 @@ def verb_clean(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     else:
         try:
             real = run.validated_cache()
+        except AgentError as exc:
+            rc = refuse(str(exc), config=True)
+        else:
             users = cache_users(real)
             if users:
-                raise AgentError(f"{real} is in use by {describe_users(users)}: not cleaned")
-            n, size = empty_dir(real, dry)
-            emit("check", name="inductor_cache", ok=True,
-                 detail=("would empty" if dry else "emptied") + f" {real}: {n} entries, {size / 2**20:.1f} MiB")
-        except AgentError as exc:
-            rc = refuse(str(exc))
+                rc = refuse(f"{real} is in use by {describe_users(users)}: not cleaned")
+            else:
+                n, size = empty_dir(real, dry)
+                emit("check", name="inductor_cache", ok=True,
+                     detail=("would empty" if dry else "emptied") + f" {real}: {n} entries, {size / 2**20:.1f} MiB")
     if opts.get("logs"):
         # Earlier attempts' logs go only when asked (clean --logs); the current attempt's log always stays.
         for old in old_logs(run):
@@ -2241,8 +2200,10 @@ VERBS = {"launch": verb_launch, "follow": verb_follow, "status": verb_status, "k
 def main(argv: list[str]) -> None:
     watch_stdin()
     nvml = Nvml()
+    # events_checked: every `event` this agent sends passed the contract's check (event_problem); the client need not
+    # check it again (a week-long backlog's events cost the client a third of its fold in that check)
     emit("hello", agent_version=AGENT_VERSION, host=socket.gethostname(), pid=os.getpid(),
-         python=sys.version.split()[0], nvml=nvml.status, verb=argv[0] if argv else None)
+         python=sys.version.split()[0], nvml=nvml.status, verb=argv[0] if argv else None, events_checked=True)
     try:
         if len(argv) != 2 or argv[0] not in VERBS:
             raise AgentError("usage: agent VERB JSON_ARGS with VERB one of {}".format(", ".join(sorted(VERBS))))

@@ -54,9 +54,11 @@ VERB_EXIT_CODES: dict[str, dict[str, str]] = {
     "kill": {"ok": "the run is stopped (or was not running) and NVML shows none of its processes on a GPU",
              "failed": "processes of the run survived SIGKILL or still hold GPU memory (named with their pids)",
              "usage": _USAGE, "transport": _UNREACHABLE, "refused": _STOPPED},
-    "clean": {"ok": "cleaned (or, --dry-run, listed what a clean would remove and what it would refuse)",
+    "clean": {"ok": "cleaned (or, --dry-run, listed what a clean would remove; a run that is alive now is a "
+                    "warning there)",
               "usage": _USAGE, "transport": _UNREACHABLE,
-              "refused": "the run is alive, or a directory failed validation (nothing deleted); " + _STOPPED},
+              "refused": "the run is alive, or a directory failed validation (nothing deleted); --dry-run: the "
+                         "directory fails validation, as the real clean would; " + _STOPPED},
     "watch": {"ok": "the dashboard was closed; --once: every host answered", "usage": _USAGE,
               "transport": "--once: a host could not be reached (its run is in the snapshot as unreachable)"},
     "export": {"ok": "the events so far are written (or there was nothing new: no event file written); --follow: "

@@ -176,6 +176,7 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
         train = _train_progress(ctx, state, host, run) if progress else None  # --follow --progress: one bar
         rc: int | None = None
         launched_at: float | None = None
+        training = False  # the attempt reached training: the phase bars are done with
         offsets = {"log_offset": 0, "events_offset": 0}
         try:
             for m in stream_agent(t, host, "launch", run_args(run, force=force, follow=follow, gpus=host.gpus,
@@ -201,12 +202,17 @@ def cmd_launch(ctx: Ctx, host_name: str, run_name: str, force: bool = False, fol
                 elif kind == "event":
                     offsets["events_offset"] = m["end"]
                     ev = m["event"]
+                    if ev.get("kind") == "run_start":
+                        training = False  # a new attempt (a restart): its loading phases are news again
                     if train is not None and train.active:
                         pass  # saving / evaluating inside training: the training bar says it
+                    elif training:
+                        pass  # without --progress too: an evaluation or a save mid-training is no launch phase
                     elif ev.get("kind") == "phase" and ev.get("phase") != "training":
                         phases.update(ev.get("phase"), ev.get("i"), ev.get("n"), ev.get("detail"))
                     elif ev.get("kind") in ("step", "run_end") or ev.get("phase") == "training":
                         phases.stop()
+                        training = True
                     if train is not None:
                         train.event(ev)
                 elif kind == "verdict":

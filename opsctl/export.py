@@ -21,6 +21,7 @@ from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.commands import EXIT_OK, EXIT_TRANSPORT, EXIT_USAGE, Ctx, OpsError, _follow_reconnecting, preflight
 from opsctl.config import HostConfig, RunConfig
 from opsctl.group import GroupRun
+from opsctl.watch import bad_events_text
 
 STATE_FILE = "opsctl-export.json"  # in DIR: where the last export stopped, so the next one adds only new events
 # step event key -> TensorBoard tag (docs/events.md `step`)
@@ -317,6 +318,8 @@ def export_sources(ctx: Ctx, sources: list[Source], logdir: str, ident: dict[str
     # a week-long run's backlog takes a while (200,000 steps: ~16 s): on a terminal a spinner counts what is written
     status = ctx.err.status(f"exporting {what} ...") if ctx.err.is_terminal else None
 
+    bad: list[Any] = [0, None]  # events lines skipped (the agent's bad_event): how many, the last one's where and why
+
     def take(messages: Iterable[tuple[int, dict[str, Any]]]) -> None:
         last_save = last_shown = time.monotonic()
         for i, m in messages:
@@ -326,6 +329,9 @@ def export_sources(ctx: Ctx, sources: list[Source], logdir: str, ident: dict[str
             s, kind = sources[i], m.get("t")
             if kind == "event":
                 tb.event(m["event"], prefix=s.prefix, run_level=s.run_level)
+                s.offset = int(m["end"])
+            elif kind == "bad_event":  # a line that breaks the contract: skipped by every reader, and said
+                bad[:] = [bad[0] + 1, f"{s.name}: events file offset {m.get('off')}: {m.get('error')}"]
                 s.offset = int(m["end"])
             elif kind == "gpu":
                 tb.gpu_sample(m, prefix=s.prefix)
@@ -357,15 +363,19 @@ def export_sources(ctx: Ctx, sources: list[Source], logdir: str, ident: dict[str
             status.stop()
         save()
         tb.close()
+    if bad[0]:
+        ctx.err.print(Text(f"{bad_events_text(bad[0])} (last: {bad[1]}): they break the event contract "
+                           "(docs/events.md) and are not exported", style="yellow"), soft_wrap=True)
     if not tb.wrote:
         ctx.err.print(f"nothing new to export from {what} since the last export into {out.resolve()}: no event file "
                       "written", soft_wrap=True)
         return EXIT_OK
-    ctx.err.print(f"exported {what}: {tb.steps} steps, " + (f"{tb.evals} evaluations, " if tb.evals else "")
-                  + f"{tb.scalars} scalars"
-                  + (f", {tb.restarts} resumed attempt(s)" if tb.restarts else "")
-                  + f" into {out.resolve()} in {time.monotonic() - started:.1f} s; view: tensorboard --logdir "
-                  f"{out.resolve()}", soft_wrap=True)
+    # Text: a run named `m` on host `box` is `box:m:`, which rich's markup would draw as an emoji
+    ctx.err.print(Text(f"exported {what}: {tb.steps} steps, " + (f"{tb.evals} evaluations, " if tb.evals else "")
+                       + f"{tb.scalars} scalars"
+                       + (f", {tb.restarts} resumed attempt(s)" if tb.restarts else "")
+                       + f" into {out.resolve()} in {time.monotonic() - started:.1f} s; view: tensorboard --logdir "
+                       f"{out.resolve()}"), soft_wrap=True)
     return EXIT_OK
 
 

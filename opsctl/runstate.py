@@ -160,6 +160,10 @@ class RunState:
         self._killed_at: float | None = None  # when opsctl asked for the kill (the agent host's clock, as events')
         self._restart_lost: dict[str, Any] | None = None  # the restart whose wrapper died during the back-off
         self._signal: str | None = None  # the stop signal from outside opsctl that ended the attempt (the wrapper's)
+        # Where the current attempt's events begin (the agent's `proc` `since`, opsctl.agent.attempt_since): older
+        # events are an earlier attempt's, counted for tau only, as `status` folds them.
+        self._since: float | None = None
+        self._events_checked = False  # the agent said (hello) it sends only events that passed the contract's check
         self.tau = TauTrack()
         self.eta = EtaClock()
 
@@ -201,10 +205,17 @@ class RunState:
             v.leftover_pids = [int(p) for p in msg.get("leftovers") or []]
             self._restart_lost = msg.get("restart_lost") if isinstance(msg.get("restart_lost"), dict) else None
             self._signal = msg.get("signal") if isinstance(msg.get("signal"), str) else None
+            since = msg.get("since")
+            if isinstance(since, (int, float)) and not isinstance(since, bool) and (self._since is None
+                                                                                   or since > self._since):
+                if self._since is not None and (self._started_ts is None or self._started_ts < since):
+                    self._new_attempt()  # a new attempt began and has no run_start yet: nothing of the old one stays
+                self._since = float(since)
         elif t == "gpu":
             self._v.gpus = list(msg.get("gpus") or [])
         elif t == "hello":
             self._v.nvml = msg.get("nvml")
+            self._events_checked = msg.get("events_checked") is True
         elif t == "killed" or (t == "status" and msg.get("killed_by_opsctl")):
             self.killed_by_us = True
         return True
@@ -223,6 +234,8 @@ class RunState:
             self._v.bad_event = f"events file offset {msg.get('off')}: {msg.get('error')}"
             return None
         ev = msg.get("event")
+        if self._events_checked and isinstance(ev, dict):
+            return ev  # checked by the agent with the same table (agent_wrapper.event_problem): once is enough
         try:
             # the reader's check (types of the keys present); a copy: "nan" words stay as the writer put them
             parse_event(dict(ev) if isinstance(ev, dict) else ev, complete=False)
@@ -232,20 +245,33 @@ class RunState:
             return None
         return ev
 
+    def _new_attempt(self) -> None:
+        """Forget everything of the attempt before: its step, phase, last metrics, errors, end and clocks (what
+        `status` never reads, for it folds only the events of the current attempt)."""
+        fresh = RunView()
+        for key in ("phase", "phase_i", "phase_n", "step", "total_steps", "epoch", "loss", "acc", "lr",
+                    "tokens_per_s", "step_time_s", "queue_depth", "queue_wait_s", "recompiles", "kernels", "errors",
+                    "end_reason", "exit_code", "last_checkpoint"):
+            setattr(self._v, key, getattr(fresh, key))
+        self._saw_run_start = self._phase_events = self._fatal_error = False
+        self._step_times.clear()
+        self._last_progress_ts = self._started_ts = self._run_end_ts = None
+        self.eta = EtaClock()
+
     def apply_event(self, ev: dict[str, Any]) -> None:
         v = self._v
         kind = ev.get("kind")
         ts = float(ev.get("ts", time.time()))
         if self.tau.note(ev):
             self._fold_tau()
+        if kind == "run_start":
+            v.bad_events, v.bad_event = 0, None  # the lines skipped since the last run_start (as status counts)
+        if self._since is not None and ts < self._since:
+            return  # an earlier attempt's event: its tau is noted, its state is not this attempt's
         self.eta.note(ev)
         if kind == "run_start":
+            self._new_attempt()
             self._saw_run_start = True
-            self._phase_events = False  # a new attempt: until its own phase events, its heartbeats say where it is
-            self._fatal_error = False
-            v.errors = []  # an attempt's errors are its own, as the agent's status keeps them (verb_status)
-            v.end_reason = None
-            v.exit_code = None
             v.kernels = dict(ev.get("kernels") or {})
             v.total_steps = ev.get("total_steps")
             v.step = ev.get("resumed_from") or 0

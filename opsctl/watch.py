@@ -544,19 +544,25 @@ class SourceWorker:
 
 class RunSeries:
     """One metric over the whole run as (step, value) points, for the charts: loaded from the events backlog on
-    connect and kept across reconnects and restarts. Past `capacity` points every other one is dropped (and from
-    then on only every 2nd, 4th, ... step is kept), so a week of steps stays a few thousand points spanning it all.
+    connect and kept across reconnects and restarts. It keeps the points whose step is a multiple of `stride`, the
+    run's first point and its newest; once more than `capacity` - 2 are multiples, the stride doubles (and the points
+    off it go), so a week of steps stays a few thousand points spanning it all.
+
+    What it keeps depends on the steps present, never on the order or the company they came in: a backlog thinned by
+    the agent to every S-th step (opsctl/agent_wrapper.py HistoryThinner, `thin` message: `raise_stride(S)`) leaves
+    exactly the points a read of every step leaves, so the charts of a week-long run are the same either way.
 
     A resumed attempt starts again at `resumed_from + 1`: the points of the crashed attempt from there on go, as
     TensorBoard drops them, so the curve never has two values for one step."""
 
     def __init__(self, capacity: int = 4000) -> None:
-        if capacity < 2:
-            raise ValueError(f"capacity must be >= 2, got {capacity}")
+        if capacity < 4:
+            raise ValueError(f"capacity must be >= 4, got {capacity}")
         self.capacity = capacity
         self.steps: list[int] = []
         self.values: list[float] = []
         self.stride = 1
+        self._aligned = 0  # points whose step is a multiple of the stride
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -566,17 +572,31 @@ class RunSeries:
         cut = bisect.bisect_right(self.steps, step)
         del self.steps[cut:]
         del self.values[cut:]
+        self._aligned = sum(1 for s in self.steps if s % self.stride == 0)
 
     def add(self, step: int, value: float) -> None:
         if self.steps and step <= self.steps[-1]:
             self.truncate_after(step - 1)  # a step seen again: the newer attempt's value wins
-        if self.steps and step % self.stride and step - self.steps[-1] < self.stride:
-            return
+        if len(self.steps) >= 2 and self.steps[-1] % self.stride:
+            del self.steps[-1]  # the newest point off the stride: this one is newer
+            del self.values[-1]
         self.steps.append(step)
         self.values.append(value)
-        if len(self.steps) > self.capacity:
-            self.steps, self.values = self.steps[::2], self.values[::2]
-            self.stride *= 2
+        self._aligned += step % self.stride == 0
+        while self._aligned > self.capacity - 2:
+            self.raise_stride(self.stride * 2)
+
+    def raise_stride(self, stride: int) -> None:
+        """Keep from now on only the steps that are multiples of `stride` (a power of two at least the current one),
+        besides the first and the newest point."""
+        if stride <= self.stride:
+            return
+        self.stride = stride
+        last = len(self.steps) - 1
+        keep = [i for i, s in enumerate(self.steps) if i in (0, last) or s % stride == 0]
+        self.steps = [self.steps[i] for i in keep]
+        self.values = [self.values[i] for i in keep]
+        self._aligned = sum(1 for s in self.steps if s % stride == 0)
 
 
 CHART_KEYS = ("loss", "tokens_per_s", "step_time_s", "queue_depth")
@@ -685,6 +705,12 @@ class RunModel:
             if msg.get("state") in ("lost", "failed"):  # failed: a permanent error, not retried
                 self.heard = False
                 self.link_error = str(detail or "link lost")
+        elif t == "thin":  # the backlog comes thinned to every `stride`-th step: the step charts keep no finer
+            stride = msg.get("stride")
+            if isinstance(stride, int) and not isinstance(stride, bool) and stride > 1:
+                for key in CHART_KEYS:
+                    self.series[key].raise_stride(stride)
+                self.chart_version += 1
         elif t == "log_reset":
             if msg.get("file") == "events":  # a fresh run truncated events.jsonl: its curves start over
                 for series in self.series.values():

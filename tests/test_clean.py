@@ -171,3 +171,37 @@ def test_clean_and_launch_refuse_while_a_finished_run_left_a_daemon(tmp_path: Pa
         assert rc == 0 and not (tmp_path / "cache" / "x.so").exists()
     finally:
         cleanup(args)
+
+
+def test_a_dry_run_exits_as_the_real_clean_would_for_a_refused_cache_dir(tmp_path: Path, sshd,
+                                                                         container: Callable[..., int],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal printed as FAIL never exits 0 (issue 39): a cache dir the real clean refuses for what it is (a
+    symlink out of its roots, found on the host; the home directory) fails a dry run with the same exit code 5."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    work = tmp_path / "ops"
+    work.mkdir()
+    (work / "evil").symlink_to(victim)
+    run = script_run(work, "ok_run.py", inductor_cache_dir=str(work / "evil"))
+    run.pop("clean_roots")
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=container(200), runs={"ok": run})
+    real = opsctl(hosts, "clean", "box", "ok")
+    dry = opsctl(hosts, "clean", "box", "ok", "--dry-run")
+    assert real.returncode == dry.returncode == 5, (real.stderr, dry.stderr)
+    flat = " ".join(dry.stderr.split())
+    assert f"FAIL inductor_cache: a real clean would refuse: refusing to clean '{work / 'evil'}'" in flat, flat
+    assert (victim / "precious.txt").read_text() == "keep me"
+    # the home directory (the agent's $HOME on the host: the local host here, whose HOME the test sets)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    local = tmp_path / "local.yaml"
+    local.write_text(f"hosts:\n  local:\n    local: true\n    runs:\n      h:\n        workdir: {tmp_path}\n"
+                     f"        command: ['true']\n        log: run.log\n        inductor_cache_dir: {home}\n"
+                     f"        clean_roots: [{tmp_path}]\n")
+    real = opsctl(local, "clean", "local", "h")
+    dry = opsctl(local, "clean", "local", "h", "--dry-run")
+    assert real.returncode == dry.returncode == 5, (real.stderr, dry.stderr)
+    assert "FAIL inductor_cache: a real clean would refuse" in dry.stderr and "home directory" in dry.stderr

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
-from agentlib import drive, of, run_args  # noqa: E402
+from agentlib import drive, of, opsctl, run_args, script_run  # noqa: E402
 
 from opsctl import agent  # noqa: E402
 from opsctl.watch import RunModel  # noqa: E402
@@ -61,10 +63,11 @@ def _write_events(path: Path, steps: int, resume_at: int) -> float:
 
     attempt(1, resume_at, None)
     attempt(resume_at - 1500 + 1, steps, resume_at - 1500)
+    last_start = max(i for i, line in enumerate(lines) if line["kind"] == "run_start")
     with open(path, "w") as fh:
         for i, line in enumerate(lines):
             fh.write(json.dumps(line) + "\n")
-            if i == 100:
+            if i == last_start + 100:  # counted: in the attempt of the last run_start (as status counts them)
                 fh.write("not json at all\n")
     return t
 
@@ -94,10 +97,13 @@ def test_a_thinned_backlog_folds_to_the_same_record_and_curve(tmp_path: Path) ->
     n_full, n_thin = (sum(1 for m in msgs if m["t"] == "event" and m["event"]["kind"] == "step")
                       for msgs in (full, thin))
     assert n_full == 40_000 + 1_500 and n_thin < n_full * 0.25, (n_full, n_thin)
-    # every other kind of line is sent whole, in the same order
+    # every other kind of line but heartbeats is sent whole, in the same order; of the heartbeats (one every 7 steps
+    # here) those of the tail and the few that fill the memory rules' baseline windows
     others = [[(m["t"], m.get("off")) for m in msgs if m["t"] == "bad_event"
-               or (m["t"] == "event" and m["event"]["kind"] != "step")] for msgs in (full, thin)]
+               or (m["t"] == "event" and m["event"]["kind"] not in ("step", "heartbeat"))] for msgs in (full, thin)]
     assert others[0] == others[1]
+    beats = [sum(1 for m in msgs if m["t"] == "event" and m["event"]["kind"] == "heartbeat") for msgs in (full, thin)]
+    assert beats[0] > 5_000 and beats[1] < 0.1 * beats[0], beats
     offs = [m["off"] for m in thin if m["t"] in ("event", "bad_event")]
     assert offs == sorted(offs)
 
@@ -111,22 +117,14 @@ def test_a_thinned_backlog_folds_to_the_same_record_and_curve(tmp_path: Path) ->
     assert {"nan", "recompile"} <= keys, keys  # both found in the thinned middle of the history
     evidence = {x["key"]: x["evidence"] for x in ra["alerts"]}
     assert "step 30123" in evidence["nan"] and "-> 2 at step 40000" in evidence["recompile"], evidence
-    # the charts: the same curve at the resolution they draw (~120-200 columns over 40,000 steps): the same first
-    # and last step, no gap wider than twice the full backlog's (RunSeries keeps both under 4,000 points), and each
-    # point the value the file has at that step (after the resume, the newer attempt's)
-    value_at: dict[str, dict[int, float]] = {"loss": {}, "tau": {}}
-    for m in full:
-        e = m.get("event") or {}
-        for key in value_at:
-            if m["t"] == "event" and e.get("kind") in ("step", "eval") and key in e:
-                value_at[key][e["step"]] = e[key]
-    for key in ("loss", "tau"):
+    # the charts: equal to a read of every step, point for point (watch.RunSeries keeps what the steps present
+    # decide, and the client keeps no finer stride than the agent thinned to: the `thin` message)
+    assert [m["stride"] for m in thin if m["t"] == "thin"] == [16] and not [m for m in full if m["t"] == "thin"]
+    for key in a.series:
         sa, sb = a.series[key], b.series[key]
-        assert (sa.steps[0], sa.steps[-1]) == (sb.steps[0], sb.steps[-1]) and sb.steps[-1] == steps
-        gap = [max(b - a for a, b in zip(s.steps[:-1], s.steps[1:], strict=True)) for s in (sa, sb)]
-        assert gap[1] <= 2 * gap[0], (key, gap)
-        assert all(value_at[key][st] == v or (math.isnan(v) and math.isnan(value_at[key][st]))
-                   for st, v in zip(sb.steps, sb.values, strict=True))
+        assert json.dumps([sa.steps, sa.values, sa.stride]) == json.dumps([sb.steps, sb.values, sb.stride]), key
+        assert (sa.steps[0], sa.steps[-1]) == ((500, steps) if key in ("tau", "ngram_tau") else (1, steps)), key
+    assert len(a.series["loss"]) > 2_000 and len(a.series["tau"]) == steps // 500
     assert a.attempt_marks == b.attempt_marks
 
 
@@ -205,3 +203,122 @@ def test_the_next_watch_of_a_long_history_resends_the_saved_backlog_and_reads_on
     after = _follow(tmp_path, True)
     assert [m["event"]["loss"] for m in after if m["t"] == "event" and m["event"].get("step") == ev["step"]][0] == 9.5
     assert _same(after, (fold.unlink(), _follow(tmp_path, True))[1])
+
+
+def test_heartbeats_of_a_thinned_backlog_keep_the_memory_alerts_and_the_last_beat(tmp_path: Path) -> None:
+    """Two ranks' heartbeats every 5 s over ~14 h (20,000 steps at 2.5 s): host RSS grows 10 -> 14 GiB, and the
+    allocator retried in the last minutes. The thinned backlog holds a fraction of the heartbeats, and the record
+    (memory_growth and alloc_retries alerts with their evidence, the heartbeat's age, the state) is the full read's."""
+    t = T0
+    lines: list[dict[str, Any]] = []
+
+    def ev(kind: str, **kw: Any) -> None:
+        lines.append({"v": 1, "ts": t, "kind": kind, "run_id": "x", "rank": kw.pop("rank", 0), "seq": len(lines),
+                      **kw})
+
+    steps = 20_000
+    ev("run_start", total_steps=30_000, resumed_from=None)
+    ev("phase", phase="training")
+    retries = 0
+    for n in range(1, steps + 1):
+        t += 2.5
+        ev("step", step=n, epoch=0, loss=4.0 / math.sqrt(n), acc=[0.5], lr=1e-3, grad_norm=1.0, tokens=4096,
+           tokens_per_s=1600.0, step_time_s=2.5, queue_depth=0, queue_wait_s=0.0, recompiles=0, total_steps=30_000)
+        if n % 2 == 0:
+            if n > steps - 200:
+                retries += 1
+            for rank in (0, 1):
+                ev("heartbeat", rank=rank, phase="training", step=n, rss_mb=10_240.0 + 4096.0 * n / steps,
+                   gpu_mem_mb=60_000.0, gpu_reserved_mb=70_000.0, gpu_alloc_retries=retries)
+    with open(tmp_path / "events.jsonl", "w") as fh:
+        fh.writelines(json.dumps(line) + "\n" for line in lines)
+    full, thin = _follow(tmp_path, False), _follow(tmp_path, True)
+    beats = [sum(1 for m in msgs if m["t"] == "event" and m["event"]["kind"] == "heartbeat") for msgs in (full, thin)]
+    assert beats[0] == 20_000 and beats[1] < 0.25 * beats[0], beats
+    now = t + 3.0
+    ra, rb = _fold(full, now).snapshot(), _fold(thin, now).snapshot()
+    assert ra == rb, {k: (ra[k], rb[k]) for k in ra if ra[k] != rb.get(k)}
+    evidence = {x["key"]: x["evidence"] for x in ra["alerts"]}
+    assert "host RSS 10.1 GiB at step 240 -> 14.0 GiB at step 20000" in evidence["memory_growth"] and "rank 1" in evidence["memory_growth"], evidence
+    assert "allocator retries" in evidence["alloc_retries"], evidence
+    assert ra["state"] == "training" and ra["heartbeat_age_s"] == 3.0 and ra["step"] == steps
+
+
+def test_the_wrappers_refresh_leaves_the_fold_a_thinned_follow_would_and_goes_on_from_it(tmp_path: Path) -> None:
+    """agent_wrapper.refresh_backlog_fold (the run's wrapper runs it while the run writes, and when it ends): the
+    fold it saves makes the next `follow` send exactly what a fresh thinned read sends, also after the run wrote on
+    (read from the saved offset on, an over-long line and a line that is no JSON among the new ones)."""
+    from opsctl import agent_wrapper as w
+
+    events = tmp_path / "events.jsonl"
+    last_ts = _write_events(events, 40_000, 24_000)
+    state = tmp_path / "state"
+    state.mkdir()
+    fold = state / agent.BACKLOG_FOLD_FILE
+    w.refresh_backlog_fold(str(state), str(events))
+    assert json.loads(fold.read_text())["mark"]["offset"] == events.stat().st_size
+    from_fold = _follow(tmp_path, True)
+    fold.unlink()
+    assert _same(from_fold, _follow(tmp_path, True))
+    w.refresh_backlog_fold(str(state), str(events))
+    with open(events, "a") as fh:
+        t = last_ts
+        for n in range(40_001, 41_001):
+            t += 2.0
+            fh.write(json.dumps({"v": 1, "ts": t, "kind": "step", "run_id": "x", "rank": 0, "seq": n, "step": n,
+                                 "epoch": 0, "loss": 4.0 / math.sqrt(n), "acc": [0.5], "lr": 1e-3, "grad_norm": 1.0,
+                                 "tokens": 4096, "tokens_per_s": 1365.0, "step_time_s": 2.0, "queue_depth": 0,
+                                 "queue_wait_s": 0.0, "recompiles": 2, "total_steps": 50_000}) + "\n")
+            if n == 40_500:
+                fh.write('{"kind": "step", "pad": "' + "x" * (agent.MAX_EVENT_LINE + 10) + '"}\n')
+                fh.write("not json\n")
+        fh.write(partial := '{"v": 1, "kind": "step", "ste')  # the line being written: not folded yet
+    before = fold.read_text()
+    w.refresh_backlog_fold(str(state), str(events))
+    saved = json.loads(fold.read_text())
+    assert fold.read_text() != before and saved["mark"]["offset"] == events.stat().st_size - len(partial)
+    resumed = _follow(tmp_path, True)
+    fold.unlink()
+    fresh = _follow(tmp_path, True)
+    assert _same(resumed, fresh)
+    bad = [m["error"] for m in fresh if m["t"] == "bad_event"]
+    assert bad[-2:] == [f"longer than {agent.MAX_EVENT_LINE} bytes (MAX_EVENT_LINE)", "not JSON"], bad
+
+
+def test_the_first_watch_of_a_long_run_sends_the_fold_its_wrapper_kept(tmp_path: Path, sshd,
+                                                                       container: Callable[..., int]) -> None:
+    """A real launch over ssh + pct of a run that writes 16,000 steps (5 MB of events) and ends: its wrapper leaves
+    watch's backlog fold, and the first `watch --once` sends it (a mark put in the fold shows) instead of reading the
+    file; what it shows is what a read of the whole file shows."""
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=container(200), runs={
+        "r": script_run(tmp_path, "ok_run.py", "--steps", "16000", "--step-time", "0", "--load-time", "0",
+                        tmux_session="kept-fold")})
+    fold = tmp_path / ".opsctl" / "r" / agent.BACKLOG_FOLD_FILE
+    try:
+        assert opsctl(hosts, "launch", "box", "r", "--follow", timeout=300).returncode == 0
+        deadline = time.monotonic() + 60
+        while not fold.exists():
+            assert time.monotonic() < deadline, "the wrapper left no fold"
+            time.sleep(0.1)
+        assert json.loads(fold.read_text())["mark"]["offset"] == (tmp_path / "events.jsonl").stat().st_size
+
+        def record() -> dict[str, Any]:
+            r = opsctl(hosts, "watch", "box", "--once", "--json")
+            assert r.returncode == 0, r.stderr
+            rec = json.loads(r.stdout)
+            return {k: v for k, v in (rec[0] if isinstance(rec, list) else rec).items() if k != "link"}
+
+        saved = fold.read_text()
+        tampered = json.loads(saved)
+        last = tampered["ring"][-2][1]["event"]  # the last step (before run_end)
+        assert last["kind"] == "step" and last["step"] == 16_000
+        last["loss"] = 123.0
+        fold.write_text(json.dumps(tampered))
+        assert record()["loss"] == 123.0  # sent from the fold the wrapper kept, not read from the file
+        fold.write_text(saved)
+        kept = record()
+        fold.unlink()
+        whole = record()
+        assert kept == whole and whole["step"] == 16_000 and whole["state"] == "finished"
+    finally:
+        opsctl(hosts, "kill", "box", "r")
