@@ -18,6 +18,7 @@ PEER_PY = REPO / ".venv-peer" / "bin" / "python"
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(1800),  # the module's smoke: ~4 min on 2 idle cores, several times that on a loaded machine
     pytest.mark.skipif(not PEER_PY.is_file(), reason="no .venv-peer (./dev builds it: speculators 0.9.0)"),
 ]
 
