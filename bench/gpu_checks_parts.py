@@ -30,6 +30,7 @@ T = "tests/gpu/test_tau_gpu.py::"
 C = "tests/gpu/test_cuda_graph_target.py::"
 K = "tests/gpu/test_fla_configs_gpu.py::"
 U = "tests/gpu/test_target_fusion_gpu.py::"
+R = "tests/gpu/test_recipe_options_gpu.py::"
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,12 @@ PARTS: dict[str, tuple[Check, ...]] = {
               "2026-12-05: 127 s, then 141 s, on an H100 (empty Triton caches of its own)"),
         Check(U + "test_a_captured_graph_replays_the_fused_kernels", 100,
               "2026-12-05 17:00: 73 s on an H100, after the two checks above in the same call"),
+    ),
+    # issue 40's recipe options in the compiled training step (tiny target, 40 steps each)
+    "part8": (
+        Check(R + "test_a_recipe_option_trains_compiled_without_recompiles[dpace]", 90, "guess: one cold compile"),
+        Check(R + "test_a_recipe_option_trains_compiled_without_recompiles[document]", 90, "guess: one cold compile"),
+        Check(R + "test_a_recipe_option_trains_compiled_without_recompiles[muon]", 90, "guess: one cold compile"),
     ),
 }
 
