@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash.telemetry import PHASES, EventError, parse_event
-from opsctl.agent_wrapper import (  # the wrapper's notifications use the same rule
+from opsctl.remote.rules import (  # the wrapper's notifications use the same rule
     STALL_FACTOR,
     STALL_FLOOR_S,
     EtaClock,  # the ETA: the same rule as the agent's status
