@@ -55,8 +55,6 @@ from opsctl.remote.rules import (  # the rules the run's wrapper notifies by, an
 
 POLL_S = 0.05  # the agent's own file/process poll; the client never polls, it reads this stream
 TAIL_KEEP = 200  # log lines kept in memory for a crash report
-# What one line may cost: a longer log line is sent as its first MAX_LOG_LINE bytes and ` ... [cut 19.9 MB]`, so a
-# 20 MB line (a dumped tensor, a progress bar without newlines) can neither flood the client nor hide newer lines.
 
 # The wrapper (opsctl/agent_wrapper.py) is the process tmux starts for the run; launch writes its text to
 # STATE_DIR/wrapper.py. The client ships that text inside this blob: it replaces the WRAPPER_SLOT line below with
@@ -108,7 +106,7 @@ _fold_mark = _W["_fold_mark"]
 _backlog_mark = _W["_backlog_mark"]
 
 
-# -- output -------------------------------------------------------------------------------------------------
+# -- output: emit, bye, watch_stdin (opsctl/remote/base.py) ----------------------------------------------
 
 # -- NVML ---------------------------------------------------------------------------------------------------
 class Nvml:
@@ -823,7 +821,7 @@ class Follower:
         return traceback_from_lines(list(self.lines))
 
 
-
+# -- preflight (SYSTEM_DIRS: opsctl/remote/base.py) -------------------------------------------------------------
 def validate_clean_dir(path: Any, roots: list[str], default_ok: bool,
                        protected: list[tuple[str, str]] | None = None, default_dir: str | None = None) -> str:
     """Return the real path of a directory that is safe to empty, or raise AgentError saying why not.

@@ -591,7 +591,7 @@ class HistoryThinner:
         self.ring: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
         self.head = 0  # step events let out since the last run_start
         self.kept: list[tuple[str, dict[str, Any], bool]] | None = None
-        # The memory rules' baselines (agent_wrapper.MemoryWatch: a rank's first MEM_WINDOW heartbeats of each figure
+        # The memory rules' baselines (remote/rules.py MemoryWatch: a rank's first MEM_WINDOW heartbeats of each figure
         # once MEM_SETTLE_S of training passed) over what was let out: which heartbeats of the middle count.
         self.memory: dict[str, Any] = {"since": None, "base": {}}
         self.ring_ts: collections.deque[float | None] = collections.deque()  # each ring message's event time

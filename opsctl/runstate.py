@@ -235,7 +235,7 @@ class RunState:
             return None
         ev = msg.get("event")
         if self._events_checked and isinstance(ev, dict):
-            return ev  # checked by the agent with the same table (agent_wrapper.event_problem): once is enough
+            return ev  # checked by the agent with the same table (opsctl/remote/rules.py event_problem): once is enough
         try:
             # the reader's check (types of the keys present); a copy: "nan" words stay as the writer put them
             parse_event(dict(ev) if isinstance(ev, dict) else ev, complete=False)

@@ -47,10 +47,11 @@ def test_agent_source_is_ascii_and_stdlib_only() -> None:
 
 
 def test_shipped_blob_runs_isolated(tmp_path: Path) -> None:
-    """The blob needs nothing but the stdlib: under `python3 -I` (no site dir, no PYTHONPATH, no cwd on sys.path),
-    the agent runs as shipped, and the wrapper it carries runs a command as `python3 -I - spec.json`."""
+    """The blob needs nothing but the stdlib: under `python3 -I -S` (no site-packages, where opsctl is installed
+    here; no PYTHONPATH; no cwd on sys.path), the agent runs as shipped, and the wrapper it writes runs a command as
+    `python3 -I -S - spec.json`."""
     blob = agent_source()
-    p = subprocess.Popen([sys.executable, "-I", "-u", "-c", base.BOOTSTRAP, "hello", "{}"], cwd=tmp_path,
+    p = subprocess.Popen([sys.executable, "-I", "-S", "-u", "-c", base.BOOTSTRAP, "hello", "{}"], cwd=tmp_path,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert p.stdin is not None and p.stdout is not None
     p.stdin.write(str(len(blob)).encode() + b"\n" + blob)
@@ -61,13 +62,13 @@ def test_shipped_blob_runs_isolated(tmp_path: Path) -> None:
     # the wrapper text the shipped agent writes at launch: the agent_wrapper.py shipped with it, byte for byte, with
     # the wing's modules (opsctl/remote) spliced in at its bundle slot, so the process tmux starts needs no package
     show = "import sys;g={'__name__':'shipped'};exec(sys.stdin.read(),g);sys.stdout.write(g['wrapper_source']())"
-    wrapper = subprocess.run([sys.executable, "-I", "-c", show], cwd=tmp_path, input=blob, capture_output=True,
+    wrapper = subprocess.run([sys.executable, "-I", "-S", "-c", show], cwd=tmp_path, input=blob, capture_output=True,
                              timeout=30, check=True).stdout
     assert wrapper.decode() == base.splice(Path(agent_wrapper.__file__).read_text(), base.remote_sources())
     spec = {"argv": [sys.executable, "-c", "print('from the run')"], "env": {}, "workdir": str(tmp_path),
             "log": str(tmp_path / "run.log"), "state_dir": str(tmp_path)}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    ran = subprocess.run([sys.executable, "-I", "-", str(tmp_path / "spec.json")], cwd=tmp_path, input=wrapper,
+    ran = subprocess.run([sys.executable, "-I", "-S", "-", str(tmp_path / "spec.json")], cwd=tmp_path, input=wrapper,
                          capture_output=True, timeout=30)
     assert ran.returncode == 0, ran
     assert (tmp_path / "exit_code").read_text() == "0\n"

@@ -79,11 +79,11 @@ def test_no_import_cycle_in_opsctl() -> None:
 
 
 def test_blob_answers_hello_on_isolated_python(tmp_path: Path) -> None:
-    """`python3 -I` (no site-packages, no PYTHONPATH, no cwd on sys.path) in an empty directory: the blob's loader
-    gives the agent opsctl.remote from the stream itself."""
+    """`python3 -I -S` (no site-packages, where opsctl is installed here; no PYTHONPATH; no cwd on sys.path) in an
+    empty directory: the blob's loader gives the agent opsctl.remote from the stream itself."""
     blob = agent_source()
     assert all(b < 128 for b in blob)
-    p = subprocess.Popen([sys.executable, "-I", "-u", "-c", base.BOOTSTRAP, "hello", "{}"], cwd=tmp_path, env={},
+    p = subprocess.Popen([sys.executable, "-I", "-S", "-u", "-c", base.BOOTSTRAP, "hello", "{}"], cwd=tmp_path, env={},
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdin is not None and p.stdout is not None and p.stderr is not None
     p.stdin.write(str(len(blob)).encode() + b"\n" + blob)
@@ -104,7 +104,7 @@ def test_splice_registers_the_wing_for_a_bare_script(tmp_path: Path) -> None:
               + "remote_sources() == SOURCES)\n")
     sources = base.remote_sources()
     text = base.splice(script, sources).replace("print(", f"SOURCES = {sources!r}\nprint(", 1)
-    got = subprocess.run([sys.executable, "-I", "-"], cwd=tmp_path, input=text.encode("ascii"), capture_output=True,
+    got = subprocess.run([sys.executable, "-I", "-S", "-"], cwd=tmp_path, input=text.encode("ascii"), capture_output=True,
                          timeout=60, env={})
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.decode() == "5 ['sh', '-c', \"run --x 'a b'\"] True\n"

@@ -19,6 +19,8 @@ BOOTSTRAP = (
     'import sys;n=int(sys.stdin.readline());exec(compile(sys.stdin.read(n),"opsctl-agent","exec"))'
 )
 WRAPPER_SLOT = "_SHIPPED_WRAPPER: str | None = None  # replaced by the client with the wrapper's text\n"
+# What one line may cost: a longer log line is sent as its first MAX_LOG_LINE bytes and ` ... [cut 19.9 MB]`, so a
+# 20 MB line (a dumped tensor, a progress bar without newlines) can neither flood the client nor hide newer lines.
 MAX_LOG_LINE = 64 << 10
 READ_CHUNK = 4 << 20  # bytes of one file read per poll
 EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "transport": 3, "timeout": 4, "refused": 5, "taken_over": 6}
@@ -29,9 +31,8 @@ RESTARTING_FILE = "restarting"  # exists while the wrapper waits out the back-of
 # notifiers.WRAPPER_PID.json: the notify commands a wrapper runs now, its children that are not the run's processes
 NOTIFIERS_FILE = "notifiers.{}.json"
 
-# -- preflight ----------------------------------------------------------------------------------------------
-# Directories whose contents must never be emptied wholesale (the same rule as opsctl/config.py, repeated here
-# because the agent runs alone on the remote and checks again after resolving symlinks there).
+# Directories whose contents must never be emptied wholesale: opsctl/config.py refuses them in hosts.yaml, and the
+# agent checks again on the host after resolving symlinks there (one list, here).
 SYSTEM_DIRS = {
     "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
     "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/workspace", "/dev/shm",
@@ -58,7 +59,7 @@ def read_json(path: str) -> dict[str, Any] | None:
         return None
 
 
-
+# -- the message stream: one JSON line per message on stdout, `bye` last -----------------------------------
 _out_lock = threading.Lock()
 
 

@@ -20,11 +20,10 @@ from typing import Any
 STALL_FLOOR_S = 60.0
 STALL_FACTOR = 10.0
 
-
 MAX_EVENT_LINE = 1 << 20  # an events line longer than this is not an event (docs/events.md): skipped, counted
 # The event contract's types (docs/events.md; dflash/telemetry.py COMMON and KINDS, copied here because this file
-# runs alone on the host: tests/test_event_check.py keeps the two equal). Every reader of an events file on the host
-# (the agent's status, its folds, follow, history; this wrapper's EventsWatch) skips a line that fails
+# runs alone on the host: tests/test_one_state.py keeps the two equal). Every reader of an events file on the host
+# (the agent's status, its folds, follow, history; the wrapper's EventsWatch) skips a line that fails
 # `event_problem`, and the client (dflash.telemetry.parse_event, complete=False) judges it the same.
 _INT, _NUM, _STR, _NUL, _LIST, _DICT, _BOOL = "int", "float|int", "str", "None", "list", "dict", "bool"
 EVENT_COMMON: dict[str, tuple[str, ...]] = {"v": (_INT,), "ts": (_NUM,), "kind": (_STR,), "run_id": (_STR,),
