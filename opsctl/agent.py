@@ -20,61 +20,76 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
-AGENT_VERSION = "1"
+# opsctl-bundle: the shipped copy registers the opsctl.remote modules here (remote/base.py splice)
+from opsctl.remote.base import (
+    AGENT_VERSION,
+    EXIT_CODES,
+    GROUP_FILE,
+    MAX_LOG_LINE,
+    NOTIFIERS_FILE,
+    READ_CHUNK,
+    RESTARTING_FILE,
+    SYSTEM_DIRS,
+    AgentError,
+    bye,
+    emit,
+    read_json,  # a JSON object file, or None when missing, unreadable or not an object
+    remote_sources,
+    splice,
+    watch_stdin,
+)
+from opsctl.remote.rules import (  # the rules the run's wrapper notifies by, and the client shows by
+    MAX_EVENT_LINE,  # an events line longer than this is not an event (docs/events.md)
+    EtaClock,
+    MemoryWatch,
+    TauTrack,
+    crash_line,
+    event_object,  # one events line as an event, or why it is none
+    resume_argv,
+    traceback_from_lines,
+    with_args,
+)
+
 POLL_S = 0.05  # the agent's own file/process poll; the client never polls, it reads this stream
 TAIL_KEEP = 200  # log lines kept in memory for a crash report
-# What one line may cost: a longer log line is sent as its first MAX_LOG_LINE bytes and ` ... [cut 19.9 MB]`, so a
-# 20 MB line (a dumped tensor, a progress bar without newlines) can neither flood the client nor hide newer lines.
-MAX_LOG_LINE = 64 << 10
-READ_CHUNK = 4 << 20  # bytes of one file read per poll
-EXIT_CODES = {"ok": 0, "failed": 1, "usage": 2, "transport": 3, "timeout": 4, "refused": 5, "taken_over": 6}
-
-BOOTSTRAP = (
-    'import sys;n=int(sys.stdin.readline());exec(compile(sys.stdin.read(n),"opsctl-agent","exec"))'
-)
 
 # The wrapper (opsctl/agent_wrapper.py) is the process tmux starts for the run; launch writes its text to
 # STATE_DIR/wrapper.py. The client ships that text inside this blob: it replaces the WRAPPER_SLOT line below with
-# `_SHIPPED_WRAPPER = '...'` (commands.agent_source), so the remote side still gets one self-contained stream.
-WRAPPER_SLOT = "_SHIPPED_WRAPPER: str | None = None  # replaced by the client with the wrapper's text\n"
+# `_SHIPPED_WRAPPER = '...'` (channel.agent_source), so the remote side still gets one self-contained stream.
 _SHIPPED_WRAPPER: str | None = None  # replaced by the client with the wrapper's text
 
 
-def wrapper_source() -> str:
-    """The wrapper's text: the copy shipped in the blob, or (agent imported in-process) the file beside this one."""
+def wrapper_module_source() -> str:
+    """agent_wrapper.py's own text: the copy shipped in the blob, or (agent imported in-process) the file beside
+    this one. It imports opsctl.remote: run it where those modules are importable (the package, or the blob)."""
     if _SHIPPED_WRAPPER is not None:
         return _SHIPPED_WRAPPER
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_wrapper.py")) as fh:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_wrapper.py"), encoding="ascii") as fh:
         return fh.read()
+
+
+def wrapper_source() -> str:
+    """The text launch writes to STATE_DIR/wrapper.py: the wrapper with opsctl/remote's modules spliced in, so the
+    process tmux starts runs under a bare python3 (no package on the host)."""
+    return splice(wrapper_module_source(), remote_sources())
 
 
 def _wrapper_rules() -> dict[str, Any]:
     """The wrapper's text run as a module (not as __main__): the rules it shares with the agent (attempt history,
     log rotation, a log's crash line, extra arguments), written once, used on both sides of the tmux boundary."""
     ns: dict[str, Any] = {"__name__": "opsctl_wrapper_rules"}
-    exec(compile(wrapper_source(), "opsctl-wrapper", "exec"), ns)
+    exec(compile(wrapper_module_source(), "opsctl-wrapper", "exec"), ns)
     return ns
 
 
 _W = _wrapper_rules()
-traceback_from_lines = _W["traceback_from_lines"]
-crash_line = _W["crash_line"]
 history_add = _W["history_add"]
 read_history = _W["read_history"]
 history_lines = _W["_history_lines"]
-GROUP_FILE: str = _W["GROUP_FILE"]
-with_args = _W["with_args"]
-resume_argv = _W["resume_argv"]
 proc_starttime = _W["proc_starttime"]
-RESTARTING_FILE: str = _W["RESTARTING_FILE"]
-NOTIFIERS_FILE: str = _W["NOTIFIERS_FILE"]
-event_problem = _W["event_problem"]  # the contract's reader check: every events line any verb reads passes it
-MAX_EVENT_LINE: int = _W["MAX_EVENT_LINE"]  # an events line longer than this is not an event (docs/events.md)
-event_object = _W["event_object"]  # one events line as an event, or why it is none
 # watch's thinned backlog (HistoryThinner) and its fold (watch-fold.json): the wrapper keeps the fold up to date
 HistoryThinner = _W["HistoryThinner"]
 thin_stride = _W["thin_stride"]
@@ -91,48 +106,7 @@ _fold_mark = _W["_fold_mark"]
 _backlog_mark = _W["_backlog_mark"]
 
 
-# -- output -------------------------------------------------------------------------------------------------
-_out_lock = threading.Lock()
-
-
-def emit(t: str, **fields: Any) -> None:
-    """One JSON line per message with a single write, so the client never sees half a message."""
-    msg = {"t": t, "ts": time.time()}
-    msg.update(fields)
-    data = (json.dumps(msg, separators=(",", ":"), default=str) + "\n").encode()
-    with _out_lock:
-        try:
-            os.write(1, data)
-        except OSError:
-            os._exit(0)  # EPIPE: the client is gone, and so are we
-
-
-_final_rc: list[int] = []
-
-
-def bye(rc: int) -> None:
-    _final_rc.append(rc)  # the stdin watcher may see EOF right after the client reads `bye`: same exit code
-    emit("bye", rc=rc)
-    os._exit(rc)
-
-
-def watch_stdin() -> None:
-    """EOF on stdin means the channel closed: exit at once, leaving only the run (in tmux) behind."""
-
-    def run() -> None:
-        try:
-            while sys.stdin.readline():
-                pass
-        except (OSError, ValueError):
-            pass
-        os._exit(_final_rc[0] if _final_rc else 0)
-
-    threading.Thread(target=run, name="stdin-watch", daemon=True).start()
-
-
-class AgentError(Exception):
-    """Bad arguments or an environment the agent cannot work in; reported as `error` + `bye 2`."""
-
+# -- output: emit, bye, watch_stdin (opsctl/remote/base.py) ----------------------------------------------
 
 # -- NVML ---------------------------------------------------------------------------------------------------
 class Nvml:
@@ -303,7 +277,6 @@ def default_inductor_dir() -> str:
 
 
 # -- process state ------------------------------------------------------------------------------------------
-read_json = _W["read_json"]  # a JSON object file, or None when missing, unreadable or not an object
 
 
 def read_exit_code(path: str) -> int | None:
@@ -848,16 +821,7 @@ class Follower:
         return traceback_from_lines(list(self.lines))
 
 
-# -- preflight ----------------------------------------------------------------------------------------------
-# Directories whose contents must never be emptied wholesale (the same rule as opsctl/config.py, repeated here
-# because the agent runs alone on the remote and checks again after resolving symlinks there).
-SYSTEM_DIRS = {
-    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
-    "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/workspace", "/dev/shm",
-    "/var/tmp", "/var/lib", "/usr/local", "/usr/lib",
-}
-
-
+# -- preflight (SYSTEM_DIRS: opsctl/remote/base.py) -------------------------------------------------------------
 def validate_clean_dir(path: Any, roots: list[str], default_ok: bool,
                        protected: list[tuple[str, str]] | None = None, default_dir: str | None = None) -> str:
     """Return the real path of a directory that is safe to empty, or raise AgentError saying why not.
@@ -1729,10 +1693,10 @@ def verb_status(run: Run, nvml: Nvml, opts: dict[str, Any]) -> int:
     errors: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque(maxlen=50)
     last: dict[str, tuple[int, int, dict[str, Any]]] = {}
     size = 0
-    tau = _W["TauTrack"]()  # the run's evaluations across its attempts: the latest and the best tau so far
-    eta = _W["EtaClock"]()  # every step of the attempt, not only the last ones sent: the ETA watch shows too
+    tau = TauTrack()  # the run's evaluations across its attempts: the latest and the best tau so far
+    eta = EtaClock()  # every step of the attempt, not only the last ones sent: the ETA watch shows too
     bad: list[Any] = [0, None]  # lines since the last run_start that are no event: how many, the last one's why
-    mem = _W["MemoryWatch"]()  # memory_growth / alloc_retries need the attempt's heartbeats, not the last one
+    mem = MemoryWatch()  # memory_growth / alloc_retries need the attempt's heartbeats, not the last one
     if run.events and os.path.exists(run.events):
         with open(run.events, "rb") as fh:
             off = fold_resume(run, fh, since, steps, errors, last, bad, tau, eta, mem)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dflash.telemetry import ERROR_CLASSES, RESERVOIR_CAPACITY
-from opsctl.agent_wrapper import MemoryWatch, slowdown, tau_regression  # the wrapper's notify: the same rules
+from opsctl.remote.rules import MemoryWatch, slowdown, tau_regression  # the wrapper's notify: the same rules
 from opsctl.runstate import RunView, phase_progress
 
 WARMUP_STEPS = 3  # recompiles during the first steps are expected (shapes settle); later ones are a bug
@@ -124,7 +124,7 @@ class AlertTracker:
         self.gpus_with_procs: set[int] = set()
         self.log_exception: str | None = None
         self._in_traceback = False
-        self.memory = MemoryWatch()  # memory_growth and alloc_retries (opsctl/agent_wrapper.py: notify's rules too)
+        self.memory = MemoryWatch()  # memory_growth and alloc_retries (opsctl/remote/rules.py: notify's rules too)
         self.status_memory: tuple[Any, Any] = (None, None)  # the same rules' verdicts, from a `status` answer
 
     # -- input ---------------------------------------------------------------------------

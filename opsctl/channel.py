@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from opsctl import agent
 from opsctl.config import HostConfig, RunConfig
+from opsctl.remote.base import BOOTSTRAP, WRAPPER_SLOT, remote_sources, splice
 from opsctl.transport import Transport, TransportError
 
 
@@ -21,23 +21,27 @@ class ChannelLost(TransportError):
 
 
 def agent_source() -> bytes:
-    """The one blob the remote python3 runs: agent.py with the wrapper's text put in its WRAPPER_SLOT line.
+    """The one blob the remote python3 runs: agent.py with the wrapper's text put in its WRAPPER_SLOT line and
+    opsctl/remote's modules (base, rules) registered at its BUNDLE_SLOT line by a small loader.
 
     One stream, stdlib only, ASCII (the bootstrap's byte count is its character count): the remote side needs
-    nothing installed, and the wrapper the agent writes at launch is the very agent_wrapper.py shipped with it.
+    nothing installed, and the wrapper the agent writes at launch is the very agent_wrapper.py shipped with it,
+    with the same modules spliced in.
     """
-    text = Path(agent.__file__).read_text(encoding="ascii")
-    wrapper = Path(agent.__file__).with_name("agent_wrapper.py").read_text(encoding="ascii")
-    slot = "\n" + agent.WRAPPER_SLOT
+    here = Path(__file__).parent  # the agent's files, read as text: the client never imports the agent's verbs
+    text = (here / "agent.py").read_text(encoding="ascii")
+    wrapper = (here / "agent_wrapper.py").read_text(encoding="ascii")
+    slot = "\n" + WRAPPER_SLOT
     if text.count(slot) != 1:
-        raise RuntimeError(f"opsctl/agent.py must hold exactly one line {agent.WRAPPER_SLOT!r}")
-    return text.replace(slot, f"\n_SHIPPED_WRAPPER: str | None = {wrapper!r}\n").encode("ascii")
+        raise RuntimeError(f"opsctl/agent.py must hold exactly one line {WRAPPER_SLOT!r}")
+    text = text.replace(slot, f"\n_SHIPPED_WRAPPER: str | None = {wrapper!r}\n")
+    return splice(text, remote_sources()).encode("ascii")
 
 
 def agent_argv(host: HostConfig, verb: str, args: dict[str, Any]) -> list[str]:
     """`python3 -u -c BOOTSTRAP VERB JSON` as one argv; each transport layer quotes it once."""
     python = host.python if host.is_remote else sys.executable
-    return [python, "-u", "-c", agent.BOOTSTRAP, verb, json.dumps(args, separators=(",", ":"))]
+    return [python, "-u", "-c", BOOTSTRAP, verb, json.dumps(args, separators=(",", ":"))]
 
 
 def run_args(run: RunConfig, **options: Any) -> dict[str, Any]:

@@ -23,13 +23,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from opsctl.agent import EXIT_CODES
 from opsctl.alerts import AlertTracker
 from opsctl.channel import ChannelLost, run_args, stream_agent
 from opsctl.config import HostConfig, Inventory, InventoryError, RunConfig, check_inventory, load_inventory, resolve
 from opsctl.inventory import BUILTIN, builtin_notice, discover, write_init, write_init_config
 from opsctl.look import STATE_STYLES
 from opsctl.progress import PhaseProgress, settled_line
+from opsctl.remote.base import EXIT_CODES
 from opsctl.runstate import ENDED_STATES, RunState, RunView, attempt_clock, phase_progress, unreachable_view
 from opsctl.transport import PermanentTransportError, PreflightRefused, Transport, TransportError, transport_for
 from opsctl.watch import (

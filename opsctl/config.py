@@ -17,9 +17,9 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash import yamlfile
-from opsctl.agent import SYSTEM_DIRS  # the agent checks the same list again on the host
-from opsctl.agent_wrapper import TAU_DROP_FRAC, TAU_DROP_MIN  # the wrapper notifies by the same defaults
 from opsctl.group import Checks, GroupProblems, parse_groups  # hosts.yaml `groups:` (below this module)
+from opsctl.remote.base import SYSTEM_DIRS  # the agent checks the same list again on the host
+from opsctl.remote.rules import TAU_DROP_FRAC, TAU_DROP_MIN  # the wrapper notifies by the same defaults
 
 PYTHON_PLACEHOLDER = "{python}"
 DEFAULT_HOSTS_FILE = "hosts.yaml"

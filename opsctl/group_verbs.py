@@ -23,7 +23,6 @@ from rich.table import Table
 from rich.text import Text
 
 from opsctl import commands
-from opsctl.agent_wrapper import resume_argv, torchrun_root_cause, with_args
 from opsctl.channel import run_args, stream_agent
 from opsctl.commands import (
     EXIT_FAILED,
@@ -40,6 +39,7 @@ from opsctl.commands import (
 from opsctl.group import PEER_LOST, RUNNING, Group, GroupRun, Node, rankless, verdict
 from opsctl.group_lease import Lease, TakenOver, who
 from opsctl.group_record import GroupRecord, cmd_group_history, try_group_record
+from opsctl.remote.rules import resume_argv, torchrun_root_cause, with_args
 from opsctl.runstate import fmt_when
 from opsctl.transport import PreflightRefused, Transport, TransportError
 

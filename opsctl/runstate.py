@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash.telemetry import PHASES, EventError, parse_event
-from opsctl.agent_wrapper import (  # the wrapper's notifications use the same rule
+from opsctl.remote.rules import (  # the wrapper's notifications use the same rule
     STALL_FACTOR,
     STALL_FLOOR_S,
     EtaClock,  # the ETA: the same rule as the agent's status
@@ -235,7 +235,7 @@ class RunState:
             return None
         ev = msg.get("event")
         if self._events_checked and isinstance(ev, dict):
-            return ev  # checked by the agent with the same table (agent_wrapper.event_problem): once is enough
+            return ev  # checked by the agent with the same table (opsctl/remote/rules.py event_problem): once is enough
         try:
             # the reader's check (types of the keys present); a copy: "nan" words stay as the writer put them
             parse_event(dict(ev) if isinstance(ev, dict) else ev, complete=False)

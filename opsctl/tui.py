@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from opsctl.agent import EXIT_CODES
 from opsctl.group import rankless
+from opsctl.remote.base import EXIT_CODES
 from opsctl.watch import SCREENSHOT_ENV, RecordedSource, WatchSource, group_infos, screenshot_dir  # noqa: F401 (re-exported)
 
 

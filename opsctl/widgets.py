@@ -91,7 +91,7 @@ class RunsBar(_Quiet):
 
 
 def _rate(model: RunModel, view: RunView) -> str:
-    """tokens/s as the run's rate (real tokens per wall second, opsctl.agent_wrapper.EtaClock), the last step's own
+    """tokens/s as the run's rate (real tokens per wall second, opsctl.remote.rules.EtaClock), the last step's own
     value beside it."""
     avg = view.tokens_per_s_avg
     if avg is None:

@@ -20,29 +20,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
 from agentlib import cleanup, drive, nvml_env, of, run_args, start  # noqa: E402
 
-from opsctl import agent, agent_wrapper  # noqa: E402
+from opsctl import (  # noqa: E402
+    agent,
+    agent_wrapper,
+    remote,  # noqa: E402
+)
 from opsctl.channel import agent_source  # noqa: E402
+from opsctl.remote import base  # noqa: E402
 
 
 def test_agent_source_is_ascii_and_stdlib_only() -> None:
     # The bootstrap reads N *characters* where the client sends the byte count: ASCII keeps them equal.
     allowed = set(sys.stdlib_module_names) | {"pynvml"}
-    # the agent, the wrapper that tmux runs, and the blob the client assembles from them: all stdlib-only ASCII
-    for src in (Path(agent.__file__).read_bytes(), Path(agent_wrapper.__file__).read_bytes(), agent_source()):
+    # the agent, the wrapper that tmux runs, the wing both import (opsctl/remote, bundled with them), and the blob
+    # the client assembles from them: all stdlib-only ASCII
+    wing = [Path(remote.__file__).with_name(f"{name}.py").read_bytes() for name in base.REMOTE_MODULES]
+    for src in (Path(agent.__file__).read_bytes(), Path(agent_wrapper.__file__).read_bytes(), *wing, agent_source()):
         assert all(b < 128 for b in src)
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, ast.Import):
                 assert all(a.name.split(".")[0] in allowed for a in node.names), ast.dump(node)
             elif isinstance(node, ast.ImportFrom):
-                assert (node.module or "").split(".")[0] in allowed, ast.dump(node)
+                module = node.module or ""
+                assert module.split(".")[0] in allowed or module.startswith("opsctl.remote."), ast.dump(node)
     assert not hasattr(agent, "WRAPPER_SOURCE")  # the wrapper is a module ruff lints, not a string
 
 
 def test_shipped_blob_runs_isolated(tmp_path: Path) -> None:
-    """The blob needs nothing but the stdlib: under `python3 -I` (no site dir, no PYTHONPATH, no cwd on sys.path),
-    the agent runs as shipped, and the wrapper it carries runs a command as `python3 -I - spec.json`."""
+    """The blob needs nothing but the stdlib: under `python3 -I -S` (no site-packages, where opsctl is installed
+    here; no PYTHONPATH; no cwd on sys.path), the agent runs as shipped, and the wrapper it writes runs a command as
+    `python3 -I -S - spec.json`."""
     blob = agent_source()
-    p = subprocess.Popen([sys.executable, "-I", "-u", "-c", agent.BOOTSTRAP, "hello", "{}"], cwd=tmp_path,
+    p = subprocess.Popen([sys.executable, "-I", "-S", "-u", "-c", base.BOOTSTRAP, "hello", "{}"], cwd=tmp_path,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert p.stdin is not None and p.stdout is not None
     p.stdin.write(str(len(blob)).encode() + b"\n" + blob)
@@ -50,15 +59,16 @@ def test_shipped_blob_runs_isolated(tmp_path: Path) -> None:
     msgs = [json.loads(p.stdout.readline()), json.loads(p.stdout.readline())]
     p.stdin.close()
     assert p.wait(timeout=30) == 0 and [m["t"] for m in msgs] == ["hello", "bye"], msgs
-    # the wrapper text the shipped agent writes at launch: the agent_wrapper.py shipped with it, byte for byte
+    # the wrapper text the shipped agent writes at launch: the agent_wrapper.py shipped with it, byte for byte, with
+    # the wing's modules (opsctl/remote) spliced in at its bundle slot, so the process tmux starts needs no package
     show = "import sys;g={'__name__':'shipped'};exec(sys.stdin.read(),g);sys.stdout.write(g['wrapper_source']())"
-    wrapper = subprocess.run([sys.executable, "-I", "-c", show], cwd=tmp_path, input=blob, capture_output=True,
+    wrapper = subprocess.run([sys.executable, "-I", "-S", "-c", show], cwd=tmp_path, input=blob, capture_output=True,
                              timeout=30, check=True).stdout
-    assert wrapper == Path(agent_wrapper.__file__).read_bytes()
+    assert wrapper.decode() == base.splice(Path(agent_wrapper.__file__).read_text(), base.remote_sources())
     spec = {"argv": [sys.executable, "-c", "print('from the run')"], "env": {}, "workdir": str(tmp_path),
             "log": str(tmp_path / "run.log"), "state_dir": str(tmp_path)}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    ran = subprocess.run([sys.executable, "-I", "-", str(tmp_path / "spec.json")], cwd=tmp_path, input=wrapper,
+    ran = subprocess.run([sys.executable, "-I", "-S", "-", str(tmp_path / "spec.json")], cwd=tmp_path, input=wrapper,
                          capture_output=True, timeout=30)
     assert ran.returncode == 0, ran
     assert (tmp_path / "exit_code").read_text() == "0\n"

@@ -1,4 +1,4 @@
-"""One ETA (opsctl.agent_wrapper.EtaClock) in `status`, `status --json`, `watch --once` and the dashboard's RunModel,
+"""One ETA (opsctl.remote.rules.EtaClock) in `status`, `status --json`, `watch --once` and the dashboard's RunModel,
 checked against a run whose wall time per step is known (tests/runs/eta_run.py: steps 2.0 s apart, each saying a
 step_time_s of 0.5 s), over a real sshd.
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 from agentlib import opsctl, script_run  # noqa: E402
 
 from opsctl import commands  # noqa: E402
-from opsctl.agent_wrapper import EtaClock  # noqa: E402
+from opsctl.remote.rules import EtaClock  # noqa: E402
 from opsctl.watch import RunModel, SourceWorker, fmt_duration  # noqa: E402
 
 STEPS, TOTAL, WALL, COMPUTE = 300, 1000, 2.0, 0.5

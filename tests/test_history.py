@@ -22,6 +22,7 @@ from agentlib import cleanup, drive, kill_tmux, of, opsctl, run_args, script_run
 
 from opsctl import agent_wrapper as w  # noqa: E402
 from opsctl import commands  # noqa: E402
+from opsctl.remote import base, rules  # noqa: E402
 
 
 def history(hosts: Path) -> list[dict[str, Any]]:
@@ -135,7 +136,7 @@ def test_history_maps_each_attempt_to_its_rotated_log(tmp_path: Path) -> None:
     assert Path(log + ".2").read_text() == "attempt 2\n" and Path(log + ".1").read_text() == "attempt 4\n"
     w.history_add(state, id=2, outcome="crashed")  # a later record of an attempt merges into it
     assert w.read_history(state, log, 2)[1]["outcome"] == "crashed"
-    with open(Path(state) / w.HISTORY_FILE, "a") as fh:
+    with open(Path(state) / base.HISTORY_FILE, "a") as fh:
         fh.write('{"id": 6, "started"')  # a writer that died mid-line leaves no attempt behind
     assert len(w.read_history(state, log, 2)) == 6
 
@@ -153,14 +154,14 @@ def test_attempt_clock_spells_start_and_duration() -> None:
 
 
 def test_extra_and_resume_arguments_join_the_command() -> None:
-    assert w.with_args(["python", "train.py"], ["--max-steps", "200"]) == ["python", "train.py", "--max-steps", "200"]
+    assert rules.with_args(["python", "train.py"], ["--max-steps", "200"]) == ["python", "train.py", "--max-steps", "200"]
     # a shell script gets them quoted onto the script, where the program sees them (not as $0, $1)
-    assert w.with_args(["bash", "-c", "python train.py"], ["--note", "a b"]) == [
+    assert rules.with_args(["bash", "-c", "python train.py"], ["--note", "a b"]) == [
         "bash", "-c", "python train.py --note 'a b'"]
-    assert w.resume_argv(["python", "t.py", "--resume", "auto"], ["--resume", "auto"]) == [
+    assert rules.resume_argv(["python", "t.py", "--resume", "auto"], ["--resume", "auto"]) == [
         "python", "t.py", "--resume", "auto"]  # already there: not twice
-    assert w.resume_argv(["python", "t.py"], ["--resume", "auto"]) == ["python", "t.py", "--resume", "auto"]
-    assert w.resume_argv(["sh", "-c", "python t.py --resume auto"], ["--resume", "auto"]) == [
+    assert rules.resume_argv(["python", "t.py"], ["--resume", "auto"]) == ["python", "t.py", "--resume", "auto"]
+    assert rules.resume_argv(["sh", "-c", "python t.py --resume auto"], ["--resume", "auto"]) == [
         "sh", "-c", "python t.py --resume auto"]
 
 

@@ -21,7 +21,7 @@ from agentlib import drive, opsctl, run_args, script_run  # noqa: E402
 
 from dflash.telemetry import EventError, parse_event  # noqa: E402
 from opsctl import agent  # noqa: E402
-from opsctl import agent_wrapper as w  # noqa: E402
+from opsctl.remote import rules  # noqa: E402
 from opsctl.runstate import RunState  # noqa: E402
 from opsctl.watch import RunModel  # noqa: E402
 
@@ -43,7 +43,7 @@ def _wait_for(path: Path, text: str, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
-# -- the contract check: the host's copy (agent_wrapper.event_problem) and the client's (dflash.telemetry) ----------
+# -- the contract check: the host's copy (remote/rules.py event_problem) and the client's (dflash.telemetry) ----------
 MALFORMED = [
     {"kind": "run_start", "resumed_from": "x"}, {"kind": "run_start", "total_steps": "many"},
     {"kind": "run_start", "config": None}, {"kind": 42}, {"ts": 1.0}, {"kind": "heartbeat", "ts": "yesterday"},
@@ -65,7 +65,7 @@ def test_the_hosts_check_judges_every_line_as_the_clients_does(ev: dict[str, Any
         client = None
     except (EventError, TypeError) as exc:  # TypeError: dflash's float-word lookup of an unhashable value
         client = str(exc)
-    host = w.event_problem(dict(ev))
+    host = rules.event_problem(dict(ev))
     assert (host is None) == (client is None) == (ev in GOOD), (host, client)
 
 
@@ -76,10 +76,10 @@ def test_the_hosts_copy_of_the_contract_is_the_contract() -> None:
         return {"float|int" if t is float else "None" if t is type(None) else t.__name__ for t in types} - (
             {"int"} if float in types else set())
 
-    assert {k: names(v) for k, v in telemetry.COMMON.items()} == {k: set(v) for k, v in w.EVENT_COMMON.items()}
-    assert telemetry.KINDS.keys() == w.EVENT_KINDS.keys()
+    assert {k: names(v) for k, v in telemetry.COMMON.items()} == {k: set(v) for k, v in rules.EVENT_COMMON.items()}
+    assert telemetry.KINDS.keys() == rules.EVENT_KINDS.keys()
     for kind, spec in telemetry.KINDS.items():
-        assert {k: names(v) for k, v in spec.items()} == {k: set(v) for k, v in w.EVENT_KINDS[kind].items()}, kind
+        assert {k: names(v) for k, v in spec.items()} == {k: set(v) for k, v in rules.EVENT_KINDS[kind].items()}, kind
 
 
 # -- the CLI's views over ssh + pct --------------------------------------------------------------------------------

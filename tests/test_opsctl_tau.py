@@ -22,7 +22,7 @@ from agentlib import opsctl, script_run  # noqa: E402
 from test_notify import lines, recorder  # noqa: E402
 
 from opsctl import commands  # noqa: E402
-from opsctl.agent_wrapper import TauTrack, tau_regression  # noqa: E402
+from opsctl.remote.rules import TauTrack, tau_regression  # noqa: E402
 
 # evaluations every 2 steps: 2.0 @2, 3.7 @4 (the best), 3.5 @6, crash after 7; resumed after 6: 3.2 @8, 3.1 @10
 TAUS = "2.0,3.7,3.5,3.2,3.1"

@@ -18,7 +18,8 @@ from test_alerts import T0, Run, run_start, step  # noqa: E402
 
 from dflash import pace as pace_mod  # noqa: E402
 from dflash.pace import Pace  # noqa: E402
-from opsctl.agent_wrapper import SLOW_FACTOR, EventsWatch, slowdown  # noqa: E402
+from opsctl.agent_wrapper import EventsWatch  # noqa: E402
+from opsctl.remote.rules import SLOW_FACTOR, slowdown  # noqa: E402
 
 
 def feed(p: Pace, times: list[float], t: float, dt: float = 1.0) -> float:

@@ -141,7 +141,7 @@ def _standalone(tmp_path: Path, *worker: str) -> tuple[int, str]:
 
 
 def test_a_rank_refused_with_a_dflash_error_line_makes_torchrun_exit_with_its_code_and_line(tmp_path: Path) -> None:
-    from opsctl.agent_wrapper import crash_line, torchrun_root_cause
+    from opsctl.remote.rules import crash_line, torchrun_root_cause
 
     missing = tmp_path / "missing.yaml"
     rc, log = _standalone(tmp_path, "-m", "dflash", "train", "--config", str(missing), "--out", str(tmp_path / "o"))

@@ -15,6 +15,7 @@ from typing import Any
 
 from opsctl import agent
 from opsctl.channel import agent_source
+from opsctl.remote import base
 
 RUNS = Path(__file__).resolve().parent
 SOURCE = agent_source()  # the blob the client ships: agent.py with the wrapper's text in it
@@ -30,7 +31,7 @@ def nvml_env(state: Path) -> dict[str, str]:
 
 def start(verb: str, args: dict[str, Any], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start the agent the way the client does: bootstrap line, then its byte length and source on stdin."""
-    p = subprocess.Popen([sys.executable, "-u", "-c", agent.BOOTSTRAP, verb, json.dumps(args)],
+    p = subprocess.Popen([sys.executable, "-u", "-c", base.BOOTSTRAP, verb, json.dumps(args)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, **(env or {})})
     assert p.stdin is not None
     p.stdin.write(str(len(SOURCE)).encode() + b"\n" + SOURCE)
