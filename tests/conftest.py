@@ -131,7 +131,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     build while the other tests run; a test that gets there first waits on the cache entry's lock and reuses them.
     """
     global _prebuild
-    if WORKER not in (None, "gw0") or not any(_file(i) in TINY_DEFAULT_FILES for i in session.items):
+    if WORKER not in (None, "gw0") or session.config.option.collectonly:
+        return
+    if not any(_file(i) in TINY_DEFAULT_FILES for i in session.items):
         return
     log = session.config._tmp_path_factory.getbasetemp() / "tiny-default-prebuild.log"  # type: ignore[attr-defined]
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from agentlib import build_tiny_default; "
