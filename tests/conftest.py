@@ -92,7 +92,9 @@ SLOW_TESTS = frozenset({
     "test_model.py::test_compiled_flex_over_more_shapes_than_the_recompile_limit_never_falls_back",
     "test_model.py::test_the_whole_flex_drafter_compiles_as_one_graph",
     "test_opsctl_export.py::test_a_long_export_shows_its_progress_on_a_terminal",
+    "test_speculative_sampling.py::test_speculative_sampling_matches_the_target_distribution",
     "test_tui.py::test_watch_in_tmux_over_ssh_pct_live_run_then_kill_from_the_dashboard",
+    "test_warm_start.py::test_a_new_run_of_the_same_graph_starts_warm_from_this_host_s_copy",
 })
 
 
