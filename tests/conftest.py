@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,6 +97,27 @@ SLOW_TESTS = frozenset({
     "test_tui.py::test_watch_in_tmux_over_ssh_pct_live_run_then_kill_from_the_dashboard",
     "test_warm_start.py::test_a_new_run_of_the_same_graph_starts_warm_from_this_host_s_copy",
 })
+
+
+TERMINAL_ENV = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist, on the controller: hand each worker the terminal size variables of the run that started it."""
+    node.workerinput["dflash_terminal_env"] = {k: os.environ.get(k) for k in TERMINAL_ENV}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker starts with COLUMNS=80 and LINES=24 in its environment (its stdout is no terminal), which
+    every child inherits: `opsctl watch` in a 160x50 tmux pane then drew an 80x24 screen (shutil and rich read the
+    variables before the pane's size), so test_tui's tmux tests failed under xdist only. Put back the run's own."""
+    terminal = getattr(config, "workerinput", {}).get("dflash_terminal_env")
+    for name, value in (terminal or {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _file(item: pytest.Item) -> str:
