@@ -101,7 +101,8 @@ def starts(tmp: Path) -> list[str]:
 
 
 def test_crashes_twice_then_succeeds_ends_finished_with_three_attempts(tmp_path: Path, sshd, ct: int) -> None:
-    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={"r": flaky(tmp_path, 2, 3, 3.0)})
+    # a 6 s back-off: status polls (a process each) must see the first one on a loaded machine (3 s was missed)
+    hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=ct, runs={"r": flaky(tmp_path, 2, 3, 6.0)})
     r = opsctl(hosts, "launch", "box", "r")  # ready at attempt 1's first step; the client then goes away
     assert r.returncode == commands.EXIT_OK, r.stderr
     # with no client connected, the wrapper on the host waits out the back-off: status sees it
@@ -126,7 +127,7 @@ def test_crashes_twice_then_succeeds_ends_finished_with_three_attempts(tmp_path:
     log = (tmp_path / "run.log").read_text()
     assert log.startswith("[opsctl] attempt 3: restart 2 of 3 after attempt 2: RuntimeError: flaky failure 2 (test "
                           "crash) (exit 1)\n") and "run ended: completed" in log, log
-    assert h[1]["started"] - h[0]["ended"] >= 3.0  # the back-off
+    assert h[1]["started"] - h[0]["ended"] >= 6.0  # the back-off
 
 
 def test_a_run_that_always_crashes_stops_after_max(tmp_path: Path, sshd, ct: int) -> None:
