@@ -573,6 +573,10 @@ class SSHTransport:
                     f"{label}: host key not in known_hosts ({known_hosts}); verify the host, then re-run with "
                     f"--accept-new-host-key to trust and save it.", "host_key") from None
             raise TransportError(f"{label}: SSH error: {e}") from None
+        except EOFError:
+            # paramiko's key exchange reads EOF when the connection drops mid-handshake (a flapping link, sshd
+            # restarting, MaxStartups): transient, so a reconnect loop retries it like any other drop
+            raise TransportError(f"{label}: the connection closed during the SSH handshake") from None
         except TimeoutError:
             raise TransportTimeout(f"{label}: no answer within connect_timeout={self.settings.connect_timeout}s "
                                    f"(host down, firewalled, or wrong port?)") from None

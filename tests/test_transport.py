@@ -20,6 +20,7 @@ from opsctl.config import HostConfig, SSHSettings, load_inventory, parse_invento
 from opsctl.transport import (
     LocalTransport,
     PctTransport,
+    PermanentTransportError,
     PreflightRefused,
     SSHTransport,
     Transport,
@@ -255,6 +256,31 @@ def test_unreachable_and_silent_servers_fail_fast_with_a_reason() -> None:
         srv.close()
         for c in conns:
             c.close()
+
+
+def test_a_connection_closed_mid_handshake_is_a_transport_error_a_reconnect_loop_retries() -> None:
+    """A server that sends its banner and then closes (sshd restarting, a link dropping during key exchange): paramiko
+    raises a bare EOFError there, which escaped the reconnect loops (they retry TransportError) as a traceback."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    conns: list[socket.socket] = []
+
+    def serve() -> None:
+        c = srv.accept()[0]
+        conns.append(c)
+        c.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+        c.recv(4096)
+        c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with pytest.raises(TransportError, match="closed during the SSH handshake") as exc:
+            SSHTransport(SSHSettings(host="127.0.0.1", port=srv.getsockname()[1], connect_timeout=5,
+                                     use_ssh_config=False)).run(["true"])
+        assert not isinstance(exc.value, PermanentTransportError)
+    finally:
+        srv.close()
 
 
 def test_keepalive_is_set_on_the_connection(sshd: Sshd) -> None:
