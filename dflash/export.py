@@ -110,9 +110,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
     The weights are cast to `dtype` (bfloat16 by default, like the released drafters). The written directory must
     pass `dflash export --check` (dflash/export_check.py) against the target the run trained with (its meta.json,
     or `target_dir`) before it is renamed into place: an export an engine would misread is never published."""
-    from safetensors.torch import save_file
-
-    from dflash.export_check import TargetFacts, check_export, target_facts_from_dir
+    from dflash.export_check import TargetFacts, target_facts_from_dir
 
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
@@ -144,6 +142,17 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
         source=f"{src / 'meta.json'} target")
     info = {**portable_source(src), "step": int(manifest["step"]), "run_id": meta.get("run_id"),
             "target": portable_target(t), "dtype": dtype, **provenance(src, meta, int(manifest["step"]))}
+    return publish(dst, cfg, tensors, info, facts)
+
+
+def publish(dst: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor], info: dict[str, Any],
+            facts: Any) -> Path:
+    """Write an export directory atomically (config.json, model.safetensors, our modeling file, dflash_export.json)
+    and rename it into place only if it passes every `dflash export --check` rule against `facts` (the target)."""
+    from safetensors.torch import save_file
+
+    from dflash.export_check import check_export
+
     with atomic_directory(dst) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -16,9 +16,6 @@ tau, `dflash export --check` or `train --init-from` without this reverse step. F
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -141,11 +138,8 @@ def speculators_to_zlab(src: str | Path, out: str | Path, target_dir: str | Path
     """Write `out` (z-lab layout, our modeling file alongside) from the speculators DFlash checkpoint `src` trained on
     the target in `target_dir`; refuses a non-empty `out`. The written directory must pass `dflash export --check`
     against that target before it is renamed into place. Returns the written config."""
-    from safetensors.torch import save_file
-
-    from dflash.checkpoint import atomic_directory
-    from dflash.export import EXPORT_DTYPES, MODELING_FILE, ExportCheckFailed, draft_config
-    from dflash.export_check import check_export, target_facts_from_dir
+    from dflash.export import EXPORT_DTYPES, draft_config, publish
+    from dflash.export_check import target_facts_from_dir
 
     src, dst = Path(src), Path(out)
     if dtype not in EXPORT_DTYPES:
@@ -179,13 +173,5 @@ def speculators_to_zlab(src: str | Path, out: str | Path, target_dir: str | Path
             "speculators_version": (cfg.get("speculators_version") or "unknown"), "dtype": dtype,
             "target": {"num_layers": facts.num_layers, "vocab_size": facts.vocab_size,
                        "tap_layers": meta["target"]["tap_layers"], "hidden_size": facts.hidden_size}}
-    with atomic_directory(dst) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
-        shutil.copyfile(Path(__file__).with_name(MODELING_FILE), tmp / MODELING_FILE)
-        (tmp / "dflash_export.json").write_text(json.dumps(info, indent=2) + "\n")
-        checked = check_export(tmp, facts)
-        if checked.problems:
-            raise ExportCheckFailed(dst, checked.problems)
+    publish(dst, config, tensors, info, facts)
     return config

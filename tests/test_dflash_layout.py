@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from import_graph import assert_acyclic, package_imports
+
 DFLASH = Path(__file__).resolve().parents[1] / "dflash"
 MODULES = sorted(p.stem for p in DFLASH.glob("*.py") if p.stem != "__init__")
 
@@ -16,33 +18,11 @@ def _tree(name: str) -> ast.AST:
 
 def dflash_imports(name: str) -> set[str]:
     """The dflash modules `dflash/<name>.py` imports anywhere in its body (lazy imports included)."""
-    found: set[str] = set()
-    for node in ast.walk(_tree(name)):
-        if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("dflash.")}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "dflash":
-                found |= {a.name for a in node.names if a.name in MODULES}
-            elif node.module.startswith("dflash."):
-                found.add(node.module.split(".")[1])
-    return found - {name}
+    return package_imports(DFLASH / f"{name}.py", "dflash", MODULES)
 
 
 def test_no_import_cycle_among_dflash_modules() -> None:
-    graph = {name: dflash_imports(name) for name in MODULES}
-    done: set[str] = set()
-
-    def visit(name: str, path: list[str]) -> None:
-        if name in path:
-            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(name):], name]))
-        if name in done:
-            return
-        for dep in sorted(graph.get(name, ())):
-            visit(dep, [*path, name])
-        done.add(name)
-
-    for name in MODULES:
-        visit(name, [])
+    assert_acyclic({name: dflash_imports(name) for name in MODULES})
 
 
 def test_training_measures_with_the_library_not_the_eval_verb() -> None:

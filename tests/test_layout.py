@@ -10,39 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from import_graph import assert_acyclic, package_imports
+
 OPSCTL = Path(__file__).resolve().parents[1] / "opsctl"
 MODULES = sorted(p.stem for p in OPSCTL.glob("*.py") if p.stem != "__init__")
 
 
 def opsctl_imports(name: str) -> set[str]:
     """The opsctl modules `opsctl/<name>.py` imports anywhere in its body (lazy imports included)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse((OPSCTL / f"{name}.py").read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("opsctl.")}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "opsctl":
-                found |= {a.name for a in node.names if a.name in MODULES}
-            elif node.module.startswith("opsctl."):
-                found.add(node.module.split(".")[1])
-    return found - {name}
+    return package_imports(OPSCTL / f"{name}.py", "opsctl", MODULES)
 
 
 def test_no_import_cycle_among_opsctl_modules() -> None:
-    graph = {name: opsctl_imports(name) for name in MODULES}
-    done: set[str] = set()
-
-    def visit(name: str, path: list[str]) -> None:
-        if name in path:
-            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(name):], name]))
-        if name in done:
-            return
-        for dep in sorted(graph.get(name, ())):
-            visit(dep, [*path, name])
-        done.add(name)
-
-    for name in MODULES:
-        visit(name, [])
+    assert_acyclic({name: opsctl_imports(name) for name in MODULES})
 
 
 def test_layers_point_one_way() -> None:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from import_graph import assert_acyclic
+
 from opsctl.channel import agent_source
 from opsctl.remote import base
 
@@ -62,20 +64,8 @@ def test_the_wing_is_stdlib_only() -> None:
 
 
 def test_no_import_cycle_in_opsctl() -> None:
-    graph = {name: {d for d in imports_of(path) if d in MODULES and d != name} for name, path in MODULES.items()}
-    done: set[str] = set()
-
-    def visit(name: str, path: list[str]) -> None:
-        if name in path:
-            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(name):], name]))
-        if name in done:
-            return
-        for dep in sorted(graph[name]):
-            visit(dep, [*path, name])
-        done.add(name)
-
-    for name in MODULES:
-        visit(name, [])
+    assert_acyclic({name: {d for d in imports_of(path) if d in MODULES and d != name}
+                    for name, path in MODULES.items()})
 
 
 def test_blob_answers_hello_on_isolated_python(tmp_path: Path) -> None:
