@@ -42,7 +42,7 @@ if WORKER is not None:
 # grouped: spreading them wins more than their small fixture costs again.)
 SHARED_FIXTURE_FILES = frozenset({
     "test_builtin_tiny.py", "test_export.py", "test_export_check.py", "test_group_export.py", "test_init_from.py",
-    "test_regen.py", "test_tau.py", "test_warm_start.py",
+    "test_peer_bench.py", "test_regen.py", "test_tau.py", "test_warm_start.py",
 })
 
 # Files whose tests launch configs/tiny.yaml itself (tests/runs/agentlib.py build_tiny_default): its pretrained target
