@@ -32,7 +32,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if gut:
         cmd += ["--gutenberg", str(gut[-1])]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=out.parent)
-    return {"out": out, "rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
+    return {"out": out, "rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr, "cmd": cmd}
 
 
 def test_the_whole_peer_pipeline_runs_and_reports_both_trainers_tau(smoke: dict[str, Any]) -> None:
@@ -158,3 +158,26 @@ def test_ours_variants_parse_yaml_values_and_refuse_a_malformed_item() -> None:
     for bad in ("a=alpha:1", "a=model.x:1", "=drafter.x:1", "a b=drafter.x:1"):
         with pytest.raises(SystemExit, match="--ours-variants"):
             peer.parse_overrides(bad)
+
+
+def test_a_second_call_with_one_more_variant_trains_and_evaluates_only_that_one(smoke: dict[str, Any]) -> None:
+    """The device session runs the side by side, then the ablations on the same --out: the drafters and tau already
+    there are reused (an eval cut by --call-seconds loses nothing either: each drafter's tau is kept as it lands)."""
+    assert smoke["rc"] == 0
+    state = json.loads((smoke["out"] / "bench-state.json").read_text())
+    evaluated_before = {k for k in state["units"] if k.startswith("peer_eval/")}
+    assert evaluated_before == {"peer_eval/ours-seed0", "peer_eval/ours-dpace-seed0", "peer_eval/theirs-seed0"}
+    out = smoke["out"]  # in place (the last test of this module: the others read the first call's results)
+    first = json.loads((out / "result-peer.json").read_text())
+    cmd = list(smoke["cmd"])  # the same recipe (and corpus) as the first call, one more variant
+    cmd[cmd.index("--ours-variants") + 1] += ";uni=drafter.position_weights:uniform"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out.parent)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    trained = [line for line in r.stdout.splitlines() if ": trained in " in line]
+    assert trained == [line for line in trained if "variant uni" in line] and len(trained) == 1, trained
+    evaluated = [line.split(" B=")[0].split()[0] for line in r.stdout.splitlines() if " seed " in line and " B=" in line and ": tau " in line]
+    assert set(evaluated) == {"ours-uni"}, evaluated
+    res = json.loads((out / "result-peer.json").read_text())
+    assert set(res["ablations"]) == {"dpace", "uni"}
+    assert res["per_seed"]["ours"]["0"] == first["per_seed"]["ours"]["0"]
+    assert res["per_seed"]["theirs"]["0"] == first["per_seed"]["theirs"]["0"]
