@@ -186,8 +186,9 @@ def parse_event(obj: Any, complete: bool = True) -> dict[str, Any]:
     "nan"/"inf" words made floats again, then validated (validate_event); raise EventError unless it fits."""
     if isinstance(obj, dict):
         for key in _FLOAT_KEYS:
-            if obj.get(key) in _FLOAT_WORDS:
-                obj[key] = _FLOAT_WORDS[obj[key]]
+            word = obj.get(key)
+            if isinstance(word, str) and word in _FLOAT_WORDS:  # a list or dict there is the validator's to refuse
+                obj[key] = _FLOAT_WORDS[word]
         if isinstance(obj.get("acc"), list):
             obj["acc"] = [_FLOAT_WORDS.get(a, a) if isinstance(a, str) else a for a in obj["acc"]]
     return validate_event(obj, complete)

@@ -286,3 +286,10 @@ def test_reader_check_names_the_wrong_type_and_keeps_a_newer_writers_events() ->
         assert "missing key 'epoch'" in str(exc)
     else:
         raise AssertionError("an incomplete step event passed the complete check")
+    for bad in ([1], {"a": 1}):  # unhashable where a float word may stand: refused as an event, not a TypeError
+        try:
+            parse_event({**base, "kind": "step", "step": 1, "loss": bad}, complete=False)
+        except EventError as exc:
+            assert "loss" in str(exc)
+        else:
+            raise AssertionError(f"loss={bad!r} passed the reader's check")
