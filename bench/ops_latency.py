@@ -392,9 +392,10 @@ def write_long_events(path: Path, steps: int, heartbeat_every: int = 0, step_s: 
 
 
 def long_run_status(base: Path, steps: int, repeats: int) -> dict[str, Any]:
-    """status of one run whose events file holds `steps` step events: full read vs the saved fold (opsctl.agent
+    """status of one run whose events file holds `steps` step events: full read vs the saved fold (opsctl.remote.follow
     FOLD_FILE), each `repeats` times, alternating; the local host (no SSH: the agent's reading is what differs)."""
-    from opsctl.agent import BACKLOG_FOLD_FILE, FOLD_FILE
+    from opsctl.remote.follow import FOLD_FILE
+    from opsctl.remote.thin import BACKLOG_FOLD_FILE
     from opsctl.watch import FULL_HISTORY_ENV
 
     base.mkdir(parents=True)
@@ -487,7 +488,8 @@ def first_frame(hosts: Path, target: str, shows: bytes, size: tuple[int, int] = 
 def long_run_ssh(sshd: Any, base: Path, steps: int, repeats: int, heartbeat_every: int) -> dict[str, Any]:
     """The week-long run on the pct container behind the loopback sshd (issue 39 item 3): status (full, from its
     fold), watch --once (first, from the backlog fold) and the dashboard's first full frame (first, from the fold)."""
-    from opsctl.agent import BACKLOG_FOLD_FILE, FOLD_FILE
+    from opsctl.remote.follow import FOLD_FILE
+    from opsctl.remote.thin import BACKLOG_FOLD_FILE
 
     base.mkdir(parents=True)
     events = base / "events.jsonl"
@@ -533,8 +535,8 @@ def long_run_ssh(sshd: Any, base: Path, steps: int, repeats: int, heartbeat_ever
         (state / BACKLOG_FOLD_FILE).unlink(missing_ok=True)
         times["frame_first_s"].append(first_frame(hosts, "box:r", shows))
         times["frame_fold_s"].append(first_frame(hosts, "box:r", shows))
-        try:  # the fold the run's wrapper keeps (opsctl/agent_wrapper.py refresh_backlog_fold), then the first watch
-            from opsctl.agent_wrapper import refresh_backlog_fold
+        try:  # the fold the run's wrapper keeps (opsctl/remote/thin.py refresh_backlog_fold), then the first watch
+            from opsctl.remote.thin import refresh_backlog_fold
         except ImportError:  # an opsctl before it
             continue
         (state / BACKLOG_FOLD_FILE).unlink(missing_ok=True)

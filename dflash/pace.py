@@ -2,7 +2,7 @@
 event (`pace`, `pace_ref_s`) so opsctl can say when a week-long run got slower and by how much.
 
 Why in the trainer: it sees every step, while a client may see a thinned backlog (watch) or the last steps (status);
-the ratio travels in the event, so status, watch and the wrapper's notify read one number (opsctl/agent_wrapper.py
+the ratio travels in the event, so status, watch and the wrapper's notify read one number (opsctl/remote/rules.py
 `slowdown` holds the threshold). Why medians of windows: one slow step (a page fault, a neighbour's burst) is no
 slowdown; a throttled GPU, another job on the same GPUs or a degraded link is, and it lasts. Why the best window and
 not the first: an attempt that settled while a neighbour's job shared its GPUs would otherwise take the slow pace as

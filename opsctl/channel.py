@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from opsctl.config import HostConfig, RunConfig
-from opsctl.remote.base import BOOTSTRAP, WRAPPER_SLOT, remote_sources, splice
+from opsctl.remote.base import BOOTSTRAP, remote_sources, shipped_script
 from opsctl.transport import Transport, TransportError
 
 
@@ -21,21 +20,14 @@ class ChannelLost(TransportError):
 
 
 def agent_source() -> bytes:
-    """The one blob the remote python3 runs: agent.py with the wrapper's text put in its WRAPPER_SLOT line and
-    opsctl/remote's modules (base, rules) registered at its BUNDLE_SLOT line by a small loader.
+    """The one blob the remote python3 runs: opsctl/remote's modules (the verbs in remote/agent.py, the wrapper in
+    remote/wrapper.py and what they share) registered by a small loader, then the agent's `main` (base.shipped_script).
 
     One stream, stdlib only, ASCII (the bootstrap's byte count is its character count): the remote side needs
-    nothing installed, and the wrapper the agent writes at launch is the very agent_wrapper.py shipped with it,
-    with the same modules spliced in.
+    nothing installed, and the wrapper the agent writes at launch is made of the very modules shipped with it.
+    The client reads the modules as text (remote_sources) and never imports the agent's verbs.
     """
-    here = Path(__file__).parent  # the agent's files, read as text: the client never imports the agent's verbs
-    text = (here / "agent.py").read_text(encoding="ascii")
-    wrapper = (here / "agent_wrapper.py").read_text(encoding="ascii")
-    slot = "\n" + WRAPPER_SLOT
-    if text.count(slot) != 1:
-        raise RuntimeError(f"opsctl/agent.py must hold exactly one line {WRAPPER_SLOT!r}")
-    text = text.replace(slot, f"\n_SHIPPED_WRAPPER: str | None = {wrapper!r}\n")
-    return splice(text, remote_sources()).encode("ascii")
+    return shipped_script("opsctl.remote.agent", "main(sys.argv[1:])", remote_sources()).encode("ascii")
 
 
 def agent_argv(host: HostConfig, verb: str, args: dict[str, Any]) -> list[str]:

@@ -19,7 +19,7 @@ from opsctl.group_record import GroupRecord, group_record
 from opsctl.runstate import fmt_when
 
 # How often a supervisor refreshes its lease's heartbeat; the lease is stale (its holder gone) after three intervals
-# without one (opsctl.agent.LEASE_STALE_INTERVALS). Tests set a short interval through the environment.
+# without one (opsctl.remote.agent.LEASE_STALE_INTERVALS). Tests set a short interval through the environment.
 REFRESH_ENV = "OPSCTL_SUPERVISOR_REFRESH_S"
 DEFAULT_REFRESH_S = 12.0
 

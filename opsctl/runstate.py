@@ -160,7 +160,7 @@ class RunState:
         self._killed_at: float | None = None  # when opsctl asked for the kill (the agent host's clock, as events')
         self._restart_lost: dict[str, Any] | None = None  # the restart whose wrapper died during the back-off
         self._signal: str | None = None  # the stop signal from outside opsctl that ended the attempt (the wrapper's)
-        # Where the current attempt's events begin (the agent's `proc` `since`, opsctl.agent.attempt_since): older
+        # Where the current attempt's events begin (the agent's `proc` `since`, opsctl.remote.procs.attempt_since): older
         # events are an earlier attempt's, counted for tau only, as `status` folds them.
         self._since: float | None = None
         self._events_checked = False  # the agent said (hello) it sends only events that passed the contract's check

@@ -549,7 +549,7 @@ class RunSeries:
     off it go), so a week of steps stays a few thousand points spanning it all.
 
     What it keeps depends on the steps present, never on the order or the company they came in: a backlog thinned by
-    the agent to every S-th step (opsctl/agent_wrapper.py HistoryThinner, `thin` message: `raise_stride(S)`) leaves
+    the agent to every S-th step (opsctl/remote/thin.py HistoryThinner, `thin` message: `raise_stride(S)`) leaves
     exactly the points a read of every step leaves, so the charts of a week-long run are the same either way.
 
     A resumed attempt starts again at `resumed_from + 1`: the points of the crashed attempt from there on go, as
@@ -832,7 +832,7 @@ class AgentSource:
     def messages(self) -> Iterator[dict[str, Any]]:
         transport = self._connect(self.host)
         try:
-            # thin_history: a week of step events arrives as the few thousand the charts keep (agent.py's
+            # thin_history: a week of step events arrives as the few thousand the charts keep (remote/thin.py's
             # HistoryThinner), so the dashboard and --once draw in a second, not after folding 200,000 events
             yield from follow_connection(transport, self.host, self.run, self.offsets, gpu_interval=1.0,
                                          until_exit=False, thin_history=os.environ.get(FULL_HISTORY_ENV) != "1")

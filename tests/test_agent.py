@@ -1,4 +1,5 @@
-"""Tests of the remote agent itself (opsctl/agent.py) over plain pipes: protocol, file following, lifetime.
+"""Tests of the remote agent itself (opsctl/remote/agent.py and the wing shipped with it) over plain pipes: protocol,
+file following, lifetime.
 
 Launch/kill/status/clean behaviour through the CLI and SSH + pct lives in test_launch.py and friends.
 """
@@ -20,22 +21,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
 from agentlib import cleanup, drive, nvml_env, of, run_args, start  # noqa: E402
 
-from opsctl import (  # noqa: E402
-    agent,
-    agent_wrapper,
-    remote,  # noqa: E402
-)
+from opsctl import remote  # noqa: E402
 from opsctl.channel import agent_source  # noqa: E402
-from opsctl.remote import base  # noqa: E402
+from opsctl.remote import agent, base, cache, follow, procs, rules  # noqa: E402
 
 
 def test_agent_source_is_ascii_and_stdlib_only() -> None:
     # The bootstrap reads N *characters* where the client sends the byte count: ASCII keeps them equal.
     allowed = set(sys.stdlib_module_names) | {"pynvml"}
-    # the agent, the wrapper that tmux runs, the wing both import (opsctl/remote, bundled with them), and the blob
-    # the client assembles from them: all stdlib-only ASCII
+    # the wing (opsctl/remote: the agent, the wrapper that tmux runs, what they share), and the blob the client
+    # assembles from it: all stdlib-only ASCII
     wing = [Path(remote.__file__).with_name(f"{name}.py").read_bytes() for name in base.REMOTE_MODULES]
-    for src in (Path(agent.__file__).read_bytes(), Path(agent_wrapper.__file__).read_bytes(), *wing, agent_source()):
+    for src in (*wing, agent_source()):
         assert all(b < 128 for b in src)
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, ast.Import):
@@ -59,12 +56,14 @@ def test_shipped_blob_runs_isolated(tmp_path: Path) -> None:
     msgs = [json.loads(p.stdout.readline()), json.loads(p.stdout.readline())]
     p.stdin.close()
     assert p.wait(timeout=30) == 0 and [m["t"] for m in msgs] == ["hello", "bye"], msgs
-    # the wrapper text the shipped agent writes at launch: the agent_wrapper.py shipped with it, byte for byte, with
-    # the wing's modules (opsctl/remote) spliced in at its bundle slot, so the process tmux starts needs no package
-    show = "import sys;g={'__name__':'shipped'};exec(sys.stdin.read(),g);sys.stdout.write(g['wrapper_source']())"
+    # the wrapper text the shipped agent writes at launch: the wrapper module's main with the wing's modules
+    # (opsctl/remote) bundled in, byte for byte the very modules shipped with it, so the process tmux starts needs no
+    # package. Run under another __name__, the blob only installs its bundle: the agent's module comes from it.
+    show = ("import sys;g={'__name__':'shipped'};exec(sys.stdin.read(),g);"
+            "from opsctl.remote.agent import wrapper_source;sys.stdout.write(wrapper_source())")
     wrapper = subprocess.run([sys.executable, "-I", "-S", "-c", show], cwd=tmp_path, input=blob, capture_output=True,
                              timeout=30, check=True).stdout
-    assert wrapper.decode() == base.splice(Path(agent_wrapper.__file__).read_text(), base.remote_sources())
+    assert wrapper.decode() == base.shipped_script("opsctl.remote.wrapper", "main()", base.remote_sources())
     spec = {"argv": [sys.executable, "-c", "print('from the run')"], "env": {}, "workdir": str(tmp_path),
             "log": str(tmp_path / "run.log"), "state_dir": str(tmp_path)}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -79,7 +78,7 @@ def test_shipped_blob_runs_isolated(tmp_path: Path) -> None:
 def _wait_gone(pid: int, timeout: float = 3.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not agent.alive(pid):
+        if not procs.alive(pid):
             return True
         time.sleep(0.02)
     return False
@@ -91,7 +90,7 @@ def test_agent_exits_when_channel_closes(tmp_path: Path) -> None:
     assert p.stdout is not None and p.stdin is not None
     hello = json.loads(p.stdout.readline())
     assert json.loads(p.stdout.readline())["t"] in ("log", "proc")
-    assert agent.alive(hello["pid"])
+    assert procs.alive(hello["pid"])
     t0 = time.monotonic()
     p.stdin.close()
     assert p.wait(timeout=3) == 0
@@ -113,7 +112,7 @@ def test_agent_exits_on_epipe(tmp_path: Path) -> None:
     p.stdin.close()  # type: ignore[union-attr]
 
 
-def _lines(tail: agent.Tail) -> tuple[list[tuple[int, int, bytes]], list[str]]:
+def _lines(tail: follow.Tail) -> tuple[list[tuple[int, int, bytes]], list[str]]:
     resets: list[str] = []
     return tail.read(resets), resets
 
@@ -121,7 +120,7 @@ def _lines(tail: agent.Tail) -> tuple[list[tuple[int, int, bytes]], list[str]]:
 def test_tail_offsets_truncation_rotation_and_partial_lines(tmp_path: Path) -> None:
     log = tmp_path / "f.log"
     log.write_bytes(b"one\ntwo\nthr")
-    t = agent.Tail(str(log), 0)
+    t = follow.Tail(str(log), 0)
     got, resets = _lines(t)
     assert [(o, e, b) for o, e, b in got] == [(0, 4, b"one"), (4, 8, b"two")] and resets == []
     with log.open("ab") as fh:
@@ -129,7 +128,7 @@ def test_tail_offsets_truncation_rotation_and_partial_lines(tmp_path: Path) -> N
     got, _ = _lines(t)
     assert got == [(8, 14, b"three")]
     # resume from an offset: nothing before it again
-    t2 = agent.Tail(str(log), 4)
+    t2 = follow.Tail(str(log), 4)
     assert [b for _, _, b in _lines(t2)[0]] == [b"two", b"three"]
     # truncation, then the file grows back past the old offset before we look: still detected
     log.write_bytes(b"NEW first line that is long enough to pass the old offset\n")
@@ -154,7 +153,7 @@ def test_tail_offsets_truncation_rotation_and_partial_lines(tmp_path: Path) -> N
 def test_tail_last_n_lines(tmp_path: Path) -> None:
     log = tmp_path / "f.log"
     log.write_bytes(b"".join(b"l%d\n" % i for i in range(100)) + b"partial")
-    t = agent.Tail(str(log), -1, tail_lines=3)
+    t = follow.Tail(str(log), -1, tail_lines=3)
     assert [b for _, _, b in _lines(t)[0]] == [b"l97", b"l98", b"l99"]
 
 
@@ -179,7 +178,7 @@ def test_launch_refuses_on_failing_preflight_and_bad_manifest(tmp_path: Path) ->
     args = run_args(tmp_path, "ok_run.py", preflight=[sys.executable, "-c", "import sys; print('no fla'); sys.exit(3)"])
     rc, msgs = drive("launch", args)
     pre = [c for c in of(msgs, "check") if c["name"] == "preflight"][0]
-    assert rc == agent.EXIT_CODES["refused"] and not pre["ok"] and "exit 3" in pre["detail"] and "no fla" in pre["detail"]
+    assert rc == base.EXIT_CODES["refused"] and not pre["ok"] and "exit 3" in pre["detail"] and "no fla" in pre["detail"]
     assert not of(msgs, "launched") and not (tmp_path / "state" / "pid").exists()
     model = tmp_path / "model"
     model.mkdir()
@@ -188,10 +187,10 @@ def test_launch_refuses_on_failing_preflight_and_bad_manifest(tmp_path: Path) ->
 
     good = {"files": {"w.bin": {"size": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}}}
     (model / "manifest.json").write_text(json.dumps(good))
-    ok, detail = agent.check_manifest(str(model), None)
+    ok, detail = cache.check_manifest(str(model), None)
     assert ok, detail
     (model / "w.bin").write_bytes(b"weightz")
-    ok, detail = agent.check_manifest(str(model), None)
+    ok, detail = cache.check_manifest(str(model), None)
     assert not ok and "sha256" in detail
     rc, msgs = drive("launch", {**run_args(tmp_path, "ok_run.py"), "model_dir": str(model)})
     assert rc == 5 and [c for c in of(msgs, "check") if c["name"] == "model_dir"][0]["ok"] is False
@@ -201,9 +200,9 @@ def test_second_launch_refused_while_running(tmp_path: Path) -> None:
     args = run_args(tmp_path, "hang_loading.py", ready_timeout=0.5)
     try:
         rc, msgs = drive("launch", args)
-        assert rc == agent.EXIT_CODES["timeout"]
+        assert rc == base.EXIT_CODES["timeout"]
         rc, msgs = drive("launch", args)
-        assert rc == agent.EXIT_CODES["refused"]
+        assert rc == base.EXIT_CODES["refused"]
         assert "already running" in [c for c in of(msgs, "check") if not c["ok"]][0]["detail"]
     finally:
         cleanup(args)
@@ -231,7 +230,7 @@ def test_run_that_writes_its_own_log_is_not_duplicated(tmp_path: Path) -> None:
         rc, msgs = drive("launch", args)
     finally:
         cleanup(args)
-    assert rc == agent.EXIT_CODES["failed"]
+    assert rc == base.EXIT_CODES["failed"]
     lines = log.read_text().splitlines()
     # Two writers share the file (the run's FileHandler directly, its stdout/stderr through the wrapper's pipes), so
     # only each stream's own order is defined, not how the streams interleave: check "once each, in order".
@@ -290,17 +289,17 @@ def test_gpus_busy_refuses_launch_unless_forced_and_follow_samples(tmp_path: Pat
         rc, msgs = drive("launch", args, env=env)
         assert msgs[0]["nvml"] == "ok"
         check = [c for c in of(msgs, "check") if c["name"] == "gpus_free"][0]
-        assert rc == agent.EXIT_CODES["refused"] and not check["ok"]
+        assert rc == base.EXIT_CODES["refused"] and not check["ok"]
         assert f"gpu0 pid {other.pid} 40960 MiB" in check["detail"] and not of(msgs, "launched")
         # only the host's GPUs count: a job on gpu0 does not block a run on gpu1
         rc, msgs = drive("launch", {**args, "options": {"gpus": [1]}}, env=env)
-        assert rc == agent.EXIT_CODES["timeout"] and of(msgs, "launched")
+        assert rc == base.EXIT_CODES["timeout"] and of(msgs, "launched")
         assert [c for c in of(msgs, "check") if c["name"] == "gpus_free"][0]["detail"] == "no compute processes on gpu1"
         load = [c for c in of(msgs, "check") if c["name"] == "host_load"][0]  # said, never a refusal
         assert load["ok"] and f" on {os.cpu_count()} CPU" in load["detail"] and isinstance(load["warn"], bool)
         cleanup(args)
         rc, msgs = drive("launch", {**args, "options": {"force": True, "gpu_interval": 0.2}}, env=env)
-        assert rc == agent.EXIT_CODES["timeout"] and "ignored: --force" in of(msgs, "check")[1]["detail"]
+        assert rc == base.EXIT_CODES["timeout"] and "ignored: --force" in of(msgs, "check")[1]["detail"]
         samples = of(msgs, "gpu")
         assert len(samples) >= 2  # 0.5 s at 0.2 s intervals
         g0 = samples[-1]["gpus"][0]
@@ -367,9 +366,9 @@ def test_concurrent_launches_of_one_run_start_it_once(tmp_path: Path) -> None:
         while json.loads(first.stdout.readline())["t"] != "launched":
             pass
         rc, msgs = drive("launch", args)  # while the first agent still follows its launch
-        assert rc == agent.EXIT_CODES["refused"]
+        assert rc == base.EXIT_CODES["refused"]
         assert [c for c in of(msgs, "check") if not c["ok"]][0]["name"] == "not_running"
-        assert first.wait(timeout=10) == agent.EXIT_CODES["timeout"]
+        assert first.wait(timeout=10) == base.EXIT_CODES["timeout"]
         first.stdin.close()  # type: ignore[union-attr]
         first.stdout.close()
     finally:
@@ -422,10 +421,10 @@ def test_wrapper_reaps_an_adopted_orphan_while_the_run_goes_on(tmp_path: Path) -
         daemon = int(marker.read_text().split()[0])
         main_pid = json.loads((tmp_path / "state" / "pid").read_text())["pid"]
         deadline = time.monotonic() + 5
-        while agent.proc_stat(daemon) is not None and time.monotonic() < deadline:
+        while procs.proc_stat(daemon) is not None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert agent.proc_stat(daemon) is None, agent.proc_stat(daemon)  # gone from /proc: reaped, not a zombie
-        assert agent.alive(main_pid)  # and the main command was left alone
+        assert procs.proc_stat(daemon) is None, procs.proc_stat(daemon)  # gone from /proc: reaped, not a zombie
+        assert procs.alive(main_pid)  # and the main command was left alone
         rc, msgs = drive("kill", args)
         assert rc == 0 and of(msgs, "verdict")[0]["exit_code"] == 0  # Popen still got the main's real status
     finally:
@@ -435,14 +434,14 @@ def test_wrapper_reaps_an_adopted_orphan_while_the_run_goes_on(tmp_path: Path) -
 def test_traceback_from_lines_drops_stdout_lines_interleaved_by_the_pipes() -> None:
     log = ["step 1", "Traceback (most recent call last):", '  File "x.py", line 3, in <module>', "plain print 0",
            '    raise RuntimeError("boom")', "plain print 1", "RuntimeError: boom", "plain print 2"]
-    assert agent.traceback_from_lines(log) == "\n".join(
+    assert rules.traceback_from_lines(log) == "\n".join(
         ["Traceback (most recent call last):", '  File "x.py", line 3, in <module>', '    raise RuntimeError("boom")',
          "RuntimeError: boom"])
     # The last of two tracebacks; a bare exception name ends it too; no traceback -> None.
     two = ["Traceback (most recent call last):", "  f", "ValueError: first", "Traceback (most recent call last):",
            "  g", "KeyboardInterrupt"]
-    assert agent.traceback_from_lines(two) == "Traceback (most recent call last):\n  g\nKeyboardInterrupt"
-    assert agent.traceback_from_lines(["just a log line"]) is None
+    assert rules.traceback_from_lines(two) == "Traceback (most recent call last):\n  g\nKeyboardInterrupt"
+    assert rules.traceback_from_lines(["just a log line"]) is None
 
 
 _RANK_SCRIPTS = {
@@ -480,8 +479,8 @@ def test_crash_line_under_torchrun_names_the_rank_failure_not_torchruns_own_erro
                            timeout=120)
     assert r.returncode != 0
     text = log.read_text()
-    assert "ChildFailedError" in text and agent.traceback_from_lines(text.splitlines()).endswith("ChildFailedError: ")
-    assert agent.crash_line(str(log)) == want
+    assert "ChildFailedError" in text and rules.traceback_from_lines(text.splitlines()).endswith("ChildFailedError: ")
+    assert rules.crash_line(str(log)) == want
 
 
 def _free_port() -> int:
@@ -493,7 +492,7 @@ def _free_port() -> int:
 
 
 def test_host_load_check_warns_only_when_runnable_work_exceeds_the_cpus() -> None:
-    assert agent.host_load_check(1.5, 2) == (False, "load 1.5 over the last minute on 2 CPUs")
-    warn, detail = agent.host_load_check(5.2, 2)
+    assert cache.host_load_check(1.5, 2) == (False, "load 1.5 over the last minute on 2 CPUs")
+    warn, detail = cache.host_load_check(5.2, 2)
     assert warn and detail.startswith("load 5.2 over the last minute on 2 CPUs: more runnable work than CPUs")
-    assert agent.host_load_check(1.0, 1) == (False, "load 1.0 over the last minute on 1 CPU")
+    assert cache.host_load_check(1.0, 1) == (False, "load 1.0 over the last minute on 1 CPU")

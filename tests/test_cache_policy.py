@@ -199,7 +199,7 @@ def test_cache_policy_keyed_keeps_the_cache_while_its_key_is_unchanged(tmp_path:
 
 
 def test_cache_key_of_a_git_workdir_is_commit_plus_dirty_diff(tmp_path: Path) -> None:
-    from opsctl import agent
+    from opsctl.remote import cache, procs
 
     def git(*a: str) -> None:
         subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True,
@@ -211,19 +211,19 @@ def test_cache_key_of_a_git_workdir_is_commit_plus_dirty_diff(tmp_path: Path) ->
     git("init", "-q")
     git("add", ".")
     git("commit", "-qm", "one")
-    run = agent.Run({"workdir": str(tmp_path), "state_dir": str(tmp_path / "state"), "command": ["true"]})
-    clean = agent.code_fingerprint(run)
+    run = procs.Run({"workdir": str(tmp_path), "state_dir": str(tmp_path / "state"), "command": ["true"]})
+    clean = cache.code_fingerprint(run)
     assert clean.startswith("git ") and "+dirty" not in clean
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "pid").write_text("1")  # ignored files are not code
-    assert agent.code_fingerprint(run) == clean
+    assert cache.code_fingerprint(run) == clean
     (tmp_path / "train.py").write_text("print(2)\n")
-    dirty = agent.code_fingerprint(run)
+    dirty = cache.code_fingerprint(run)
     assert dirty.startswith(clean + "+dirty ")
     (tmp_path / "new.py").write_text("x = 1\n")  # an untracked file changes it too
-    assert agent.code_fingerprint(run) not in (clean, dirty)
-    key = agent.cache_key(run)
+    assert cache.code_fingerprint(run) not in (clean, dirty)
+    key = cache.cache_key(run)
     assert set(key) >= {"torch", "triton", "python", "code"} and key["python"] == sys.version.split()[0]
     t0 = time.monotonic()
-    agent.cache_key(run)
+    cache.cache_key(run)
     assert time.monotonic() - t0 < 30  # cheap enough for every launch (no torch import)

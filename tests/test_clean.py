@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
 from agentlib import cleanup, drive, of, opsctl, run_args, script_run  # noqa: E402
 
-from opsctl import agent  # noqa: E402
+from opsctl.remote import base, procs  # noqa: E402
 
 
 @pytest.mark.parametrize("path, why", [
@@ -25,8 +25,8 @@ from opsctl import agent  # noqa: E402
     ("/opt", "system"),
 ])
 def test_validate_refuses_dangerous_paths(path: str, why: str) -> None:
-    with pytest.raises(agent.AgentError) as exc:
-        agent.validate_clean_dir(path, ["/"], default_ok=False)
+    with pytest.raises(base.AgentError) as exc:
+        procs.validate_clean_dir(path, ["/"], default_ok=False)
     assert why in str(exc.value)
 
 
@@ -35,23 +35,23 @@ def test_validate_roots_home_and_symlink_escapes(tmp_path: Path) -> None:
     (root / "cache").mkdir(parents=True)
     outside = tmp_path / "outside"
     outside.mkdir()
-    assert agent.validate_clean_dir(str(root / "cache"), [str(root)], False) == str(root / "cache")
-    assert agent.validate_clean_dir(str(root), [str(root)], False) == str(root)  # the root itself may be emptied
-    with pytest.raises(agent.AgentError, match="not inside an allowed root"):
-        agent.validate_clean_dir(str(outside), [str(root)], False)
-    with pytest.raises(agent.AgentError, match="none configured"):
-        agent.validate_clean_dir(str(root / "cache"), [], False)
+    assert procs.validate_clean_dir(str(root / "cache"), [str(root)], False) == str(root / "cache")
+    assert procs.validate_clean_dir(str(root), [str(root)], False) == str(root)  # the root itself may be emptied
+    with pytest.raises(base.AgentError, match="not inside an allowed root"):
+        procs.validate_clean_dir(str(outside), [str(root)], False)
+    with pytest.raises(base.AgentError, match="none configured"):
+        procs.validate_clean_dir(str(root / "cache"), [], False)
     (root / "escape").symlink_to(outside)  # looks inside the root, resolves outside it
-    with pytest.raises(agent.AgentError, match="resolves to"):
-        agent.validate_clean_dir(str(root / "escape"), [str(root)], False)
-    with pytest.raises(agent.AgentError, match=r"\.\."):
-        agent.validate_clean_dir(str(root / ".." / "outside"), [str(root)], False)
+    with pytest.raises(base.AgentError, match="resolves to"):
+        procs.validate_clean_dir(str(root / "escape"), [str(root)], False)
+    with pytest.raises(base.AgentError, match=r"\.\."):
+        procs.validate_clean_dir(str(root / ".." / "outside"), [str(root)], False)
     home = os.path.realpath(os.path.expanduser("~"))
-    with pytest.raises(agent.AgentError, match="home"):
-        agent.validate_clean_dir(home, [home, "/"], False)
+    with pytest.raises(base.AgentError, match="home"):
+        procs.validate_clean_dir(home, [home, "/"], False)
     # torch's default location is allowed without a root
-    assert agent.validate_clean_dir(agent.default_inductor_dir(), [], True) == os.path.realpath(
-        agent.default_inductor_dir())
+    assert procs.validate_clean_dir(procs.default_inductor_dir(), [], True) == os.path.realpath(
+        procs.default_inductor_dir())
 
 
 def _tree(tmp: Path) -> tuple[Path, Path]:
@@ -98,19 +98,19 @@ def test_clean_refuses_escape_and_running_run(tmp_path: Path) -> None:
     (roots / "cache").symlink_to(keep)
     rc, msgs = drive("clean", run_args(tmp_path, "ok_run.py", inductor_cache_dir=str(roots / "cache"),
                                        clean_roots=[str(roots)]))
-    assert rc == agent.EXIT_CODES["refused"] and not of(msgs, "removed")
+    assert rc == base.EXIT_CODES["refused"] and not of(msgs, "removed")
     assert "resolves to" in of(msgs, "check")[0]["detail"] and (keep / "data.txt").exists()
     args = run_args(tmp_path, "hang_loading.py", ready_timeout=0.3, kill_grace=[0.5, 0.5])
     try:
-        assert drive("launch", args)[0] == agent.EXIT_CODES["timeout"]
+        assert drive("launch", args)[0] == base.EXIT_CODES["timeout"]
         (cache / "x").write_text("in use")
         rc, msgs = drive("clean", args)
-        assert rc == agent.EXIT_CODES["refused"] and "is running" in of(msgs, "check")[0]["detail"]
+        assert rc == base.EXIT_CODES["refused"] and "is running" in of(msgs, "check")[0]["detail"]
         assert (cache / "x").exists()
         # A dry run on the live run reports what a real clean would refuse, as a warning, and exits 0.
         rc, msgs = drive("clean", {**args, "options": {"dry_run": True}})
         (check,) = of(msgs, "check")
-        assert rc == agent.EXIT_CODES["ok"] and check["ok"] and check["warn"], msgs
+        assert rc == base.EXIT_CODES["ok"] and check["ok"] and check["warn"], msgs
         assert check["detail"].startswith("a real clean would refuse: run is running") and (cache / "x").exists()
     finally:
         cleanup(args)
@@ -136,13 +136,13 @@ def test_clean_refuses_a_symlinked_cache_dir_that_leads_out(tmp_path: Path, sshd
     # explicit roots naming the link (or a dir below it) do not vouch for it either; a real root around the
     # target does
     for roots in ([str(work / "evil")], [str(work / "evil" / "sub")]):
-        with pytest.raises(agent.AgentError, match="is a symlink to"):
-            agent.validate_clean_dir(str(work / "evil"), roots, False)
-    assert agent.validate_clean_dir(str(work / "evil"), [str(tmp_path)], False) == str(victim)
+        with pytest.raises(base.AgentError, match="is a symlink to"):
+            procs.validate_clean_dir(str(work / "evil"), roots, False)
+    assert procs.validate_clean_dir(str(work / "evil"), [str(tmp_path)], False) == str(victim)
     # a root that itself resolves to / or a system dir is no root
     (work / "slash").symlink_to("/")
-    with pytest.raises(agent.AgentError, match="not inside an allowed root"):
-        agent.validate_clean_dir("/usr/lib/python3", [str(work / "slash")], False)
+    with pytest.raises(base.AgentError, match="not inside an allowed root"):
+        procs.validate_clean_dir("/usr/lib/python3", [str(work / "slash")], False)
     assert (victim / "precious.txt").exists()
 
 
@@ -155,19 +155,19 @@ def test_clean_and_launch_refuse_while_a_finished_run_left_a_daemon(tmp_path: Pa
     try:
         assert drive("launch", {**args, "options": {"follow": True}})[0] == 0  # the main command exited 0
         daemon = int(marker.read_text().split()[0])
-        assert agent.alive(daemon)
+        assert procs.alive(daemon)
         (tmp_path / "cache").mkdir(exist_ok=True)
         (tmp_path / "cache" / "x.so").write_text("in use")
         rc, msgs = drive("clean", args)
-        assert rc == agent.EXIT_CODES["refused"], msgs
+        assert rc == base.EXIT_CODES["refused"], msgs
         assert f"left processes alive (pids [{daemon}])" in of(msgs, "check")[0]["detail"]
         assert not of(msgs, "removed") and (tmp_path / "state" / "pid").exists()
         assert (tmp_path / "cache" / "x.so").exists()
         rc, msgs = drive("launch", args)
-        assert rc == agent.EXIT_CODES["refused"] and agent.alive(daemon)
+        assert rc == base.EXIT_CODES["refused"] and procs.alive(daemon)
         assert "left processes alive" in [c for c in of(msgs, "check") if not c["ok"]][0]["detail"]
         rc, msgs = drive("kill", args)
-        assert rc == 0 and not agent.alive(daemon), msgs
+        assert rc == 0 and not procs.alive(daemon), msgs
         rc, msgs = drive("clean", args)
         assert rc == 0 and not (tmp_path / "cache" / "x.so").exists()
     finally:

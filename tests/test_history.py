@@ -20,9 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
 from agentlib import cleanup, drive, kill_tmux, of, opsctl, run_args, script_run  # noqa: E402
 
-from opsctl import agent_wrapper as w  # noqa: E402
 from opsctl import commands  # noqa: E402
-from opsctl.remote import base, rules  # noqa: E402
+from opsctl.remote import attempts, base, rules  # noqa: E402
 
 
 def history(hosts: Path) -> list[dict[str, Any]]:
@@ -122,23 +121,23 @@ def test_history_maps_each_attempt_to_its_rotated_log(tmp_path: Path) -> None:
     log, state = str(tmp_path / "run.log"), str(tmp_path / "state")
     Path(state).mkdir()
     for i in range(4):
-        _, seq = w.rotate_logs(log, 2, state)  # keep_logs 2: the oldest log goes
+        _, seq = attempts.rotate_logs(log, 2, state)  # keep_logs 2: the oldest log goes
         Path(log).write_text("" if i == 2 else f"attempt {i + 1}\n")  # attempt 3 writes nothing
-        w.history_add(state, started=float(i), log_seq=seq)
-    _, seq = w.rotate_logs(log, 2, state)  # a fifth attempt
+        attempts.history_add(state, started=float(i), log_seq=seq)
+    _, seq = attempts.rotate_logs(log, 2, state)  # a fifth attempt
     Path(log).write_text("attempt 5\n")
-    w.history_add(state, started=4.0, log_seq=seq)
-    w.history_add(state, started=5.0, outcome="refused")  # a refused launch never rotates, and has no log
-    h = w.read_history(state, log, 2)
+    attempts.history_add(state, started=4.0, log_seq=seq)
+    attempts.history_add(state, started=5.0, outcome="refused")  # a refused launch never rotates, and has no log
+    h = attempts.read_history(state, log, 2)
     assert [a["id"] for a in h] == [1, 2, 3, 4, 5, 6]
     # 1 rotated out (keep_logs 2), 2 -> LOG.2, 3 was empty and its file reused by 4 -> LOG.1, 5 -> LOG
     assert [a["log"] for a in h] == [None, log + ".2", None, log + ".1", log, None]
     assert Path(log + ".2").read_text() == "attempt 2\n" and Path(log + ".1").read_text() == "attempt 4\n"
-    w.history_add(state, id=2, outcome="crashed")  # a later record of an attempt merges into it
-    assert w.read_history(state, log, 2)[1]["outcome"] == "crashed"
+    attempts.history_add(state, id=2, outcome="crashed")  # a later record of an attempt merges into it
+    assert attempts.read_history(state, log, 2)[1]["outcome"] == "crashed"
     with open(Path(state) / base.HISTORY_FILE, "a") as fh:
         fh.write('{"id": 6, "started"')  # a writer that died mid-line leaves no attempt behind
-    assert len(w.read_history(state, log, 2)) == 6
+    assert len(attempts.read_history(state, log, 2)) == 6
 
 
 def test_attempt_clock_spells_start_and_duration() -> None:

@@ -189,7 +189,7 @@ def test_oversized_config_files_are_refused_without_reading_them(tmp_path: Path)
 
 
 def test_huge_log_line_is_cut_visibly_and_hides_neither_newer_lines_nor_the_run(tmp_path: Path, sshd) -> None:
-    from opsctl.agent import MAX_LOG_LINE
+    from opsctl.remote.base import MAX_LOG_LINE
 
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", runs={
         "big": script_run(tmp_path, "ok_run.py", "--steps", "10", "--step-time", "0.02", tmux_session="huge-line")})
@@ -220,7 +220,7 @@ def test_huge_log_line_is_cut_visibly_and_hides_neither_newer_lines_nor_the_run(
 
 
 def test_long_line_written_in_pieces_costs_one_cut_line_with_exact_offsets(tmp_path: Path) -> None:
-    from opsctl.agent import Tail
+    from opsctl.remote.follow import Tail
 
     log = tmp_path / "run.log"
     log.write_bytes(b"first\n")

@@ -29,7 +29,7 @@ def test_layers_point_one_way() -> None:
     # --plain / --once must work without the Textual app; the watch model is UI-free; the remote halves are alone.
     assert "tui" not in opsctl_imports("plain")
     assert not opsctl_imports("watch") & {"tui", "widgets", "plain", "commands", "cli"}
-    assert opsctl_imports("agent") <= {"remote"} and opsctl_imports("agent_wrapper") <= {"remote"}  # the wing only
+    assert not {"agent", "agent_wrapper"} & set(MODULES)  # the remote halves live in the wing (test_remote_layout.py)
     src = (OPSCTL / "watch.py").read_text()
     assert "textual" not in src and "rich" not in src
 
@@ -65,10 +65,10 @@ def test_client_imports_the_event_contract_instead_of_copying_it() -> None:
 
 
 def test_small_rules_live_once() -> None:
-    from opsctl import agent, commands, config, runstate
-    from opsctl.remote import base
+    from opsctl import commands, config, runstate
+    from opsctl.remote import agent, base, procs
 
-    assert config.SYSTEM_DIRS is agent.SYSTEM_DIRS is base.SYSTEM_DIRS  # hosts.yaml and the agent refuse the same dirs
+    assert config.SYSTEM_DIRS is procs.SYSTEM_DIRS is base.SYSTEM_DIRS  # hosts.yaml and the agent refuse the same dirs
     assert {name: getattr(commands, f"EXIT_{name.upper()}") for name in base.EXIT_CODES} == agent.EXIT_CODES
     assert runstate.phase_progress("loading_target", 2, 3) == "loading_target 2/3"
     assert runstate.phase_progress("compiling", None, 3) == "compiling"

@@ -167,9 +167,9 @@ def test_the_wrapper_tells_memory_growth_once_by_the_alerts_rule(tmp_path: Path)
     """EventsWatch (the wrapper's reader of the events file) over a real events file: GPU reserved memory that grew
     past the memory_growth margin is told once, with watch's evidence, and not again while it lasts."""
     from dflash.telemetry import EventWriter
-    from opsctl.agent_wrapper import EventsWatch
     from opsctl.alerts import AlertTracker
     from opsctl.remote.rules import MEM_SETTLE_S
+    from opsctl.remote.wrapper import EventsWatch
 
     path = tmp_path / "events.jsonl"
     path.touch()

@@ -20,8 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 from agentlib import drive, opsctl, run_args, script_run  # noqa: E402
 
 from dflash.telemetry import EventError, parse_event  # noqa: E402
-from opsctl import agent  # noqa: E402
-from opsctl.remote import rules  # noqa: E402
+from opsctl.remote import follow, rules  # noqa: E402
 from opsctl.runstate import RunState  # noqa: E402
 from opsctl.watch import RunModel  # noqa: E402
 
@@ -160,7 +159,7 @@ def test_status_its_fold_and_both_watch_backlogs_skip_and_count_the_same_lines(t
            + line("step", 15_000, step="six"))
     events = Path(args["events"])
     events.write_text(line("run_start", 0, total_steps=30_000, resumed_from=None) + steps(1, 15_000) + bad)
-    assert events.stat().st_size > agent.FOLD_AFTER_BYTES  # status saves its fold here
+    assert events.stat().st_size > follow.FOLD_AFTER_BYTES  # status saves its fold here
 
     def status() -> dict[str, Any]:  # as commands.run_status folds it
         rc, msgs = drive("status", args)
@@ -182,11 +181,11 @@ def test_status_its_fold_and_both_watch_backlogs_skip_and_count_the_same_lines(t
         return {k: model.snapshot()[k] for k in FIELDS}
 
     first = status()
-    assert (state / agent.FOLD_FILE).is_file()
+    assert (state / follow.FOLD_FILE).is_file()
     with events.open("a") as fh:
         fh.write(steps(15_001, 30_000 - 5))
     views = {"status (fold)": status(), "status (full)": None, "watch": watch(False), "watch (thinned)": watch(True)}
-    (state / agent.FOLD_FILE).unlink()
+    (state / follow.FOLD_FILE).unlink()
     views["status (full)"] = status()
     assert first["step"] == 15_000 and first["bad_events"] == 4, first
     want = views["watch"]

@@ -1,6 +1,6 @@
 """A run that got slower is said (issue: "told the moment it ... runs slow"): the trainer writes each step's pace
 against the best pace the attempt has held (dflash/pace.py), the dashboard and status raise `slowdown` from it, and the
-run's wrapper notifies once per episode (opsctl/agent_wrapper.py). Real trainings, real event files."""
+run's wrapper notifies once per episode (opsctl/remote/wrapper.py). Real trainings, real event files."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from test_alerts import T0, Run, run_start, step  # noqa: E402
 
 from dflash import pace as pace_mod  # noqa: E402
 from dflash.pace import Pace  # noqa: E402
-from opsctl.agent_wrapper import EventsWatch  # noqa: E402
 from opsctl.remote.rules import SLOW_FACTOR, slowdown  # noqa: E402
+from opsctl.remote.wrapper import EventsWatch  # noqa: E402
 
 
 def feed(p: Pace, times: list[float], t: float, dt: float = 1.0) -> float:

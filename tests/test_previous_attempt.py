@@ -1,4 +1,4 @@
-"""opsctl.agent.previous_attempt reads the events of the last launch only: from the events file's size at that launch
+"""opsctl.remote.cache.previous_attempt reads the events of the last launch only: from the events file's size at that launch
 (launch.json `events_offset`), so neither a week of earlier attempts nor a line an earlier attempt left half-written
 (killed mid-write, disk full) is read again."""
 
@@ -8,7 +8,9 @@ import json
 import time
 from pathlib import Path
 
-from opsctl.agent import MAX_EVENT_LINE, Run, previous_attempt
+from opsctl.remote.cache import previous_attempt
+from opsctl.remote.procs import Run
+from opsctl.remote.rules import MAX_EVENT_LINE
 
 
 def _run(tmp_path: Path) -> Run:

@@ -1,4 +1,4 @@
-"""`status` on a long run goes on from where the last one stopped reading (opsctl.agent fold_resume / fold_save):
+"""`status` on a long run goes on from where the last one stopped reading (opsctl.remote.follow fold_resume / fold_save):
 the same answer as a full read, from the saved fold when the events file is still the same file and attempt, and
 a full read whenever it is not. Real agent processes (tests/runs/agentlib.drive), real files."""
 
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
 from agentlib import drive, of, run_args  # noqa: E402
 
-from opsctl import agent  # noqa: E402
+from opsctl.remote import follow  # noqa: E402
 
 T0 = time.time() - 10_000
 
@@ -49,12 +49,12 @@ def _setup(tmp_path: Path) -> tuple[dict[str, Any], Path, Path]:
     events = Path(args["events"])
     events.write_text(_line("run_start", 0, total_steps=100_000, resumed_from=None) + _steps(1, 20_000)
                       + "not json\n")
-    return args, events, state / agent.FOLD_FILE
+    return args, events, state / follow.FOLD_FILE
 
 
 def test_a_second_status_goes_on_from_the_saved_fold_and_answers_as_a_full_read(tmp_path: Path) -> None:
     args, events, fold = _setup(tmp_path)
-    assert events.stat().st_size > agent.FOLD_AFTER_BYTES
+    assert events.stat().st_size > follow.FOLD_AFTER_BYTES
     first = _status(args)
     assert fold.is_file() and json.loads(fold.read_text())["mark"]["offset"] == events.stat().st_size
     with events.open("a") as fh:  # the run goes on: steps, an error, an evaluation, a line that is no event

@@ -1,4 +1,4 @@
-"""watch's backlog of a long run arrives thinned (opsctl/agent.py HistoryThinner): the real agent's `follow` with
+"""watch's backlog of a long run arrives thinned (opsctl/remote/thin.py HistoryThinner): the real agent's `follow` with
 and without `thin_history` over one events file, each folded by the dashboard's own RunModel at one fixed clock.
 
 What a person reads must not change: the whole `watch --once --json` record (state, step, ETA, tau, errors, alerts,
@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "runs"))
 
 from agentlib import drive, of, opsctl, run_args, script_run  # noqa: E402
 
-from opsctl import agent  # noqa: E402
+from opsctl.remote import rules  # noqa: E402
+from opsctl.remote.thin import BACKLOG_FOLD_FILE, THIN_TAIL, refresh_backlog_fold, thin_stride  # noqa: E402
 from opsctl.watch import RunModel  # noqa: E402
 
 T0 = 1_790_000_000.0
@@ -130,7 +131,7 @@ def test_a_thinned_backlog_folds_to_the_same_record_and_curve(tmp_path: Path) ->
 
 def test_a_short_history_is_sent_whole(tmp_path: Path) -> None:
     _write_events(tmp_path / "events.jsonl", 3_000, 2_000)
-    assert agent.thin_stride(str(tmp_path / "events.jsonl"), 0) == 1
+    assert thin_stride(str(tmp_path / "events.jsonl"), 0) == 1
     full, thin = _follow(tmp_path, False), _follow(tmp_path, True)
     strip = [[{k: v for k, v in m.items() if k not in ("_rx", "ts", "local_ts")} for m in msgs
               if m["t"] in ("event", "bad_event", "backlog_end")] for msgs in (full, thin)]
@@ -150,18 +151,18 @@ def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 
 def test_the_next_watch_of_a_long_history_resends_the_saved_backlog_and_reads_only_what_was_appended(
         tmp_path: Path) -> None:
-    """watch's backlog fold (opsctl/agent.py BACKLOG_FOLD_FILE): the first thinned read of a long file saves what it
+    """watch's backlog fold (opsctl/remote/thin.py BACKLOG_FOLD_FILE): the first thinned read of a long file saves what it
     sent; the next sends the same messages without parsing the file again; after the run wrote on (the stride
     doubles) the saved part is re-thinned to the new stride and equals a fresh thinned read message for message; a
     file rewritten under the fold is read whole again."""
     events = tmp_path / "events.jsonl"
     last_ts = _write_events(events, 40_000, 24_000)
     (tmp_path / "state").mkdir()
-    fold = tmp_path / "state" / agent.BACKLOG_FOLD_FILE
+    fold = tmp_path / "state" / BACKLOG_FOLD_FILE
     first = _follow(tmp_path, True)
     saved = json.loads(fold.read_text())
     assert saved["mark"]["offset"] == events.stat().st_size and saved["stride"] == 16
-    assert len(saved["ring"]) == agent.THIN_TAIL and any(not p for _, _, p in saved["middle"])
+    assert len(saved["ring"]) == THIN_TAIL and any(not p for _, _, p in saved["middle"])
 
     second = _follow(tmp_path, True)
     assert _same(first, second)
@@ -183,7 +184,7 @@ def test_the_next_watch_of_a_long_history_resends_the_saved_backlog_and_reads_on
                                  "grad_norm": 1.0, "tokens": 4096, "tokens_per_s": 1365.0, "step_time_s": 2.0,
                                  "queue_depth": 0, "queue_wait_s": 0.0, "recompiles": 2, "total_steps": 50_000})
                      + "\n")
-    assert agent.thin_stride(str(events), 0) == 32
+    assert thin_stride(str(events), 0) == 32
     resumed = _follow(tmp_path, True)
     assert json.loads(fold.read_text())["stride"] == 32  # saved again, at the new end
     fold.unlink()
@@ -245,22 +246,21 @@ def test_heartbeats_of_a_thinned_backlog_keep_the_memory_alerts_and_the_last_bea
 
 
 def test_the_wrappers_refresh_leaves_the_fold_a_thinned_follow_would_and_goes_on_from_it(tmp_path: Path) -> None:
-    """agent_wrapper.refresh_backlog_fold (the run's wrapper runs it while the run writes, and when it ends): the
+    """refresh_backlog_fold (the run's wrapper runs it while the run writes, and when it ends): the
     fold it saves makes the next `follow` send exactly what a fresh thinned read sends, also after the run wrote on
     (read from the saved offset on, an over-long line and a line that is no JSON among the new ones)."""
-    from opsctl import agent_wrapper as w
 
     events = tmp_path / "events.jsonl"
     last_ts = _write_events(events, 40_000, 24_000)
     state = tmp_path / "state"
     state.mkdir()
-    fold = state / agent.BACKLOG_FOLD_FILE
-    w.refresh_backlog_fold(str(state), str(events))
+    fold = state / BACKLOG_FOLD_FILE
+    refresh_backlog_fold(str(state), str(events))
     assert json.loads(fold.read_text())["mark"]["offset"] == events.stat().st_size
     from_fold = _follow(tmp_path, True)
     fold.unlink()
     assert _same(from_fold, _follow(tmp_path, True))
-    w.refresh_backlog_fold(str(state), str(events))
+    refresh_backlog_fold(str(state), str(events))
     with open(events, "a") as fh:
         t = last_ts
         for n in range(40_001, 41_001):
@@ -270,11 +270,11 @@ def test_the_wrappers_refresh_leaves_the_fold_a_thinned_follow_would_and_goes_on
                                  "tokens": 4096, "tokens_per_s": 1365.0, "step_time_s": 2.0, "queue_depth": 0,
                                  "queue_wait_s": 0.0, "recompiles": 2, "total_steps": 50_000}) + "\n")
             if n == 40_500:
-                fh.write('{"kind": "step", "pad": "' + "x" * (agent.MAX_EVENT_LINE + 10) + '"}\n')
+                fh.write('{"kind": "step", "pad": "' + "x" * (rules.MAX_EVENT_LINE + 10) + '"}\n')
                 fh.write("not json\n")
         fh.write(partial := '{"v": 1, "kind": "step", "ste')  # the line being written: not folded yet
     before = fold.read_text()
-    w.refresh_backlog_fold(str(state), str(events))
+    refresh_backlog_fold(str(state), str(events))
     saved = json.loads(fold.read_text())
     assert fold.read_text() != before and saved["mark"]["offset"] == events.stat().st_size - len(partial)
     resumed = _follow(tmp_path, True)
@@ -282,7 +282,7 @@ def test_the_wrappers_refresh_leaves_the_fold_a_thinned_follow_would_and_goes_on
     fresh = _follow(tmp_path, True)
     assert _same(resumed, fresh)
     bad = [m["error"] for m in fresh if m["t"] == "bad_event"]
-    assert bad[-2:] == [f"longer than {agent.MAX_EVENT_LINE} bytes (MAX_EVENT_LINE)", "not JSON"], bad
+    assert bad[-2:] == [f"longer than {rules.MAX_EVENT_LINE} bytes (MAX_EVENT_LINE)", "not JSON"], bad
 
 
 def test_the_first_watch_of_a_long_run_sends_the_fold_its_wrapper_kept(tmp_path: Path, sshd,
@@ -293,7 +293,7 @@ def test_the_first_watch_of_a_long_run_sends_the_fold_its_wrapper_kept(tmp_path:
     hosts = sshd.write_hosts_yaml(tmp_path / "hosts.yaml", pct=container(200), runs={
         "r": script_run(tmp_path, "ok_run.py", "--steps", "16000", "--step-time", "0", "--load-time", "0",
                         tmux_session="kept-fold")})
-    fold = tmp_path / ".opsctl" / "r" / agent.BACKLOG_FOLD_FILE
+    fold = tmp_path / ".opsctl" / "r" / BACKLOG_FOLD_FILE
     try:
         assert opsctl(hosts, "launch", "box", "r", "--follow", timeout=300).returncode == 0
         deadline = time.monotonic() + 60

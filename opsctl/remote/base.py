@@ -13,12 +13,11 @@ import time
 from typing import Any
 
 AGENT_VERSION = "1"
-# How the client starts the agent (`python3 -u -c BOOTSTRAP VERB JSON`, the blob on stdin after its length), and
-# the agent.py line the client replaces with the wrapper's text: here, so the client never imports the agent.
+# How the client starts the agent (`python3 -u -c BOOTSTRAP VERB JSON`, the blob on stdin after its length, the
+# blob being shipped_script("opsctl.remote.agent", ...)): here, so the client never imports the agent.
 BOOTSTRAP = (
     'import sys;n=int(sys.stdin.readline());exec(compile(sys.stdin.read(n),"opsctl-agent","exec"))'
 )
-WRAPPER_SLOT = "_SHIPPED_WRAPPER: str | None = None  # replaced by the client with the wrapper's text\n"
 # What one line may cost: a longer log line is sent as its first MAX_LOG_LINE bytes and ` ... [cut 19.9 MB]`, so a
 # 20 MB line (a dumped tensor, a progress bar without newlines) can neither flood the client nor hide newer lines.
 MAX_LOG_LINE = 64 << 10
@@ -103,24 +102,35 @@ class AgentError(Exception):
 
 
 # -- the bundle: how a host gets these modules with nothing installed ---------------------------------------
-# A shipped script (the agent's blob, the run's wrapper.py) holds one BUNDLE_SLOT line after its stdlib imports;
-# `splice` replaces it with LOADER and the modules' text, registered in sys.modules before the script's own
-# `from opsctl.remote... import` lines run. In the package (the client, tests) the slot is a comment, nothing more.
+# A shipped script (the agent's blob, the run's wrapper.py) is one text: LOADER, then `{module name: source}` of the
+# whole wing (remote_sources), then its entry (`from opsctl.remote.agent import main; main(...)`). The loader is a
+# sys.meta_path finder, so the modules import each other with plain `from opsctl.remote.X import ...` lines, each
+# compiled when first imported, exactly as from the package; a host needs only python3. `splice` puts the same
+# loader at a script's BUNDLE_SLOT line (shipped_script's own text holds one).
 BUNDLE_SLOT = "# opsctl-bundle: the shipped copy registers the opsctl.remote modules here (remote/base.py splice)\n"
-REMOTE_MODULES = ("base", "rules")  # opsctl/remote/NAME.py, in the order they load (rules imports base)
+# opsctl/remote/NAME.py, every one shipped (lower layers first: base <- rules <- attempts, thin <- procs <- follow
+# <- cache <- agent; the wrapper needs base, rules, attempts and thin only). tests/test_remote_layout.py keeps this
+# list equal to the directory.
+REMOTE_MODULES = ("base", "rules", "attempts", "thin", "procs", "follow", "cache", "wrapper", "agent")
 LOADER = """def _opsctl_bundle(sources):
     import sys
-    import types
-    for name, src in sources.items():
-        mod = types.ModuleType(name)
-        if any(other.startswith(name + ".") for other in sources):
-            mod.__path__ = []
-        mod.__bundle__ = sources
-        sys.modules[name] = mod
-        parent, _, leaf = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], leaf, mod)
-        exec(compile(src, "opsctl-bundle/" + name, "exec"), mod.__dict__)
+    from importlib.machinery import ModuleSpec
+
+    class Bundle:
+        def find_spec(self, name, path=None, target=None):
+            if name not in sources:
+                return None
+            package = any(other.startswith(name + ".") for other in sources)
+            return ModuleSpec(name, self, origin="opsctl-bundle/" + name, is_package=package)
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            module.__bundle__ = sources
+            exec(compile(sources[module.__name__], "opsctl-bundle/" + module.__name__, "exec"), module.__dict__)
+
+    sys.meta_path.insert(0, Bundle())
 """
 
 
@@ -148,3 +158,13 @@ def splice(script: str, sources: dict[str, str]) -> str:
     if script.count(slot) != 1:
         raise RuntimeError(f"a shipped script must hold exactly one line {BUNDLE_SLOT!r}")
     return script.replace(slot, f"\n{LOADER}_opsctl_bundle({sources!r})\ndel _opsctl_bundle\n")
+
+
+def shipped_script(module: str, call: str, sources: dict[str, str]) -> str:
+    """The one text a bare `python3` runs as `module`'s program: the bundle, then `from MODULE import main` and
+    `call` when run as __main__ (the agent's blob: `main(sys.argv[1:])`; the run's wrapper.py: `main()`). Executed
+    under another __name__, it only installs the bundle (a test then imports what it wants from it)."""
+    script = (f'"""opsctl: {module}, shipped with opsctl/remote bundled (remote/base.py shipped_script)."""\n\n'
+              f"import sys\n\n{BUNDLE_SLOT}if __name__ == \"__main__\":\n    from {module} import main\n\n"
+              f"    {call}\n")
+    return splice(script, sources)

@@ -223,7 +223,6 @@ def resume_argv(argv: list[str], resume_args: list[str]) -> list[str]:
     return with_args(argv, resume_args)
 
 
-
 # -- tau: the drafter's serving acceptance length, from `eval` events (docs/events.md) --------------------------
 # A tau_regression: the latest tau fell below the best so far by more than max(TAU_DROP_FRAC x best, TAU_DROP_MIN).
 # 10 %: the run-to-run spread of tau on a fixed held-out set is a few %, and a 5 % dip after a learning-rate
@@ -506,7 +505,7 @@ class MemoryWatch:
         return max(steps) if steps else None
 
     def state(self) -> dict[str, Any]:
-        """JSON for status's saved fold (opsctl/agent.py fold_save): a later status goes on from it."""
+        """JSON for status's saved fold (opsctl/remote/follow.py fold_save): a later status goes on from it."""
         return {"since": self.training_since,
                 "mem": [[rank, key, base, list(recent)] for (rank, key), (base, recent) in self.mem.items()],
                 "retries": [[rank, list(seen)] for rank, seen in self.retries.items()]}
@@ -518,8 +517,6 @@ class MemoryWatch:
                     for rank, key, base, recent in st["mem"]}
         self.retries = {int(rank): collections.deque(tuple(x) for x in seen)  # type: ignore[misc]
                         for rank, seen in st["retries"]}
-
-
 
 
 def event_object(raw: bytes, length: int) -> Any:

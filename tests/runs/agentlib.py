@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opsctl import agent
 from opsctl.channel import agent_source
-from opsctl.remote import base
+from opsctl.remote import base, procs
 
 RUNS = Path(__file__).resolve().parent
 SOURCE = agent_source()  # the blob the client ships: agent.py with the wrapper's text in it
@@ -82,7 +81,7 @@ def of(msgs: list[dict[str, Any]], t: str) -> list[dict[str, Any]]:
 def cleanup(args: dict[str, Any]) -> None:
     """Kill what a test started (through the agent's own kill verb) and its tmux server."""
     drive("kill", {**args, "kill_grace": [0.5, 0.5]})
-    sock = agent.Run(args).tmux_socket()
+    sock = procs.Run(args).tmux_socket()
     if os.path.exists(sock):
         subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True)
 
@@ -147,6 +146,6 @@ def tiny_run(tmp: Path, *extra: str) -> dict[str, Any]:
 
 def kill_tmux(workdir: Path, run: str) -> None:
     """Stop the tmux server a hosts.yaml run started outside a container (state_dir = WORKDIR/.opsctl/RUN)."""
-    sock = agent.Run({"workdir": str(workdir), "state_dir": str(workdir / ".opsctl" / run)}).tmux_socket()
+    sock = procs.Run({"workdir": str(workdir), "state_dir": str(workdir / ".opsctl" / run)}).tmux_socket()
     if os.path.exists(sock):
         subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True)

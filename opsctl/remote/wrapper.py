@@ -1,7 +1,7 @@
 """The run's wrapper: the process tmux starts, which runs the command, tees it to the log and records its exit.
 
-The agent writes this file's text to STATE_DIR/wrapper.py at launch, with opsctl/remote's modules spliced in at its
-BUNDLE_SLOT line (remote/base.py splice): stdlib-only and ASCII, like the agent, so a bare python3 runs it.
+At launch the agent writes STATE_DIR/wrapper.py: this module's `main` with opsctl/remote bundled in
+(base.shipped_script), stdlib-only and ASCII like the agent, so a bare python3 runs it.
 
 It puts the run in its own session/process group, records pid and pgid, tees output to the log and writes the exit
 status when the run ends. tmux starts it with a plain argv (`python3 wrapper.py spec.json`: no shell quoting).
@@ -15,22 +15,16 @@ run's restart policy lives (a crashed attempt is started again, with the resume 
 it needs no client connected) and where `notify` commands are fired on crashed / finished / stalled / restarting /
 disk_full / tau_regression.
 The rules both halves and the client share (the event contract's check, a log's crash line, argv rules, ETA, tau,
-memory, slowdown) live in opsctl/remote/rules.py. The agent runs this same text (exec'd into a namespace) for the
-rest it shares: the attempt history, log rotation, and watch's thinned backlog with its fold (HistoryThinner; the
-wrapper keeps the fold up to date while the run writes).
+memory, slowdown) live in opsctl/remote/rules.py; what the wrapper shares with the agent only, in attempts.py (the
+attempt history, log rotation) and thin.py (watch's thinned backlog and its fold, kept up to date here while the
+run writes).
 """
-
-# Keep this file ASCII only and stdlib only: the client ships its text inside the agent's blob (agent.WRAPPER_SLOT).
 
 from __future__ import annotations
 
 import collections
-import fcntl
-import hashlib
 import json
-import math
 import os
-import re
 import select
 import shlex
 import signal
@@ -43,154 +37,31 @@ import threading
 import time
 from typing import Any
 
-# opsctl-bundle: the shipped copy registers the opsctl.remote modules here (remote/base.py splice)
+from opsctl.remote.attempts import (
+    history_add,
+    proc_starttime,
+    rotate_logs,
+)
 from opsctl.remote.base import (
-    HISTORY_FILE,
     NOTIFIERS_FILE,
     RESTARTING_FILE,
-    ROTATIONS_FILE,
     atomic_write,
     read_json,
 )
 from opsctl.remote.rules import (
     _SHELLS,
-    MAX_EVENT_LINE,
-    MEM_NAMES,
-    MEM_SETTLE_S,
-    MEM_WINDOW,
     STALL_FACTOR,
     STALL_FLOOR_S,
     MemoryWatch,
     TauTrack,
-    _tau_num,
     crash_line,
-    event_object,
     event_problem,
     resume_argv,
     slowdown,
 )
+from opsctl.remote.thin import refresh_backlog_fold
 
 NOTIFY_TIMEOUT_S = 30.0  # a notify command still running after this is killed (and the failure logged)
-
-
-# -- rules shared with the agent ------------------------------------------------------------------------------
-
-
-def _rotations(state_dir: str) -> int:
-    try:
-        with open(os.path.join(state_dir, ROTATIONS_FILE)) as fh:
-            return int(fh.read().strip() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
-def rotate_logs(log: str, keep: int, state_dir: str) -> tuple[str, int]:
-    """Keep earlier attempts' logs: LOG -> LOG.1 -> ... -> LOG.keep (the oldest beyond it goes).
-
-    Returns what was done and the rotation count after it: an attempt records that count as its `log_seq`, so its
-    log is found again later as LOG.(count now - log_seq), however many attempts came since."""
-    done = _rotations(state_dir)
-    try:
-        size = os.path.getsize(log)
-    except OSError:
-        return "no earlier log", done
-    if size == 0:
-        return "earlier log was empty", done
-    keep = max(1, keep)
-    dropped = os.path.exists(f"{log}.{keep}")
-    for i in range(keep - 1, 0, -1):
-        if os.path.exists(f"{log}.{i}"):
-            os.replace(f"{log}.{i}", f"{log}.{i + 1}")
-    os.replace(log, log + ".1")
-    atomic_write(os.path.join(state_dir, ROTATIONS_FILE), f"{done + 1}\n")
-    base = os.path.basename(log)
-    return "earlier attempt's log kept as {}.1{}".format(
-        base, f" (the oldest, {base}.{keep}, dropped: keep_logs {keep})" if dropped else ""), done + 1
-
-
-def old_logs(log: str) -> list[str]:
-    """Earlier attempts' logs, oldest first (LOG.N ... LOG.1)."""
-    d, base = os.path.split(log)
-    try:
-        names = os.listdir(d or ".")
-    except OSError:
-        return []
-    nums = sorted((int(m.group(1)) for m in (re.fullmatch(re.escape(base) + r"\.(\d+)", n) for n in names) if m),
-                  reverse=True)
-    return [f"{log}.{i}" for i in nums]
-
-
-
-def history_add(state_dir: str, _file: str = HISTORY_FILE, _locked: bool = False, **fields: Any) -> int:
-    """Append one record to the attempt history and return its attempt id; without `id` a new attempt is
-    numbered (under a lock: the agent and the wrapper both add attempts). One write per line, O_APPEND.
-    `_file`: another record file kept by the same rules (a group run's own attempts, GROUP_FILE). `_locked`: the
-    caller holds history.lock already (a second flock of it in one process would wait on itself)."""
-    path = os.path.join(state_dir, _file)
-    lock = os.open(os.path.join(state_dir, "history.lock"), os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        if not _locked:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        if fields.get("id") is None:
-            fields["id"] = max((int(r["id"]) for r in _history_lines(path)), default=0) + 1
-        data = (json.dumps(fields, separators=(",", ":"), default=str) + "\n").encode()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    finally:
-        os.close(lock)
-    return int(fields["id"])
-
-
-def _history_lines(path: str) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    try:
-        with open(path, "rb") as fh:
-            for raw in fh:
-                if not raw.endswith(b"\n"):
-                    break  # a writer died mid-line: the rest is not a record
-                try:
-                    rec = json.loads(raw)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("id"), int):
-                    out.append(rec)
-    except OSError:
-        pass
-    return out
-
-
-def read_history(state_dir: str, log: str, keep_logs: int) -> list[dict[str, Any]]:
-    """Every attempt, oldest first, its records merged; `log` is the file that holds its log now (None when that
-    log was rotated out, removed by `clean --logs`, or empty and reused by the next attempt)."""
-    merged: dict[int, dict[str, Any]] = {}
-    for rec in _history_lines(os.path.join(state_dir, HISTORY_FILE)):
-        merged.setdefault(rec["id"], {}).update(rec)
-    out = [merged[k] for k in sorted(merged)]
-    now = _rotations(state_dir)
-    seqs = [a.get("log_seq") for a in out]
-    for i, a in enumerate(out):
-        seq = a.pop("log_seq", None)
-        a["log"] = None
-        if not isinstance(seq, int) or seq in seqs[i + 1:]:
-            continue
-        k = now - seq
-        path = log if k == 0 else f"{log}.{k}"
-        if 0 <= k <= keep_logs and os.path.exists(path):
-            a["log"] = path
-    return out
-
-
-def proc_starttime(pid: int | str = "self") -> int | None:
-    """A process's start time in clock ticks (/proc/PID/stat field 22): with the pid, it names it uniquely."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 # -- the wrapper ------------------------------------------------------------------------------------------------
@@ -498,327 +369,6 @@ class EventsWatch:
             return None
 
 
-def attempt_taus(events: str | None, attempts: list[dict[str, Any]]) -> None:
-    """Each attempt's last and best tau (and their steps) from the events file: the eval events between its start
-    and its end (the host's clock, as both are written); null where it evaluated nothing."""
-    evals: list[tuple[float, int, float | None]] = []
-    try:
-        with open(events or "", "rb") as fh:
-            for raw in fh:
-                if b'"eval"' not in raw or not raw.endswith(b"\n"):
-                    continue
-                try:
-                    ev = json.loads(raw)
-                except ValueError:
-                    continue
-                if event_problem(ev) is None and ev.get("kind") == "eval" and isinstance(ev.get("ts"), (int, float)) \
-                        and isinstance(ev.get("step"), int):
-                    evals.append((float(ev["ts"]), ev["step"], _tau_num(ev.get("tau"))))
-    except OSError:
-        pass
-    for a in attempts:
-        start, end = a.get("started"), a.get("ended")
-        mine = [e for e in evals if isinstance(start, (int, float)) and e[0] >= start
-                and (not isinstance(end, (int, float)) or e[0] <= end)]
-        track = TauTrack()
-        for ts, step, tau in mine:
-            track.note({"kind": "eval", "step": step, "tau": tau, "ts": ts})
-        last, top = track.latest(), track.best()
-        a["last_tau"] = None if last is None else last["tau"]
-        a["last_tau_step"] = None if last is None else last["step"]
-        a["best_tau"] = None if top is None else top["tau"]
-        a["best_tau_step"] = None if top is None else top["step"]
-
-
-# -- watch's thinned backlog and its fold (the agent's `follow` with thin_history sends it; this wrapper keeps the
-# fold up to date while the run writes, so the first `watch` of a week-long run reads a few appended lines, not all)
-FOLD_CHECK = 4096
-
-
-
-
-# `follow` with `thin_history` (watch's backlog): the step events of a long history are sent at most THIN_POINTS
-# apart (every 2^k-th step, the alignment the charts' RunSeries keeps), all the others and the last THIN_TAIL events
-# whole. What a client folds from the history is then the same: every non-step event but heartbeats (evals, errors,
-# checkpoints, run_start/run_end), each attempt's first THIN_HEAD steps (ETA warm-up, alert baselines), every step
-# whose loss is not a finite number (the NaN alert), and a tail long enough that the ETA's moving average (alpha
-# 0.05) and the alert windows (the latest step, queue and step-time windows) have forgotten the thinned middle.
-# Heartbeats (one per rank every 5 s: a week of them outnumbers the steps) say only where the run is now, except
-# for the memory rules (MemoryWatch): of the thinned middle only those that fill the rules' baseline windows are
-# sent; the tail holds the recent windows (at least its last THIN_TAIL_S seconds: the allocator-retry window,
-# RETRY_WINDOW_S, and the heartbeat before it, whatever the number of ranks writing).
-THIN_POINTS = 4000
-THIN_TAIL = 2000
-THIN_TAIL_S = 900.0
-THIN_HEAD = 50
-THIN_HEARTBEATS_AFTER = 4 << 20  # a backlog this big is thinned for its heartbeats even when its steps are few
-THIN_PROBE = 256 << 10  # bytes read from the events file's end to find its last step
-
-
-def thin_stride(path: str, offset: int) -> int:
-    """The power of two that leaves about THIN_POINTS steps of a history reaching the last step found in the file's
-    last THIN_PROBE bytes (1: no thinning; a history that short costs nothing to send whole)."""
-    try:
-        with open(path, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            start = max(offset, size - THIN_PROBE)
-            fh.seek(start)
-            chunk = fh.read(size - start)
-    except OSError:
-        return 1
-    last = 0
-    for raw in reversed(chunk.split(b"\n")[1 if start > offset else 0:]):
-        if b'"step"' not in raw:
-            continue
-        ev = event_object(raw, len(raw))
-        if isinstance(ev, dict) and ev.get("kind") == "step" and isinstance(ev.get("step"), int):
-            last = ev["step"]
-            break
-    stride = 1
-    while last // stride > THIN_POINTS:
-        stride *= 2
-    return stride
-
-
-class HistoryThinner:
-    """Holds the last THIN_TAIL messages of a backlog and lets older ones out in order, dropping the step events
-    nobody would miss (see THIN_POINTS). `push` and `flush` return the messages to send now. With `kept` a list,
-    every message let out before the tail is also recorded there as (kind, fields, pinned) for the backlog fold:
-    pinned messages are kept at any stride, the others only for being on this one."""
-
-    def __init__(self, stride: int) -> None:
-        self.stride = stride
-        self.ring: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
-        self.head = 0  # step events let out since the last run_start
-        self.kept: list[tuple[str, dict[str, Any], bool]] | None = None
-        # The memory rules' baselines (remote/rules.py MemoryWatch: a rank's first MEM_WINDOW heartbeats of each figure
-        # once MEM_SETTLE_S of training passed) over what was let out: which heartbeats of the middle count.
-        self.memory: dict[str, Any] = {"since": None, "base": {}}
-        self.ring_ts: collections.deque[float | None] = collections.deque()  # each ring message's event time
-        self.last_ts: float | None = None  # the newest event's time: the tail keeps THIN_TAIL_S seconds before it
-
-    def push(self, kind: str, fields: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        self.ring.append((kind, fields))
-        ev = fields.get("event") if kind == "event" else None
-        ts = ev.get("ts") if isinstance(ev, dict) else None
-        ts = float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else None
-        self.ring_ts.append(ts)
-        if ts is not None and (self.last_ts is None or ts > self.last_ts):
-            self.last_ts = ts
-        out = []
-        while len(self.ring) > THIN_TAIL:
-            first = self.ring_ts[0]
-            if first is not None and self.last_ts is not None and first >= self.last_ts - THIN_TAIL_S:
-                break  # within the tail's seconds
-            self.ring_ts.popleft()
-            item = self.ring.popleft()
-            keep, pinned = self._judge(item)
-            if keep:
-                out.append(item)
-                if self.kept is not None:
-                    self.kept.append((item[0], item[1], pinned))
-        return out
-
-    def flush(self) -> list[tuple[str, dict[str, Any]]]:
-        for item in self.ring:  # the tail goes whole; its run_starts still reset the counters for what follows
-            self._judge(item)
-        out, self.ring, self.ring_ts = list(self.ring), collections.deque(), collections.deque()
-        return out
-
-    def _baseline(self, ev: dict[str, Any]) -> bool:
-        """Whether this event fills a memory rule's baseline window (MemoryWatch.note's rule, its base lists only)."""
-        kind, ts, mem = ev.get("kind"), ev.get("ts"), self.memory
-        if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts):
-            return False
-        if mem["since"] is None and (kind == "step" or (kind == "phase" and ev.get("phase") == "training")):
-            mem["since"] = float(ts)
-        step, rank = ev.get("step"), ev.get("rank")
-        if (kind != "heartbeat" or mem["since"] is None or ts < mem["since"] + MEM_SETTLE_S
-                or not isinstance(step, int) or not isinstance(rank, int)):
-            return False
-        grew = False
-        for key in MEM_NAMES:
-            mb = ev.get(key)
-            if isinstance(mb, (int, float)) and not isinstance(mb, bool) and math.isfinite(mb):
-                n = mem["base"].get(f"{rank}:{key}", 0)
-                if n < MEM_WINDOW:
-                    mem["base"][f"{rank}:{key}"] = n + 1
-                    grew = True
-        return grew
-
-    def _judge(self, item: tuple[str, dict[str, Any]]) -> tuple[bool, bool]:
-        """(send it, pinned: sent whatever the stride)."""
-        kind, fields = item
-        ev = fields.get("event") if kind == "event" else None
-        if not isinstance(ev, dict):
-            return True, True
-        kind = ev.get("kind")
-        if kind == "run_start":
-            self.head = 0
-            self.memory = {"since": None, "base": {}}
-            return True, True
-        if kind == "heartbeat":  # sent only where it fills a memory rule's baseline window
-            return self._baseline(ev), True
-        if self.memory["since"] is None:
-            self._baseline(ev)  # where training began: the baselines start MEM_SETTLE_S after it
-        if kind != "step":
-            return True, True
-        self.head += 1
-        step, loss = ev.get("step"), ev.get("loss")
-        if (self.head <= THIN_HEAD or not isinstance(step, int) or not isinstance(loss, (int, float))
-                or isinstance(loss, bool) or not math.isfinite(loss)):
-            return True, True
-        return step % self.stride == 0, False
-
-
-# The thinned backlog of a long events file costs the agent a parse of every line (~1 s for a week-long run's 70 MB)
-# at every `watch`. After catching up a backlog of BACKLOG_FOLD_AFTER_BYTES or more, the agent saves what it let out
-# before the tail (with whether each is pinned), the tail itself and the thinner's counter, at the byte offset it
-# reached (STATE_DIR/BACKLOG_FOLD_FILE, marked as the status fold is and by the file's first bytes); the next `watch`
-# of the same file sends the saved messages again (re-thinned to its possibly larger stride) and reads only what was
-# appended since.
-BACKLOG_FOLD_FILE = "watch-fold.json"
-BACKLOG_FOLD_FORMAT = 2  # 2: lines of the wrong types are bad_event messages (event_problem); heartbeats thinned
-BACKLOG_FOLD_AFTER_BYTES = 4 << 20
-
-
-def _fold_mark(fh: Any, offset: int) -> dict[str, Any]:
-    st = os.fstat(fh.fileno())
-    fh.seek(max(0, offset - FOLD_CHECK))
-    tail = fh.read(min(offset, FOLD_CHECK))
-    return {"ino": st.st_ino, "dev": st.st_dev, "offset": offset, "tail": hashlib.sha256(tail).hexdigest()}
-
-
-def _backlog_mark(fh: Any, offset: int) -> dict[str, Any]:
-    """The status fold's mark and the file's first FOLD_CHECK bytes: a file rewritten in place (same inode) with the
-    same last bytes but other history must not be taken for the one folded (the watch fold sends that history)."""
-    fh.seek(0)
-    head = fh.read(min(offset, FOLD_CHECK))
-    return {**_fold_mark(fh, offset), "head": hashlib.sha256(head).hexdigest()}
-
-
-class _Ring(list):  # type: ignore[type-arg]
-    """The saved tail of a backlog fold, with the byte offset the fold reached."""
-
-    offset = 0
-
-
-def resume_backlog_fold(state_dir: str, events: str, thinner: HistoryThinner) -> _Ring | None:
-    """Load the saved backlog fold of `events` into `thinner` (its middle re-thinned to the thinner's stride, as
-    `kept`; its counters) and return the saved tail to push again, with the offset to read on from; None (the
-    thinner untouched) when there is none that fits the file as it is now."""
-    saved = read_json(os.path.join(state_dir, BACKLOG_FOLD_FILE))
-    try:
-        if (not saved or saved.get("format") != BACKLOG_FOLD_FORMAT or saved.get("events") != events
-                or int(saved["stride"]) > thinner.stride or thinner.stride % int(saved["stride"])):
-            return None
-        mark = saved["mark"]
-        offset = int(mark["offset"])
-        with open(events, "rb") as fh:
-            if offset > os.fstat(fh.fileno()).st_size or _backlog_mark(fh, offset) != mark:
-                return None
-        middle = [(str(k), f, bool(p)) for k, f, p in saved["middle"]]
-        ring = _Ring((str(k), f) for k, f in saved["ring"])
-        head = int(saved["head"])
-        memory = {"since": saved["memory"]["since"],
-                  "base": {str(k): int(n) for k, n in saved["memory"]["base"].items()}}
-    except (KeyError, TypeError, ValueError, OSError):
-        return None
-    kept: list[tuple[str, dict[str, Any], bool]] = []
-    for kind, fields, pinned in middle:
-        ev = fields.get("event") if kind == "event" else None
-        if not pinned and isinstance(ev, dict) and ev.get("step", 0) % thinner.stride:
-            continue  # on the old stride, not on this one
-        kept.append((kind, fields, pinned))
-    thinner.head, thinner.kept, thinner.memory = head, kept, memory
-    ring.offset = offset
-    return ring
-
-
-def save_backlog_fold(state_dir: str, events: str, thinner: HistoryThinner, offset: int) -> None:
-    """Save the fold of a backlog read to `offset` (atomic; never raises: watch works the same without it). Only
-    where a launch made STATE_DIR, and for a backlog of BACKLOG_FOLD_AFTER_BYTES or more."""
-    if thinner.kept is None or not os.path.isdir(state_dir) or offset < BACKLOG_FOLD_AFTER_BYTES:
-        return
-    try:
-        with open(events, "rb") as fh:
-            mark = _backlog_mark(fh, offset)
-    except OSError:
-        return
-    save_json_state(state_dir, BACKLOG_FOLD_FILE, {
-        "format": BACKLOG_FOLD_FORMAT, "events": events, "stride": thinner.stride, "head": thinner.head,
-        "mark": mark, "middle": thinner.kept, "ring": [list(item) for item in thinner.ring],
-        "memory": thinner.memory})
-
-
-def save_json_state(state_dir: str, name: str, state: dict[str, Any]) -> None:
-    """STATE_DIR/name as JSON, whole or not at all (a per-process temp file renamed over it: two writers saving at
-    once never mix); never raises, for what it saves (a fold) is only ever a shortcut."""
-    tmp = os.path.join(state_dir, f".{name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as out:
-            json.dump(state, out, separators=(",", ":"))
-        os.replace(tmp, os.path.join(state_dir, name))
-    except (OSError, TypeError, ValueError):
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-
-
-def refresh_backlog_fold(state_dir: str, events: str | None) -> None:
-    """Bring watch's backlog fold of `events` up to the file's end, as the agent's thinned `follow` would leave it
-    (the saved fold re-thinned and the lines appended since, each judged by event_object: the same messages).
-    The wrapper runs this every BACKLOG_KEEP_S while the run writes (and once when an attempt ends), so the first
-    `watch` of a week-long run sends the fold and reads minutes of lines, not a week of them. Complete lines only;
-    a file rewritten under the fold is read from its start."""
-    if not events or not os.path.isdir(state_dir):
-        return
-    try:
-        size = os.path.getsize(events)
-    except OSError:
-        return
-    if size < BACKLOG_FOLD_AFTER_BYTES:
-        return
-    thinner = HistoryThinner(thin_stride(events, 0))
-    thinner.kept = []
-    ring = resume_backlog_fold(state_dir, events, thinner)
-    offset = 0
-    if ring is not None:
-        offset = ring.offset
-        if offset == size:
-            return  # nothing appended: the saved fold is the file's
-        for kind, fields in ring:
-            thinner.push(kind, fields)
-    with open(events, "rb") as fh:
-        fh.seek(offset)
-        while offset < size:
-            raw = fh.readline(MAX_EVENT_LINE + 2)
-            if not raw.endswith(b"\n"):
-                if len(raw) <= MAX_EVENT_LINE + 1:
-                    break  # the line being written (or the file's end): the fold stops before it
-                rest = raw  # an over-long line: read to its end, never held whole
-                length = len(raw)
-                while not rest.endswith(b"\n"):
-                    rest = fh.readline(1 << 20)
-                    if not rest:
-                        return  # unfinished: fold nothing of it (the next refresh reads it again)
-                    length += len(rest)
-                end = offset + length
-                thinner.push("bad_event", {"off": offset, "end": end,
-                                           "error": f"longer than {MAX_EVENT_LINE} bytes (MAX_EVENT_LINE)"})
-                offset = end
-                continue
-            end = offset + len(raw)
-            ev = event_object(raw[:-1], len(raw) - 1)
-            if isinstance(ev, str):
-                thinner.push("bad_event", {"off": offset, "end": end, "error": ev})
-            else:
-                thinner.push("event", {"off": offset, "end": end, "event": ev})
-            offset = end
-    save_backlog_fold(state_dir, events, thinner, offset)
-
-
 BACKLOG_KEEP_S = 300.0  # how often the wrapper brings watch's backlog fold up to date while the run writes
 _fold_lock = threading.Lock()
 
@@ -830,7 +380,6 @@ def _refresh_fold(state_dir: str, events: str | None) -> None:
             refresh_backlog_fold(state_dir, events)
         except Exception:  # noqa: BLE001 - a shortcut for watch: a bad file or a full disk must not end the wrapper
             pass
-
 
 
 class Attempt:
