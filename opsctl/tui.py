@@ -12,7 +12,14 @@ from typing import Any
 
 from opsctl.group import rankless
 from opsctl.remote.base import EXIT_CODES
-from opsctl.watch import SCREENSHOT_ENV, RecordedSource, WatchSource, group_infos, screenshot_dir  # noqa: F401 (re-exported)
+from opsctl.watch import (  # noqa: F401 (re-exported)
+    SCREENSHOT_ENV,
+    RecordedSource,
+    SourceWorker,
+    WatchSource,
+    group_infos,
+    screenshot_dir,
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -49,9 +56,18 @@ def watch_main(sources: list[WatchSource], plain: bool, once_json: bool, bell: b
         from opsctl.plain import run_plain
 
         return run_plain(sources, bell=bell)
-    from opsctl.dashboard import WatchApp
+    # Connect first, then load Textual: the SSH handshake, the agent's start and its backlog (most of a week-long
+    # run's first frame) go on while Textual imports and builds the screen (bench/ops_latency.py --only long-ssh).
+    followers = [SourceWorker(s).start() for s in sources]
+    try:
+        from opsctl.dashboard import WatchApp
 
-    result = WatchApp(sources, bell=bell).run()
+        app = WatchApp(sources, bell=bell, followers=followers)
+    except BaseException:
+        for w in followers:
+            w.stop()
+        raise
+    result = app.run()
     return int(result or 0)
 
 

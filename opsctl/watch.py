@@ -433,8 +433,15 @@ class SourceWorker:
         self._thread = threading.Thread(target=self._run, name=f"watch:{source.label}", daemon=True)
 
     def start(self) -> SourceWorker:
-        self._thread.start()
+        """Start following (once: a worker already started, as `opsctl watch` starts them before Textual loads so
+        the SSH handshake and the agent's backlog overlap the dashboard's own start-up, is left as it is)."""
+        if not self.started:
+            self._thread.start()
         return self
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
 
     SETTLE_MAX_S = 30.0  # a backlog not in after this long (an agent stuck mid-way) is judged as it stands
 
