@@ -7,6 +7,7 @@ Textual and plotext are imported only for the dashboard itself: `watch --once --
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,12 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'opsctl.tui' has no attribute {name!r}") from None
 
 
+# The dashboard waits at most this long for its sources' SSH handshakes before it loads Textual: a handshake done
+# alone (~0.15 s) lets the remote start-up and backlog overlap Textual's import; an unreachable host delays the
+# screen (which would say `connecting` meanwhile) by no more than this.
+HEAD_START_S = 0.5
+
+
 def watch_main(sources: list[WatchSource], plain: bool, once_json: bool, bell: bool) -> int:
     """Entry point for `opsctl watch`: the Textual app, `--plain` (rich Live) or `--once --json` (one snapshot)."""
     if not sources:
@@ -59,6 +66,11 @@ def watch_main(sources: list[WatchSource], plain: bool, once_json: bool, bell: b
     # Connect first, then load Textual: the SSH handshake, the agent's start and its backlog (most of a week-long
     # run's first frame) go on while Textual imports and builds the screen (bench/ops_latency.py --only long-ssh).
     followers = [SourceWorker(s).start() for s in sources]
+    deadline = time.monotonic() + HEAD_START_S
+    for s in sources:  # each agent's command sent (or its connect failed), for at most HEAD_START_S in all
+        asked = getattr(s, "asked", None)
+        if asked is not None:
+            asked.wait(max(0.0, deadline - time.monotonic()))
     try:
         from opsctl.dashboard import WatchApp
 
