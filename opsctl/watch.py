@@ -868,7 +868,11 @@ class AgentSource:
         self.asked = threading.Event()
 
     def messages(self) -> Iterator[dict[str, Any]]:
-        transport = _Asking(self._connect(self.host), self.asked)
+        try:
+            transport = _Asking(self._connect(self.host), self.asked)
+        except BaseException:
+            self.asked.set()  # no transport at all: nothing to wait for
+            raise
         try:
             # thin_history: a week of step events arrives as the few thousand the charts keep (agent.py's
             # HistoryThinner), so the dashboard and --once draw in a second, not after folding 200,000 events
