@@ -98,7 +98,11 @@ class WatchApp(App[int]):
 
     def __init__(self, sources: Sequence[WatchSource], bell: bool = False, clock: Callable[[], float] | None = None,
                  tick_s: float = TICK_S, log_capacity: int = DEFAULT_LOG_CAPACITY,
-                 inbox_lines: int = DEFAULT_INBOX_LINES, backoff: Sequence[float] | None = None) -> None:
+                 inbox_lines: int = DEFAULT_INBOX_LINES, backoff: Sequence[float] | None = None,
+                 followers: Sequence[SourceWorker] | None = None) -> None:
+        """`followers`: one SourceWorker per source, possibly started already (tui.watch_main starts them before it
+        imports this module, so the connection and the backlog overlap Textual's import and start-up); None: made
+        here from `inbox_lines` and `backoff`, started on mount."""
         super().__init__()
         if not sources:
             raise ValueError("opsctl watch needs at least one run to watch")
@@ -108,7 +112,10 @@ class WatchApp(App[int]):
         self.sources = list(sources)
         self.models = [RunModel(s.label, clock=clock, log_capacity=log_capacity, stall_after_s=stall_after_of(s),
                                 tau_drop=tau_drop_of(s)) for s in sources]
-        self.followers = [SourceWorker(s, inbox_lines=inbox_lines, backoff=backoff) for s in sources]
+        if followers is not None and [w.source for w in followers] != self.sources:
+            raise ValueError("followers must be one SourceWorker per source, in the sources' order")
+        self.followers = (list(followers) if followers is not None
+                          else [SourceWorker(s, inbox_lines=inbox_lines, backoff=backoff) for s in sources])
         self.tags = [getattr(s, "group", None) for s in sources]  # the group run each source is a node of
         self.bell_on = bell
         self.current = 0
@@ -160,7 +167,7 @@ class WatchApp(App[int]):
         # stream triggers, so those passes stay short (measured by bench/watch_ingest.py).
         gc.freeze()
         for worker in self.followers:
-            worker.start()
+            worker.start()  # those watch_main started early go on as they are
         self._layout_for(self.size.width, self.size.height)
         self.tick()
         self.set_interval(self._tick_s, self._beat)

@@ -7,12 +7,20 @@ Textual and plotext are imported only for the dashboard itself: `watch --once --
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 from opsctl.group import rankless
 from opsctl.remote.base import EXIT_CODES
-from opsctl.watch import SCREENSHOT_ENV, RecordedSource, WatchSource, group_infos, screenshot_dir  # noqa: F401 (re-exported)
+from opsctl.watch import (  # noqa: F401 (re-exported)
+    SCREENSHOT_ENV,
+    RecordedSource,
+    SourceWorker,
+    WatchSource,
+    group_infos,
+    screenshot_dir,
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -25,6 +33,12 @@ def __getattr__(name: str) -> Any:
         return getattr(dashboard, name)
     except AttributeError:
         raise AttributeError(f"module 'opsctl.tui' has no attribute {name!r}") from None
+
+
+# The dashboard waits at most this long for its sources' SSH handshakes before it loads Textual: a handshake done
+# alone (~0.15 s) lets the remote start-up and backlog overlap Textual's import; an unreachable host delays the
+# screen (which would say `connecting` meanwhile) by no more than this.
+HEAD_START_S = 0.5
 
 
 def watch_main(sources: list[WatchSource], plain: bool, once_json: bool, bell: bool) -> int:
@@ -49,9 +63,23 @@ def watch_main(sources: list[WatchSource], plain: bool, once_json: bool, bell: b
         from opsctl.plain import run_plain
 
         return run_plain(sources, bell=bell)
-    from opsctl.dashboard import WatchApp
+    # Connect first, then load Textual: the SSH handshake, the agent's start and its backlog (most of a week-long
+    # run's first frame) go on while Textual imports and builds the screen (bench/ops_latency.py --only long-ssh).
+    followers = [SourceWorker(s).start() for s in sources]
+    deadline = time.monotonic() + HEAD_START_S
+    for s in sources:  # each agent's command sent (or its connect failed), for at most HEAD_START_S in all
+        asked = getattr(s, "asked", None)
+        if asked is not None:
+            asked.wait(max(0.0, deadline - time.monotonic()))
+    try:
+        from opsctl.dashboard import WatchApp
 
-    result = WatchApp(sources, bell=bell).run()
+        app = WatchApp(sources, bell=bell, followers=followers)
+    except BaseException:
+        for w in followers:
+            w.stop()
+        raise
+    result = app.run()
     return int(result or 0)
 
 

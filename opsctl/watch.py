@@ -27,7 +27,7 @@ from opsctl.channel import run_args, stream_agent
 from opsctl.config import HostConfig, RunConfig
 from opsctl.group import rankless, verdict
 from opsctl.runstate import RunState, RunView
-from opsctl.transport import PermanentTransportError, Transport
+from opsctl.transport import Completed, PermanentTransportError, Stream, Transport
 
 DEFAULT_LOG_CAPACITY = 10_000  # lines kept per run for scroll-back and search
 DEFAULT_INBOX_LINES = 50_000  # log lines a worker may queue before the UI drains them; more are dropped (and counted)
@@ -433,8 +433,15 @@ class SourceWorker:
         self._thread = threading.Thread(target=self._run, name=f"watch:{source.label}", daemon=True)
 
     def start(self) -> SourceWorker:
-        self._thread.start()
+        """Start following (once: a worker already started, as `opsctl watch` starts them before Textual loads so
+        the SSH handshake and the agent's backlog overlap the dashboard's own start-up, is left as it is)."""
+        if not self.started:
+            self._thread.start()
         return self
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
 
     SETTLE_MAX_S = 30.0  # a backlog not in after this long (an agent stuck mid-way) is judged as it stands
 
@@ -807,6 +814,33 @@ def fold(workers: Sequence[SourceWorker], models: Sequence[RunModel]) -> list[bo
     return got
 
 
+class _Asking:
+    """A transport that sets `asked` once its stream's command went out (AgentSource.asked); the rest is the
+    transport's own."""
+
+    def __init__(self, inner: Transport, asked: threading.Event) -> None:
+        self._inner = inner
+        self._asked = asked
+
+    def stream(self, argv: list[str], stdin_data: bytes = b"") -> Stream:
+        try:
+            return self._inner.stream(argv, stdin_data)
+        finally:
+            self._asked.set()
+
+    def argv_for(self, argv: list[str]) -> list[str] | str:
+        return self._inner.argv_for(argv)
+
+    def run(self, argv: list[str], input: bytes | None = None, timeout: float | None = None) -> Completed:
+        return self._inner.run(argv, input=input, timeout=timeout)
+
+    def preflight(self) -> str | None:
+        return self._inner.preflight()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
 class AgentSource:
     """One run followed through the agent, as `opsctl watch` consumes it (a WatchSource).
 
@@ -828,15 +862,24 @@ class AgentSource:
         self._connect = connect
         self._kill = kill
         self._clean = clean
+        # Set once the first connection's agent was started (its command sent) or the attempt failed: what the
+        # dashboard waits for, briefly, before it loads Textual (tui.watch_main), so the handshake does not share
+        # the interpreter with Textual's import and the remote start-up overlaps it instead.
+        self.asked = threading.Event()
 
     def messages(self) -> Iterator[dict[str, Any]]:
-        transport = self._connect(self.host)
+        try:
+            transport = _Asking(self._connect(self.host), self.asked)
+        except BaseException:
+            self.asked.set()  # no transport at all: nothing to wait for
+            raise
         try:
             # thin_history: a week of step events arrives as the few thousand the charts keep (remote/thin.py's
             # HistoryThinner), so the dashboard and --once draw in a second, not after folding 200,000 events
             yield from follow_connection(transport, self.host, self.run, self.offsets, gpu_interval=1.0,
                                          until_exit=False, thin_history=os.environ.get(FULL_HISTORY_ENV) != "1")
         finally:
+            self.asked.set()
             transport.close()
 
     def kill(self) -> None:

@@ -106,6 +106,27 @@ async def test_training_stream_shows_state_numbers_gpus_and_no_alerts() -> None:
 
 
 @pytest.mark.anyio
+async def test_followers_started_before_the_app_show_what_its_own_would() -> None:
+    """tui.watch_main starts the workers before it imports Textual and hands them over: nothing that arrived before
+    the app mounted is lost, and the screen is the one the app's own workers give."""
+    clock_at = last_ts("training") + 2.0
+    sources = [recorded("training")]
+    early = [SourceWorker(s).start() for s in sources]
+    deadline = time.monotonic() + 10
+    while not early[0].ended.is_set():  # the whole recording queued before the app exists
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    shown = []
+    for app in (WatchApp(sources, clock=lambda: clock_at, followers=early), app_for("training")):
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            shown.append((text_of(app, RunSummary), app.models[0].series["loss"].steps, app.models[0].lines_total))
+    assert shown[0] == shown[1] and shown[0][1] == list(range(1, 41)) and shown[0][2] > 0, shown
+    with pytest.raises(ValueError, match="one SourceWorker per source"):
+        WatchApp([recorded("training")], followers=early)  # workers of other sources
+
+
+@pytest.mark.anyio
 async def test_real_h200_recording_replays_to_a_finished_run_with_its_gpu() -> None:
     # Recorded on the H200 device machine (scripts/record_stream.py, docs/gpu-checks.md): the tiny run with fla +
     # causal-conv1d kernels and compiled flex attention, NVML sampled at 1 Hz by the agent.

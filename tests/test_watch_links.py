@@ -33,6 +33,7 @@ class Following:
         self.connects = 0
         source = AgentSource(inv.hosts["box"], inv.runs["box"]["r"], self._connect, kill=lambda: (0, ""),
                              clean=lambda: (0, ""))
+        self.source = source
         self.worker = SourceWorker(source, backoff=(0.05,)).start()
         self.model = RunModel(source.label)
 
@@ -110,3 +111,22 @@ def test_fold_brings_a_permanent_error_into_the_snapshot(tmp_path: Path, sshd: S
     assert rec["state"] == "unreachable" and rec["link"] == "unreachable", rec
     assert "host key not in known_hosts" in rec["link_error"] and "not retried" in rec["link_error"], rec
     f.worker.stop()
+
+
+def test_asked_says_the_agent_was_started_or_the_connect_failed(tmp_path: Path, sshd: Sshd) -> None:
+    """AgentSource.asked, what the dashboard waits for (briefly) before it loads Textual: set once the agent's
+    command went out over the real ssh, before the agent's first message is folded; and set by a connect that failed
+    (a dashboard of an unreachable host must not wait out its whole head start for nothing)."""
+    (tmp_path / "good").mkdir()
+    (tmp_path / "bad").mkdir()
+    good = Following(tmp_path / "good", sshd)
+    assert good.source.asked.wait(30)
+    deadline = time.monotonic() + 30
+    while not any(m["t"] == "hello" for m in good.worker.drain()[0]):
+        assert time.monotonic() < deadline, "no hello from the agent"
+        time.sleep(0.05)
+    good.worker.stop()
+    bad = Following(tmp_path / "bad", sshd, known_hosts=str(tmp_path / "empty_known_hosts"))
+    assert bad.source.asked.wait(30)
+    assert [s for s, _ in bad.links(0.5)] == ["failed"]
+    bad.worker.stop()
