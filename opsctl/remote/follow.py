@@ -17,6 +17,7 @@ from typing import Any
 from opsctl.remote.base import (
     MAX_LOG_LINE,
     READ_CHUNK,
+    batch,
     emit,
     read_json,
 )
@@ -230,6 +231,7 @@ class Follower:
         self.pattern = re.compile(run.ready_pattern) if run.ready_pattern else None
         self.pattern_hit: str | None = None
         self.thinner: HistoryThinner | None = None  # set by catch_up(thin=True) for the backlog only
+        self._resumed_at: int | None = None  # the offset a saved backlog fold reached, when the backlog resumed it
 
     def poll(self) -> dict[str, Any]:
         resets: list[str] = []
@@ -301,6 +303,7 @@ class Follower:
             for k, f in thinner.push(kind, fields):
                 emit(k, **f)
         self.events.offset = ring.offset
+        self._resumed_at = ring.offset
 
     def _save_backlog(self, thinner: HistoryThinner) -> None:
         """Save the fold of the backlog just read (atomic; never raises: watch works the same without it)."""
@@ -331,7 +334,16 @@ class Follower:
     def catch_up(self, thin: bool = False) -> None:
         """Poll until the log and events are read as far as they reached now, then say so (`backlog_end`): the
         client's `--once` ends on this, never on a quiet second, which a slow host or a huge line would break.
-        `thin`: a long events backlog's step events are thinned (HistoryThinner); what follows is sent whole."""
+        `thin`: a long events backlog's step events are thinned (HistoryThinner); what follows is sent whole.
+        The backlog's thousands of lines go out in 64 KB writes (base.batch), one ssh packet each, not one a line."""
+        batch(True)
+        try:
+            self._catch_up(thin)
+        finally:
+            batch(False)
+        emit("backlog_end", **self.offsets())
+
+    def _catch_up(self, thin: bool) -> None:
         if thin and self.events is not None:
             stride = thin_stride(self.events.path, self.events.offset)
             big = self.events.size() - self.events.position() >= THIN_HEARTBEATS_AFTER
@@ -350,11 +362,11 @@ class Follower:
             if not (behind and moved):  # read to the goal, or nothing more to read (truncated meanwhile)
                 break
         if self.thinner is not None and self.thinner.kept is not None and self.events is not None \
-                and not self.events.buf and not self.events.skipped:
+                and not self.events.buf and not self.events.skipped \
+                and self.events.offset != self._resumed_at:  # nothing read past the saved fold: it is that one
             self._save_backlog(self.thinner)
         self._flush_thinner()
         self.thinner = None
-        emit("backlog_end", **self.offsets())
 
     def where_text(self) -> str:
         """Where a run that is not ready stands, for a sentence: `in phase loading_target 3/8`, or that nothing said."""
@@ -444,7 +456,7 @@ def save_state(run: Run, name: str, state: dict[str, Any]) -> None:
     tmp = run.state_file(f".{name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w") as out:
-            json.dump(state, out, separators=(",", ":"))
+            out.write(json.dumps(state, separators=(",", ":")))  # the C encoder: json.dump's is pure Python (~4x)
         os.replace(tmp, run.state_file(name))
     except (OSError, TypeError, ValueError):
         try:

@@ -250,7 +250,7 @@ def save_json_state(state_dir: str, name: str, state: dict[str, Any]) -> None:
     tmp = os.path.join(state_dir, f".{name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w") as out:
-            json.dump(state, out, separators=(",", ":"))
+            out.write(json.dumps(state, separators=(",", ":")))  # the C encoder: json.dump's is pure Python (~4x)
         os.replace(tmp, os.path.join(state_dir, name))
     except (OSError, TypeError, ValueError):
         try:
