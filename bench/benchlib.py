@@ -141,30 +141,35 @@ def layer_windows(cfg: RunConfig) -> list[int | None]:
 
 def anchor_pairs(cfg: RunConfig, batch: DraftBatch, anchors: torch.Tensor) -> list[int]:
     """Allowed (query, key) pairs per drafter layer for these anchors (one host sync per window: after timing)."""
+    from dflash.model import layer_rules
+
     b = cfg.drafter.block_size
     pos, in_doc = batch.position_ids[anchors], batch.doc_ids[anchors] >= 0
-    cache: dict[int | None, int] = {}
-    for w in layer_windows(cfg):
-        if w not in cache:
-            cache[w] = drafter_attention_pairs(pos, in_doc, b, w)
-    return [cache[w] for w in layer_windows(cfg)]
+    rules = layer_rules(cfg.drafter, layer_windows(cfg))  # window, causal block, window from the anchor per layer
+    cache: dict[Any, int] = {}
+    for r in rules:
+        if r not in cache:
+            cache[r] = drafter_attention_pairs(pos, in_doc, b, r.window, r.causal, r.from_anchor)
+    return [cache[r] for r in rules]
 
 
 def flex_tile_pairs(cfg: RunConfig, batch: DraftBatch, anchors: torch.Tensor) -> list[int]:
     """Pairs flex computes per drafter layer (whole non-empty tiles of the block mask the drafter builds for these
     anchors): the hardware count of its attention, against anchor_pairs' allowed count."""
     from dflash.flops import block_mask_pairs
-    from dflash.model import FlexShape, build_block_mask, flex_mask_mod
+    from dflash.model import FlexShape, build_block_mask, flex_mask_mod, layer_rules
 
     b = cfg.drafter.block_size
     n, m = batch.doc_ids.shape[0], anchors.shape[0] * b
     dev = batch.doc_ids.device
     shape = FlexShape(m, n + m, anchors.shape[0], n, str(dev))
-    cache: dict[int | None, int] = {}
-    for w in layer_windows(cfg):
-        if w not in cache:
-            cache[w] = block_mask_pairs(build_block_mask(flex_mask_mod(anchors, batch.doc_ids, b, w), shape, dev))
-    return [cache[w] for w in layer_windows(cfg)]
+    rules = layer_rules(cfg.drafter, layer_windows(cfg))
+    cache: dict[Any, int] = {}
+    for r in rules:
+        if r not in cache:
+            mod = flex_mask_mod(anchors, batch.doc_ids, b, r.window, r.causal, r.from_anchor)
+            cache[r] = block_mask_pairs(build_block_mask(mod, shape, dev))
+    return [cache[r] for r in rules]
 
 
 def host_batch(arrays: dict[str, torch.Tensor], hidden_dim: int = 0) -> DraftBatch:

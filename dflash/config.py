@@ -300,6 +300,7 @@ class DrafterSection(DrafterConfig):
     _attention = _v(_one_of(*_ATTENTION), "attention")
     _weights = _v(_one_of("exp", "dpace", "uniform"), "position_weights")
     _sampling = _v(_one_of("buffer", "document"), "anchor_sampling")
+    _window_from = _v(_one_of("query", "anchor"), "sliding_window_from")
     _counts = _v(_at_least(1, ">="), "num_layers", "num_heads", "num_kv_heads", "ce_chunk", "hidden_size", "head_dim",
                  "intermediate_size", "sliding_window")
     _block = _v(_at_least(2, ">="), "block_size")

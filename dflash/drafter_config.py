@@ -31,6 +31,18 @@ class DrafterConfig:
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
     sliding_window: int | None = None  # per query position: q reads keys in [q-w+1, q] (+ its block); None = all
+    # How a sliding-window layer (one whose window is not None) masks the block (issue 40's ablation: the trainers
+    # disagree); full-attention layers always read their whole context and their whole block, whatever these say.
+    # sliding_block_causal: block query k reads block key j only if j <= k (and the window allows it), z-lab's and
+    # vLLM's rule for a config.json without is_causal; false: the whole block, bidirectionally (the export then says
+    # is_causal: false).
+    sliding_block_causal: bool = False
+    # sliding_window_from: "query" counts the window per query position, as every engine serves it: the query at
+    # a + k reads context p with (a + k) - p < w and block keys j with k - j < w. "anchor" is speculators' rule
+    # (0.9.0, create_anchor_block_mask_mod): every block position reads context [a - w, a - 1] (a - p <= w) and its
+    # block keys are not windowed at all (the whole block, or j <= k when sliding_block_causal); no engine serves it,
+    # so `dflash export` refuses it (train and eval work).
+    sliding_window_from: str = "query"
     attention: str = "auto"  # auto: flex on CUDA, dense on CPU | "flex" | "dense" | "flex-eager" (debug only)
     ce_chunk: int = 1024  # rows of logits per chunk (never full fp32 logits)
     grad_checkpoint: bool | str = False  # per-layer non-reentrant checkpointing: true | false | auto (dflash/memory.py)

@@ -125,13 +125,14 @@ def load_export(path: str | Path) -> Loaded:
         hf = json.loads(cfg_path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise EvalError(f"{cfg_path}: cannot be read as JSON ({exc})") from None
-    from dflash.init_from import causal_block_layers, causal_block_reason
+    from dflash.init_from import causal_block_layers, causal_block_reason, expressible_causal
 
-    causal = causal_block_layers(hf) if isinstance(hf, dict) else []
-    if causal:
-        # our drafter runs every block bidirectionally: its tau would not be this export's
-        raise EvalError(f"{cfg_path}: {causal_block_reason(hf, causal)}, which dflash's drafter does not compute; "
-                        "its tau cannot be measured here")
+    # the block rule the engines run for this config (is_causal...): our drafter computes it when the causal layers
+    # are exactly the sliding ones (drafter.sliding_block_causal) or none; otherwise its tau would not be this export's
+    sliding_causal = expressible_causal(hf) if isinstance(hf, dict) else False
+    if sliding_causal is None:
+        raise EvalError(f"{cfg_path}: {causal_block_reason(hf, causal_block_layers(hf))}, which dflash's drafter does "
+                        "not compute (causal in full-attention layers); its tau cannot be measured here")
     try:
         dc = hf["dflash_config"]
         n = int(hf["num_hidden_layers"])
@@ -141,7 +142,8 @@ def load_export(path: str | Path) -> Loaded:
                              num_kv_heads=int(hf["num_key_value_heads"]), head_dim=int(hf["head_dim"]),
                              intermediate_size=int(hf["intermediate_size"]), block_size=int(dc["block_size"]),
                              mask_token_id=int(dc["mask_token_id"]), rope_theta=float(hf.get("rope_theta", 1e6)),
-                             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), layer_sliding_windows=windows)
+                             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), layer_sliding_windows=windows,
+                             sliding_block_causal=bool(sliding_causal))
         taps = [int(x) for x in dc["target_layer_ids"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise EvalError(f"{cfg_path}: not a DFlashDraftModel config ({exc})") from None

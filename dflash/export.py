@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dflash.checkpoint import CheckpointError, atomic_directory, load_file, verify_checkpoint
+from dflash.export_check import TRAINED_RULE_KEY
 
 # Our drafter's parameter names already follow the qwen3 layer layout; these are all the exported prefixes.
 _TOP_LEVEL = ("fc.weight", "hidden_norm.weight", "norm.weight")
@@ -56,7 +57,13 @@ def draft_config(meta: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[s
     dtype = str(state["fc.weight"].dtype).replace("torch.", "")
     if d.get("mask_token_id") is None:
         raise ExportError("checkpoint meta.json has no drafter.mask_token_id")
-    return {
+    causal, window_from = bool(d.get("sliding_block_causal", False)), str(d.get("sliding_window_from", "query"))
+    if sliding is not None and window_from != "query":
+        raise ExportError(f"drafter.sliding_window_from: {window_from}: the sliding layers were trained with the window "
+                          "counted from the anchor (speculators' rule), which no engine serves (SGLang, vLLM and "
+                          "z-lab count it per query position); `dflash eval` measures this checkpoint, an export "
+                          "needs a run with sliding_window_from: query")
+    cfg = {
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.DFlashDraftModel"},
         "model_type": "qwen3",
@@ -79,7 +86,7 @@ def draft_config(meta: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[s
         "sliding_window": sliding,
         "use_sliding_window": sliding is not None,
         "max_window_layers": n_layers,
-        "is_causal": False,  # a block sees itself bidirectionally
+        "is_causal": False,  # a block sees itself bidirectionally (dropped below for a causal-sliding drafter)
         "use_cache": False,
         "dtype": dtype,
         "block_size": int(d["block_size"]),
@@ -89,7 +96,15 @@ def draft_config(meta: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[s
             "target_layer_ids": [int(x) for x in t["tap_layers"]],  # read from hidden_states[id + 1]
             "mask_token_id": int(d["mask_token_id"]),
         },
+        # ours alone (export_check.TRAINED_RULE_KEY): no engine reads it; `dflash export --check` compares it with
+        # what the engines derive from is_causal. Never dflash_config.causal: vLLM reads that one.
+        TRAINED_RULE_KEY: {"sliding_block_causal": causal, "sliding_window_from": window_from},
     }
+    if causal and sliding is not None:
+        # Trained causal in the sliding layers only: no is_causal value says that (true makes every layer causal),
+        # its absence does: vLLM, SGLang and z-lab's modeling then run exactly the sliding_attention layers causal.
+        del cfg["is_causal"]
+    return cfg
 
 
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

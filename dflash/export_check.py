@@ -40,6 +40,11 @@ LAYER_TENSORS = (
     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
 )
 SERVING_DTYPES = ("bfloat16", "float16", "float32")
+# How the drafter was trained to mask its block in sliding-window layers (drafter.sliding_block_causal and
+# drafter.sliding_window_from), written by `dflash export` for this check. A top-level key of ours that no engine
+# reads (vLLM reads is_causal and dflash_config.causal, SGLang is_causal, z-lab's modeling file is_causal): engines
+# decide from is_causal alone, this key only lets the check tell whether what they decide is what was trained.
+TRAINED_RULE_KEY = "dflash_trained_block_rule"
 _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
               "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 BOTH = "SGLang and vLLM"
@@ -339,9 +344,9 @@ def _check_attention(cfg: dict[str, Any], dc: dict[str, Any], res: CheckResult) 
                      "(transformers' Qwen3Config drops sliding_window otherwise)", BOTH)
         if _is_int(w):
             res.notes.append(f"sliding layers {sliding}: SGLang and vLLM apply the window per query position (a query "
-                             f"at q reads keys in [q-{w}+1, q]) and, with is_causal false, the block bidirectionally: "
-                             "the rule dflash trains (speculators counts the window from the anchor and runs the block "
-                             "causal unless sliding_window_non_causal)")
+                             f"at q reads keys in [q-{w}+1, q]) and, with is_causal false, the block bidirectionally, "
+                             "without is_causal causally: dflash trains either (drafter.sliding_block_causal); "
+                             "speculators counts the window from the anchor, which no engine serves")
         if len(sliding) < len(types or []):
             res.notes.append(f"layer_types mixes sliding and full attention (sliding: {sliding}): vLLM serves it only "
                              "with the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
@@ -355,9 +360,58 @@ def _check_attention(cfg: dict[str, Any], dc: dict[str, Any], res: CheckResult) 
     _rule(res)
     if dc.get("use_swa") and len(sliding) != len(types or [1]):
         res.fail("config.json dflash_config.use_swa", "forces sliding attention on every layer", "vLLM")
+    _check_causal(cfg, dc, sliding, res)
+
+
+def served_causal_layers(cfg: dict[str, Any]) -> list[int]:
+    """The layers whose block the engines run causal (a query reads only the block tokens up to itself): vLLM's
+    `_dflash_layer_causal` (is_causal, then dflash_config.causal, then causal iff the layer is sliding_attention),
+    SGLang's `_get_dflash_layer_attention_params` (is_causal, else sliding_attention layers causal) and z-lab's
+    modeling file agree on it for every config `dflash export` writes."""
+    n = int(cfg.get("num_hidden_layers") or 0)
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    if cfg.get("is_causal") is not None:
+        return list(range(n)) if cfg.get("is_causal") else []
+    if (cfg.get("dflash_config") or {}).get("causal") is not None:
+        return list(range(n)) if cfg["dflash_config"]["causal"] else []
+    return [i for i, t in enumerate(types) if t == "sliding_attention"]
+
+
+def trained_block_rule(cfg: dict[str, Any]) -> tuple[bool, str]:
+    """(sliding_block_causal, sliding_window_from) the export says it was trained with (TRAINED_RULE_KEY); an export
+    without the key (an older dflash export, a drafter from elsewhere) counts as trained bidirectionally per query."""
+    rule = cfg.get(TRAINED_RULE_KEY)
+    rule = rule if isinstance(rule, dict) else {}
+    return bool(rule.get("sliding_block_causal", False)), str(rule.get("sliding_window_from", "query"))
+
+
+def _check_causal(cfg: dict[str, Any], dc: dict[str, Any], sliding: list[int], res: CheckResult) -> None:
+    """Whether the engines mask the block in each layer as it was trained: bidirectionally everywhere (is_causal
+    false), or causal in the sliding layers only (drafter.sliding_block_causal: is_causal absent, the engines' own
+    default for sliding_attention layers)."""
+    causal, window_from = trained_block_rule(cfg)
     _rule(res)
-    # vLLM _dflash_layer_causal: is_causal, then dflash_config.causal, then "causal iff sliding layer". The trained
-    # block attention is bidirectional inside the block on every layer.
+    if sliding and window_from != "query":
+        res.fail(f"config.json {TRAINED_RULE_KEY}.sliding_window_from", f"{window_from!r}: trained with the window "
+                 "counted from the anchor (speculators' rule), which no engine applies: they count it per query "
+                 "position", BOTH)
+    _rule(res)
+    if causal and sliding:
+        if cfg.get("is_causal") is not None:
+            res.fail("config.json is_causal", f"must be absent: the drafter was trained with its sliding layers "
+                     f"{sliding} causal inside the block, which the engines run only without is_causal "
+                     f"({cfg.get('is_causal')!r} makes " + ("every layer causal)" if cfg.get("is_causal") else
+                                                            "them bidirectional)"), BOTH)
+        if dc.get("causal") is not None:
+            res.fail("config.json dflash_config.causal", f"{dc.get('causal')!r} overrides the per-layer rule on every "
+                     "layer (the drafter was trained causal in its sliding layers only)", "vLLM")
+        if served_causal_layers(cfg) == sliding:
+            res.notes.append(f"sliding layers {sliding}: is_causal is absent, so vLLM, SGLang and z-lab's modeling run "
+                             "them causal inside the block, which is what this drafter was trained for "
+                             "(drafter.sliding_block_causal)")
+        return
+    # Trained bidirectionally on every layer: only an explicit is_causal false says so to every engine (vLLM
+    # _dflash_layer_causal and SGLang make sliding layers causal without it).
     if cfg.get("is_causal") is not False:
         res.fail("config.json is_causal", f"must be false (the block attends to itself bidirectionally), got "
                  f"{cfg.get('is_causal')!r}", "vLLM" + (" makes the sliding layers causal" if sliding and
@@ -465,5 +519,5 @@ def render(res: CheckResult, where: str) -> str:
         f"{where}: {len(res.problems)} problem(s); SGLang/vLLM would misread this export"
 
 
-__all__ = ["CheckResult", "TargetFacts", "check_export", "check_finite", "read_safetensors_header",
-           "target_facts_from_dir", "render"]
+__all__ = ["TRAINED_RULE_KEY", "CheckResult", "TargetFacts", "check_export", "check_finite",
+           "read_safetensors_header", "served_causal_layers", "target_facts_from_dir", "trained_block_rule", "render"]

@@ -115,22 +115,27 @@ def target_forward_flops(costs: Sequence[TargetLayerCost], doc_lengths: Sequence
 
 # ---------------------------------------------------------------------------------------------- the drafter
 def drafter_attention_pairs(anchor_positions: Tensor, anchor_in_doc: Tensor, block_size: int,
-                            window: int | None) -> int:
+                            window: int | None, causal: bool = False, from_anchor: bool = False) -> int:
     """(query, key) pairs the drafter's mask allows, summed over all anchors: what dense_mask(...).sum() counts,
     without building the [A*B, N + A*B] mask.
 
     Query k of the block at anchor a (position `pos` in its document) reads context keys p in its document with
     p < a and a + k - p < w: min(pos, w - k - 1) of them (pos without a window); and the block keys j with
-    k - j < w: B - max(0, k - w + 1). An anchor outside any document (padding) reads no context.
+    k - j < w: B - max(0, k - w + 1), or with `causal` (j <= k too) min(k + 1, w). Window counted from the anchor
+    (`from_anchor`): min(pos, w) context keys for every k, the block unwindowed (B, or k + 1 causal). An anchor
+    outside any document (padding) reads no context.
     """
     k = torch.arange(block_size, device=anchor_positions.device)
     pos = anchor_positions.long()[:, None]
     if window is None:
         ctx = pos.expand(-1, block_size)
-        blk = torch.full((block_size,), block_size, device=k.device)
+        blk = k + 1 if causal else torch.full((block_size,), block_size, device=k.device)
+    elif from_anchor:
+        ctx = pos.clamp(max=window).expand(-1, block_size)
+        blk = k + 1 if causal else torch.full((block_size,), block_size, device=k.device)
     else:
         ctx = torch.minimum(pos, (window - k - 1).clamp(min=0)[None, :])
-        blk = block_size - (k - window + 1).clamp(min=0)
+        blk = (k + 1).clamp(max=window) if causal else block_size - (k - window + 1).clamp(min=0)
     ctx = ctx * anchor_in_doc.long()[:, None]
     return int(ctx.sum()) + int(blk.sum()) * anchor_positions.shape[0]
 

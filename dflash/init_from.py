@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dflash.export_check import read_safetensors_header
+from dflash.export_check import read_safetensors_header, served_causal_layers
 from dflash.model import DFlashDrafter, DrafterConfig
 
 
@@ -43,15 +43,14 @@ def _value(cfg: dict[str, Any], key: str) -> Any:
 
 def causal_block_layers(cfg: dict[str, Any]) -> list[int]:
     """The layers whose block runs causal (a query sees only the block tokens up to itself) under the rule vLLM
-    applies (`is_causal`, then `dflash_config.causal`, then causal iff the layer is sliding_attention) and z-lab's
-    modeling file shares: a config without `is_causal` runs its sliding layers causal inside the block."""
+    applies (`is_causal`, then `dflash_config.causal`, then causal iff the layer is sliding_attention) and SGLang and
+    z-lab's modeling file share: a config without `is_causal` runs its sliding layers causal inside the block."""
+    return served_causal_layers(cfg)
+
+
+def sliding_layers(cfg: dict[str, Any]) -> list[int]:
     n = int(cfg.get("num_hidden_layers") or 0)
-    types = cfg.get("layer_types") or ["full_attention"] * n
-    if cfg.get("is_causal") is not None:
-        return list(range(n)) if cfg.get("is_causal") else []
-    if (cfg.get("dflash_config") or {}).get("causal") is not None:
-        return list(range(n)) if cfg["dflash_config"]["causal"] else []
-    return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    return [i for i, t in enumerate(cfg.get("layer_types") or ["full_attention"] * n) if t == "sliding_attention"]
 
 
 def causal_block_reason(cfg: dict[str, Any], layers: list[int]) -> str:
@@ -59,6 +58,16 @@ def causal_block_reason(cfg: dict[str, Any], layers: list[int]) -> str:
         if (cfg.get("dflash_config") or {}).get("causal") else "its config has no is_causal, and sliding_attention " \
         "layers then run causal inside the block (z-lab's and vLLM's rule)"
     return f"layers {layers} draft the block causally ({why})"
+
+
+def expressible_causal(cfg: dict[str, Any]) -> bool | None:
+    """drafter.sliding_block_causal for the block rule this config makes the engines run, or None when no drafter
+    config expresses it: dflash runs the block causal in exactly the sliding layers or in none, never in a
+    full-attention layer (is_causal or dflash_config.causal true on a drafter with full layers)."""
+    causal = served_causal_layers(cfg)
+    if not causal:
+        return False
+    return True if causal == sliding_layers(cfg) else None
 
 
 def check_init_from(export_dir: str | Path, dcfg: DrafterConfig, target_hidden: int, taps: list[int]) -> None:
@@ -89,9 +98,22 @@ def check_init_from(export_dir: str | Path, dcfg: DrafterConfig, target_hidden: 
         raise InitFromError(f"{where}: per-layer sliding windows {windows}, this run's are {ours}; set "
                             f"drafter.layer_sliding_windows: {windows}")
     causal = causal_block_layers(cfg)
-    if causal:
-        raise InitFromError(f"{where}: {causal_block_reason(cfg, causal)}; dflash trains the block bidirectionally on "
-                            "every layer, so training from it would silently change what those layers compute")
+    want = expressible_causal(cfg)
+    if want is None:
+        raise InitFromError(f"{where}: {causal_block_reason(cfg, causal)}; dflash runs the block causal in its "
+                            "sliding-window layers at most (drafter.sliding_block_causal), so training from it would "
+                            "silently change what its full-attention layers compute")
+    sliding = sliding_layers(cfg)
+    if sliding and want != bool(dcfg.sliding_block_causal):
+        why = causal_block_reason(cfg, causal) if want else "its block is bidirectional in every layer (is_causal " \
+            "false)"
+        raise InitFromError(f"{where}: {why}; this run's drafter.sliding_block_causal is "
+                            f"{str(bool(dcfg.sliding_block_causal)).lower()}: set drafter.sliding_block_causal: "
+                            f"{str(want).lower()} (training and its export then keep that rule)")
+    if sliding and dcfg.sliding_window_from != "query":
+        raise InitFromError(f"{where}: its sliding layers count the window per query position (the engines' rule), "
+                            f"this run's drafter.sliding_window_from is {dcfg.sliding_window_from}; set "
+                            "drafter.sliding_window_from: query")
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 1e6)))
     if theta != float(dcfg.rope_theta):

@@ -109,20 +109,23 @@ def sample_anchors(
 
 def block_attention_rule(
     q_idx: Tensor, kv: Tensor, anchors: Tensor, doc_ids: Tensor, n_ctx: int, block_size: int,
-    window: int | Tensor | None,
+    window: int | Tensor | None, causal: bool | Tensor = False, from_anchor: bool | Tensor = False,
 ) -> Tensor:
     """The one mask rule, elementwise (broadcasting): may query `q_idx` (block q_idx // B, offset q_idx % B) read key
     index `kv`?
 
     Keys 0..N-1 are context positions: allowed iff same document as the anchor and strictly before the anchor (`<`:
     the serving drafter never sees the anchor's own target state). Keys N.. are the blocks' own tokens: allowed iff
-    they belong to the same block (bidirectional inside the block).
+    they belong to the same block (bidirectional inside the block), and with `causal` only block keys j <= the
+    query's offset k. The caller passes causal only for sliding-window layers (drafter.sliding_block_causal):
+    full-attention layers always see the whole block.
 
-    Sliding window `w`, per query position as serving engines apply it: the query at absolute position q = a + k
-    (anchor a, block offset k) reads keys at positions >= q - w + 1, i.e. [q-w+1, q] plus the later tokens of its own
-    block (bidirectional). So a context position p needs q - p < w, and a block key at offset j needs k - j < w.
-    A window measured from the anchor for the whole block (`a - p <= w`) lets late block positions read context
-    that the exported sliding-window layer will not give them at serving time.
+    Sliding window `w`, per query position as serving engines apply it (`from_anchor` false): the query at absolute
+    position q = a + k (anchor a, block offset k) reads keys at positions >= q - w + 1, i.e. [q-w+1, q] plus, when
+    bidirectional, the later tokens of its own block. So a context position p needs q - p < w, and a block key at
+    offset j needs k - j < w. `from_anchor` is speculators' rule instead (drafter.sliding_window_from: anchor):
+    every block position reads context [a-w, a-1] (a - p <= w) and its block keys unwindowed; late block positions
+    then read context that an engine's sliding-window layer will not give them at serving time.
     Both the dense mask and the flex mask_mod are this function, so they cannot disagree.
     """
     q_block = torch.div(q_idx, block_size, rounding_mode="floor")
@@ -133,38 +136,80 @@ def block_attention_rule(
     doc_p = doc_ids[p]
     ctx_ok = is_ctx & (doc_p == doc_ids[a]) & (doc_p >= 0) & (p < a)
     kv_block = torch.div(kv - n_ctx, block_size, rounding_mode="floor")
+    kv_off = kv - n_ctx - kv_block * block_size
     blk_ok = (~is_ctx) & (kv_block == q_block)
-    if window is not None:
+    if isinstance(causal, Tensor):  # a 0-d bool per layer (the flex closure): one graph for causal and not
+        blk_ok = blk_ok & ((kv_off <= q_off) | ~causal)
+    elif causal:
+        blk_ok = blk_ok & (kv_off <= q_off)
+    if window is None:
+        return ctx_ok | blk_ok
+    if isinstance(from_anchor, Tensor):  # a 0-d bool (the flex closure): both window rules in one graph
+        ctx_ok = ctx_ok & torch.where(from_anchor, a - p <= window, a + q_off - p < window)
+        blk_ok = blk_ok & ((q_off - kv_off < window) | from_anchor)
+    elif from_anchor:
+        ctx_ok = ctx_ok & (a - p <= window)
+    else:
         ctx_ok = ctx_ok & (a + q_off - p < window)
-        blk_ok = blk_ok & (q_off - (kv - n_ctx - kv_block * block_size) < window)
+        blk_ok = blk_ok & (q_off - kv_off < window)
     return ctx_ok | blk_ok
 
 
-def dense_mask(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int | None) -> Tensor:
+@dataclass(frozen=True)
+class MaskRule:
+    """How one layer masks its block: its window (None = full attention) and whether the block is causal there.
+
+    Built from the drafter config by `layer_rules`, so the dense path, the flex path and the per-layer mask cache
+    all key on the same thing. A full-attention layer's rule is always (None, False, False): the sliding options
+    cannot change it."""
+
+    window: int | None
+    causal: bool = False
+    from_anchor: bool = False
+
+
+def layer_rules(cfg: DrafterConfig, windows: list[int | None]) -> list[MaskRule]:
+    """One MaskRule per layer: causal and from_anchor only matter where the layer has a window (full-attention
+    layers are never affected, so a full layer's rule is the same whatever the sliding options say)."""
+    if cfg.sliding_window_from not in ("query", "anchor"):
+        raise ValueError(f"drafter.sliding_window_from must be query or anchor, got {cfg.sliding_window_from!r}")
+    anchor = cfg.sliding_window_from == "anchor"
+    return [MaskRule(w, bool(cfg.sliding_block_causal) and w is not None, anchor and w is not None) for w in windows]
+
+
+def dense_mask(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int | None, causal: bool = False,
+               from_anchor: bool = False) -> Tensor:
     """[A*B, N + A*B] bool mask for SDPA: exact, any device, with backward (memory grows as A*B*N: CPU/tests only)."""
     n = doc_ids.shape[0]
     m = anchors.shape[0] * block_size
     q_idx = torch.arange(m, device=doc_ids.device)
     kv = torch.arange(n + m, device=doc_ids.device)
-    return block_attention_rule(q_idx[:, None], kv[None, :], anchors, doc_ids, n, block_size, window)
+    return block_attention_rule(q_idx[:, None], kv[None, :], anchors, doc_ids, n, block_size, window, causal,
+                                from_anchor)
 
 
-def flex_mask_mod(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int | None) -> Callable[..., Tensor]:
+def flex_mask_mod(anchors: Tensor, doc_ids: Tensor, block_size: int, window: int | None, causal: bool = False,
+                  from_anchor: bool = False) -> Callable[..., Tensor]:
     """The same rule as a flex-attention mask_mod (b, h, q_idx, kv_idx) -> bool.
 
     What the closure holds is what dynamo guards on when the mask is compiled: `anchors` [A] and `doc_ids` [N] (sized
-    by the config, fixed for a run), the config's block size, and the window as a 0-d tensor rather than a Python
-    int, so layers with different windows share one compiled graph instead of one graph (and one cache entry) each.
-    No window is a window longer than any query can see (N + A*B), which the rule treats exactly as None.
+    by the config, fixed for a run), the config's block size, and the window and the causal flag as 0-d tensors
+    rather than Python values, so layers with different windows (a full layer and a sliding one, causal or not)
+    share one compiled graph instead of one graph (and one cache entry) each. No window is a window longer than any
+    query can see (N + A*B), which the rule treats exactly as None under either window rule. The window rule
+    (`from_anchor`) is a 0-d tensor too: the compiled mask is per FlexShape and process-wide, so two drafters of one
+    shape with different rules (tests, a bench comparing them) share it instead of recompiling.
     """
     n = doc_ids.shape[0]
     limit = window if window is not None else n + anchors.shape[0] * block_size
     # filled on the device, not copied from a host int: torch.tensor(limit, device=cuda) is a pageable host-to-device
     # copy, which makes the host wait for the GPU twice per drafter step (bench/step_phases.py, host_syncs)
     window_t = torch.full((), limit, dtype=torch.long, device=doc_ids.device)
+    causal_t = torch.full((), bool(causal), dtype=torch.bool, device=doc_ids.device)
+    anchor_t = torch.full((), bool(from_anchor), dtype=torch.bool, device=doc_ids.device)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return block_attention_rule(q_idx, kv_idx, anchors, doc_ids, n, block_size, window_t)
+        return block_attention_rule(q_idx, kv_idx, anchors, doc_ids, n, block_size, window_t, causal_t, anchor_t)
 
     return mask_mod
 
@@ -459,6 +504,7 @@ class DFlashDrafter(nn.Module):
             if cfg.layer_sliding_windows is not None
             else [cfg.sliding_window] * cfg.num_layers
         )
+        self.rules: list[MaskRule] = layer_rules(cfg, self.windows)
         default_device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.attention_backend: str = resolve_attention(cfg.attention, default_device)
         # torch.compile backend of the flex kernels: inductor in training; "eager" lets CPU tests run the compiled
@@ -510,7 +556,7 @@ class DFlashDrafter(nn.Module):
         return attend
 
     def _attenders(self, anchors: Tensor, doc_ids: Tensor, m: int) -> list[Callable[[Tensor, Tensor, Tensor], Tensor]]:
-        """One attend function per layer; layers sharing a window share one mask."""
+        """One attend function per layer; layers sharing a MaskRule (window, causal, window rule) share one mask."""
         b = self.cfg.block_size
         n = doc_ids.shape[0]
         if self.cfg.attention == "auto":
@@ -518,17 +564,18 @@ class DFlashDrafter(nn.Module):
             # CPU backward). attention_backend always names what the last forward really used.
             self.attention_backend = resolve_attention("auto", doc_ids.device)
         backend = self.attention_backend
-        cache: dict[int | None, Callable[[Tensor, Tensor, Tensor], Tensor]] = {}
-        for w in self.windows:
-            if w in cache:
+        cache: dict[MaskRule, Callable[[Tensor, Tensor, Tensor], Tensor]] = {}
+        for r in self.rules:
+            if r in cache:
                 continue
             if backend == "dense":
-                cache[w] = self._dense_attend(dense_mask(anchors, doc_ids, b, w))
+                cache[r] = self._dense_attend(dense_mask(anchors, doc_ids, b, r.window, r.causal, r.from_anchor))
             else:
                 shape = FlexShape(m, n + m, anchors.shape[0], n, str(doc_ids.device), self.flex_compile_backend)
-                block_mask = build_block_mask(flex_mask_mod(anchors, doc_ids, b, w), shape, doc_ids.device)
-                cache[w] = self._flex_attend(block_mask, shape if backend == "flex-compiled" else None)
-        return [cache[w] for w in self.windows]
+                mod = flex_mask_mod(anchors, doc_ids, b, r.window, r.causal, r.from_anchor)
+                block_mask = build_block_mask(mod, shape, doc_ids.device)
+                cache[r] = self._flex_attend(block_mask, shape if backend == "flex-compiled" else None)
+        return [cache[r] for r in self.rules]
 
     def block_states(self, batch: DraftBatch, embed_tokens: nn.Embedding, anchors: Tensor) -> Tensor:
         """[A*B, H] final-normed states of every block (anchor + B-1 mask tokens); logits are `lm_head` of these.
@@ -682,6 +729,7 @@ __all__ = [
     "DraftOutput",
     "DrafterConfig",
     "FlexShape",
+    "MaskRule",
     "anchor_candidates",
     "block_attention_rule",
     "chunked_cross_entropy",
@@ -692,5 +740,6 @@ __all__ = [
     "flex_kernels",
     "flex_mask_mod",
     "isolated_compile",
+    "layer_rules",
     "sample_anchors",
 ]

@@ -5,9 +5,14 @@ trust_remote_code=True)` builds the real drafter (fc, hidden_norm, layers, norm)
 Self-contained on purpose (torch + transformers only): whoever loads an export does not have this package. The
 computation is the one `dflash.model.DFlashDrafter.block_states` trains, for the serving case of one block per row:
 the block (anchor + mask tokens) attends to the fused target states of every position before the anchor and to
-itself bidirectionally; a sliding-window layer lets the query at absolute position q read keys at positions
->= q - w + 1 only (the per-query rule of `dflash.model.block_attention_rule`). The call signature is the one of
-z-lab/dflash's `DFlashDraftModel.forward`, so its generation loop can drive this model unchanged.
+itself; a sliding-window layer lets the query at absolute position q read keys at positions >= q - w + 1 only (the
+per-query rule of `dflash.model.block_attention_rule`). Which layers read their block causally (block token j only
+from queries k >= j) is decided from config.json as vLLM (`_dflash_layer_causal`), SGLang and z-lab's modeling
+decide it: `is_causal` for every layer, else `dflash_config.causal`, else causal iff the layer is sliding_attention.
+`dflash export` writes `is_causal: false` for a drafter trained bidirectionally and leaves it out for one trained
+with `drafter.sliding_block_causal`, so this model computes what was trained and what the engines serve. The call
+signature is the one of z-lab/dflash's `DFlashDraftModel.forward`, so its generation loop can drive this model
+unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +28,19 @@ from transformers import PreTrainedModel, Qwen3Config
 def _dflash_value(config: Any, name: str, default: Any = None) -> Any:
     """`dflash_config[name]`, falling back to a top-level config attribute (both layouts exist in the wild)."""
     return (getattr(config, "dflash_config", None) or {}).get(name, getattr(config, name, default))
+
+
+def _layer_causal(config: Any, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` reads its block causally, by the engines' rule (is_causal, then
+    dflash_config.causal, then sliding_attention layers causal)."""
+    is_causal = getattr(config, "is_causal", None)
+    if is_causal is not None:
+        return bool(is_causal)
+    override = (getattr(config, "dflash_config", None) or {}).get("causal")
+    if override is not None:
+        return bool(override)
+    types = getattr(config, "layer_types", None)
+    return bool(types) and types[layer_idx] == "sliding_attention"
 
 
 def _rope_theta(config: Any) -> float:
@@ -76,6 +94,7 @@ class DFlashAttention(nn.Module):
         types = getattr(config, "layer_types", None)
         sliding = bool(types) and types[layer_idx] == "sliding_attention"
         self.sliding_window: int | None = int(config.sliding_window) if sliding else None
+        self.causal = _layer_causal(config, layer_idx)
 
     def forward(self, x: Tensor, ctx: Tensor, q_pos: Tensor, kv_pos: Tensor, theta: float,
                 attention_mask: Tensor | None, cache: Any | None) -> Tensor:
@@ -97,6 +116,8 @@ class DFlashAttention(nn.Module):
         visible = torch.ones(bsz, 1, q_len, k.shape[2], dtype=torch.bool, device=x.device)
         if self.sliding_window is not None:
             visible = visible & (key_pos[:, None, None, :] > q_pos[:, None, :, None] - self.sliding_window)
+        if self.causal:  # context keys all precede the anchor: only later block tokens are hidden
+            visible = visible & (key_pos[:, None, None, :] <= q_pos[:, None, :, None])
         if attention_mask is not None:
             extra = attention_mask if attention_mask.dtype == torch.bool else attention_mask >= 0
             visible = visible & extra

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash.model import DFlashDrafter, dense_mask, rope_cos_sin
+from dflash.model import DFlashDrafter, MaskRule, dense_mask, rope_cos_sin
 
 
 class LosslessError(RuntimeError):
@@ -290,11 +290,11 @@ def draft_block_logits(drafter: DFlashDrafter, embed_tokens: nn.Embedding, lm_he
                                cfg.rope_theta, x.dtype)
         anchors = torch.tensor([a], device=dev)
         docs = torch.zeros(a + 1, dtype=torch.long, device=dev)
-        masks: dict[int | None, Tensor] = {}
-        for layer, w in zip(drafter.layers, drafter.windows, strict=True):
-            if w not in masks:
-                masks[w] = dense_mask(anchors, docs, b, w)  # [B, a + 1 + B]
-            x = layer(x, slots, rope_q, rope_kv, _dense_attend(masks[w]))
+        masks: dict[MaskRule, Tensor] = {}
+        for layer, r in zip(drafter.layers, drafter.rules, strict=True):  # each layer's window and block rule
+            if r not in masks:
+                masks[r] = dense_mask(anchors, docs, b, r.window, r.causal, r.from_anchor)  # [B, a + 1 + B]
+            x = layer(x, slots, rope_q, rope_kv, _dense_attend(masks[r]))
         x = drafter.norm(x)
         return F.linear(x[1:].to(lm_head.weight.dtype), lm_head.weight, lm_head.bias)
 

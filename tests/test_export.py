@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,17 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("run")
     cfg = run_config(train={"max_steps": 2, "checkpoint_every": 0},
                      drafter={"num_layers": 2, "layer_sliding_windows": [3, None]},
+                     target={"tap_layers": [0, 2]})
+    assert train(cfg, out).exit_code == 0
+    return out / "checkpoints" / "step-2"
+
+
+@pytest.fixture(scope="module")
+def trained_causal(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same drafter trained with its sliding layer causal inside the block (z-lab's / vLLM's rule)."""
+    out = tmp_path_factory.mktemp("run-causal")
+    cfg = run_config(train={"max_steps": 2, "checkpoint_every": 0},
+                     drafter={"num_layers": 2, "layer_sliding_windows": [3, None], "sliding_block_causal": True},
                      target={"tap_layers": [0, 2]})
     assert train(cfg, out).exit_code == 0
     return out / "checkpoints" / "step-2"
@@ -79,46 +91,126 @@ def test_export_refuses_corrupt_checkpoint_and_non_empty_out(trained: Path, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_automodel_with_remote_code_loads_the_drafter_and_matches_dflash_model(trained: Path, tmp_path: Path) -> None:
-    from transformers import AutoModel
+def _probe(vocab: int) -> tuple[torch.nn.Embedding, torch.nn.Linear, Any, torch.Tensor]:
+    """A frozen embedding / LM head and a packed buffer: doc 0 = 0..29, doc 1 = 30..49, padding after; anchors near a
+    doc start (less context than the window of 3), deep inside (the window binds, differently per block row) and in
+    the second document."""
+    from dflash.model import DraftBatch
 
-    from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig
-
-    dst = export_checkpoint(trained, tmp_path / "hf", dtype="float32")  # exact logits need the training dtype
-    hf, info = AutoModel.from_pretrained(str(dst), trust_remote_code=True, output_loading_info=True)
-    assert type(hf).__name__ == "DFlashDraftModel"
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    state = load_file(trained, "drafter.pt")
-    assert set(hf.state_dict()) == set(state)
-    assert all(torch.equal(hf.state_dict()[k], state[k]) for k in state)
-
-    meta = load_file(trained, "meta.json")
-    dcfg = DrafterConfig(**meta["drafter"])
-    ours = DFlashDrafter(dcfg, target_hidden_size=32, num_taps=2)
-    ours.load_state_dict(state)
-    ours.eval()
-    hf.eval()
-    vocab, b = int(meta["target"]["vocab_size"]), dcfg.block_size
     g = torch.Generator().manual_seed(0)
     emb = torch.nn.Embedding(vocab, 32)
     head = torch.nn.Linear(32, vocab, bias=False)
-    # a packed buffer: doc 0 = 0..29, doc 1 = 30..49, padding after; anchors near a doc start (less context than the
-    # window of 3), deep inside (the window binds, differently per block row) and in the second document
     n = 64
     doc = torch.tensor([0] * 30 + [1] * 20 + [-1] * 14)
     pos = torch.cat([torch.arange(30), torch.arange(20), torch.zeros(14, dtype=torch.long)])
     batch = DraftBatch(hidden=torch.randn(n, 64, generator=g), input_ids=torch.randint(0, vocab - 1, (n,), generator=g),
                        loss_mask=doc >= 0, position_ids=pos, doc_ids=doc)
-    anchors = torch.tensor([0, 1, 17, 33, 45])
+    return emb, head, batch, torch.tensor([0, 1, 17, 33, 45])
+
+
+def _hf_block_logits(hf: Any, emb: torch.nn.Embedding, head: torch.nn.Linear, batch: Any, anchors: torch.Tensor,
+                     b: int, mask: int) -> torch.Tensor:
+    """[A, B, V]: the exported HF model drafting each anchor's block alone, as an engine does."""
+    rows = []
     with torch.no_grad():
-        want = head(ours.block_states(batch, emb, anchors)).view(len(anchors), b, vocab)
-        for j, a in enumerate(anchors.tolist()):
+        for a in anchors.tolist():
             start = 0 if a < 30 else 30  # the anchor's document: its context is every earlier position in it
-            block = torch.full((b,), int(dcfg.mask_token_id))
+            block = torch.full((b,), mask)
             block[0] = batch.input_ids[a]
             got = hf(position_ids=torch.arange(0, a - start + b)[None], noise_embedding=emb(block)[None],
                      target_hidden=batch.hidden[start:a][None])
-            torch.testing.assert_close(head(got[0]), want[j], rtol=1e-5, atol=1e-5)
+            rows.append(head(got[0]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("which", ["bidirectional", "causal"])
+def test_automodel_with_remote_code_loads_the_drafter_and_matches_dflash_model(
+        which: str, trained: Path, trained_causal: Path, tmp_path: Path) -> None:
+    """For either sliding-layer rule the export's own modeling file (what engines are checked against) and dflash
+    eval's `load_export` both give the training checkpoint's block logits."""
+    from transformers import AutoModel
+
+    from dflash.eval import load_checkpoint, load_export
+    from dflash.model import DFlashDrafter, DrafterConfig
+
+    ckpt = trained if which == "bidirectional" else trained_causal
+    dst = export_checkpoint(ckpt, tmp_path / "hf", dtype="float32")  # exact logits need the training dtype
+    hf, info = AutoModel.from_pretrained(str(dst), trust_remote_code=True, output_loading_info=True)
+    assert type(hf).__name__ == "DFlashDraftModel"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    state = load_file(ckpt, "drafter.pt")
+    assert set(hf.state_dict()) == set(state)
+    assert all(torch.equal(hf.state_dict()[k], state[k]) for k in state)
+
+    meta = load_file(ckpt, "meta.json")
+    dcfg = DrafterConfig(**meta["drafter"])
+    assert dcfg.sliding_block_causal is (which == "causal")
+    ours = DFlashDrafter(dcfg, target_hidden_size=32, num_taps=2)
+    ours.load_state_dict(state)
+    ours.eval()
+    hf.eval()
+    vocab, b = int(meta["target"]["vocab_size"]), dcfg.block_size
+    emb, head, batch, anchors = _probe(vocab)
+    with torch.no_grad():
+        want = head(ours.block_states(batch, emb, anchors)).view(len(anchors), b, vocab)
+        from_ckpt = head(load_checkpoint(ckpt).drafter.block_states(batch, emb, anchors)).view(len(anchors), b, vocab)
+        loaded = load_export(dst).drafter
+        from_export = head(loaded.block_states(batch, emb, anchors)).view(len(anchors), b, vocab)
+    assert loaded.cfg.sliding_block_causal is (which == "causal")
+    torch.testing.assert_close(from_ckpt, want, rtol=0, atol=0)
+    torch.testing.assert_close(from_export, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_hf_block_logits(hf, emb, head, batch, anchors, b, int(dcfg.mask_token_id)), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_causal_sliding_drafter_exports_without_is_causal_and_the_rule_decides_its_logits(
+        trained_causal: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """sliding_block_causal is served by leaving is_causal out (vLLM, SGLang and z-lab then run the sliding layers
+    causal); the trained rule is recorded under our own key, never dflash_config.causal (vLLM reads that). The same
+    weights with is_causal false draft different logits, so the round trip above really tests the causal rule."""
+    from transformers import AutoModel
+
+    from dflash.cli import main
+    from dflash.export_check import TRAINED_RULE_KEY
+
+    dst = export_checkpoint(trained_causal, tmp_path / "hf", dtype="float32")
+    cfg = json.loads((dst / "config.json").read_text())
+    assert "is_causal" not in cfg and "causal" not in cfg["dflash_config"]
+    assert cfg[TRAINED_RULE_KEY] == {"sliding_block_causal": True, "sliding_window_from": "query"}
+    assert main(["export", "--check", str(dst)]) == 0
+    assert "is what this drafter was trained for" in capsys.readouterr().out
+
+    meta = load_file(trained_causal, "meta.json")
+    vocab, b, mask = int(meta["target"]["vocab_size"]), int(meta["drafter"]["block_size"]), \
+        int(meta["drafter"]["mask_token_id"])
+    emb, head, batch, anchors = _probe(vocab)
+    causal = _hf_block_logits(AutoModel.from_pretrained(str(dst), trust_remote_code=True).eval(), emb, head, batch,
+                              anchors, b, mask)
+    (dst / "config.json").write_text(json.dumps({**cfg, "is_causal": False}))
+    bidirectional = _hf_block_logits(AutoModel.from_pretrained(str(dst), trust_remote_code=True).eval(), emb, head,
+                                     batch, anchors, b, mask)
+    assert (causal - bidirectional).abs().max() > 1e-3
+
+
+def test_export_refuses_a_window_counted_from_the_anchor_in_one_line(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """speculators' window rule trains and evaluates, but no engine serves it: nothing is written."""
+    from dflash.cli import main
+    from dflash.eval import load_checkpoint
+
+    out = tmp_path / "run"
+    cfg = run_config(train={"max_steps": 1, "checkpoint_every": 0, "eval_every": 0},
+                     drafter={"num_layers": 2, "layer_sliding_windows": [3, None], "sliding_window_from": "anchor"},
+                     target={"tap_layers": [0, 2]})
+    assert train(cfg, out).exit_code == 0
+    ckpt = out / "checkpoints" / "step-1"
+    assert load_checkpoint(ckpt).drafter.cfg.sliding_window_from == "anchor"
+    dst = tmp_path / "hf"
+    rc = main(["export", "--checkpoint", str(ckpt), "--out", str(dst)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1, err
+    assert "drafter.sliding_window_from: anchor" in err[0] and "no engine serves" in err[0]
+    assert not dst.exists() and not list(tmp_path.glob(".hf.tmp*"))
 
 
 def test_export_files_share_one_mode_from_the_umask_weights_included(trained: Path, tmp_path: Path) -> None:

@@ -160,6 +160,65 @@ def test_each_rule_fails_a_broken_export_with_its_line(good: Path, tmp_path: Pat
     assert all(line.startswith("dflash export --check: ") for line in lines)
 
 
+@pytest.fixture(scope="module")
+def causal_good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An export of a drafter trained with drafter.sliding_block_causal (its sliding layer causal in the block)."""
+    out = tmp_path_factory.mktemp("run-causal")
+    cfg = run_config(train={"max_steps": 1, "checkpoint_every": 0, "eval_every": 0},
+                     drafter={"num_layers": 2, "layer_sliding_windows": [3, None], "sliding_block_causal": True},
+                     target={"tap_layers": [0, 2]})
+    assert train(cfg, out).exit_code == 0
+    return export_checkpoint(out / "checkpoints" / "step-1", tmp_path_factory.mktemp("exp") / "hf")
+
+
+def test_a_causal_sliding_export_passes_without_is_causal(causal_good: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert "is_causal" not in json.loads((causal_good / "config.json").read_text())
+    assert main(["export", "--check", str(causal_good)]) == 0
+    out = capsys.readouterr()
+    assert out.err == ""
+    assert "sliding layers [0]: is_causal is absent, so vLLM, SGLang and z-lab's modeling run them causal inside the " \
+        "block, which is what this drafter was trained for" in out.out
+
+
+CAUSAL_BROKEN: list[tuple[str, Callable[[Path], None], str, str]] = [
+    ("is_causal false", _set(is_causal=False), "config.json is_causal: must be absent", "makes them bidirectional"),
+    ("is_causal true", _set(is_causal=True), "config.json is_causal: must be absent", "makes every layer causal"),
+    ("dflash_config.causal", _set_dc(causal=False), "config.json dflash_config.causal", "vLLM"),
+    ("window from the anchor", _edit_config(lambda c: c["dflash_trained_block_rule"].update(
+        sliding_window_from="anchor")), "config.json dflash_trained_block_rule.sliding_window_from",
+     "which no engine applies"),
+]
+
+
+@pytest.mark.parametrize("rule,edit,field,words", CAUSAL_BROKEN, ids=[b[0] for b in CAUSAL_BROKEN])
+def test_a_causal_sliding_export_fails_what_the_engines_would_run_differently(
+        causal_good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], rule: str, edit: Callable[[Path], None],
+        field: str, words: str) -> None:
+    d = _copy(causal_good, tmp_path)
+    edit(d)
+    assert main(["export", "--check", str(d)]) == 1, rule
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in lines if field in line and words in line], (rule, lines)
+
+
+def test_a_bidirectional_export_without_is_causal_still_fails_whatever_else_it_says(
+        good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only our record of a causal training excuses a missing is_causal: a bidirectionally trained export (the key
+    says so, or is gone too) without it is served causal in its sliding layers."""
+    for drop_key in (False, True):
+        d = _copy(good, tmp_path / str(drop_key))
+        cfg = json.loads((d / "config.json").read_text())
+        assert cfg["dflash_trained_block_rule"] == {"sliding_block_causal": False, "sliding_window_from": "query"}
+        del cfg["is_causal"]
+        if drop_key:
+            del cfg["dflash_trained_block_rule"]
+        (d / "config.json").write_text(json.dumps(cfg))
+        assert main(["export", "--check", str(d)]) == 1
+        err = capsys.readouterr().err
+        assert "config.json is_causal: must be false" in err and "vLLM makes the sliding layers causal" in err
+
+
 def _target_dir(tmp_path: Path, **over: Any) -> Path:
     """A Hugging Face target directory as the check reads it: config.json (Qwen3.5 nests text_config) and a
     tokenizer.json vocabulary."""

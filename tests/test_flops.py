@@ -85,12 +85,15 @@ def _batch(n: int, lengths: list[int], hidden_dim: int, vocab: int, seed: int) -
 
 
 @pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
-def test_drafter_attention_pairs_equal_the_dense_mask_count(window: int | None) -> None:
+@pytest.mark.parametrize(("causal", "from_anchor"), [(False, False), (True, False), (False, True), (True, True)])
+def test_drafter_attention_pairs_equal_the_dense_mask_count(window: int | None, causal: bool,
+                                                            from_anchor: bool) -> None:
     for seed in range(3):
         batch = _batch(48, [13, 9, 20], 8, 50, seed)
         anchors, _ = sample_anchors(batch, 7, 4, torch.Generator().manual_seed(seed))
-        want = int(dense_mask(anchors, batch.doc_ids, 4, window).sum())
-        got = drafter_attention_pairs(batch.position_ids[anchors], batch.doc_ids[anchors] >= 0, 4, window)
+        want = int(dense_mask(anchors, batch.doc_ids, 4, window, causal, from_anchor).sum())
+        got = drafter_attention_pairs(batch.position_ids[anchors], batch.doc_ids[anchors] >= 0, 4, window, causal,
+                                      from_anchor)
         assert got == want
 
 

@@ -125,26 +125,80 @@ def test_train_checks_init_from_again_when_it_builds_the_drafter(exported: Path,
     assert "set drafter.block_size: 4" in (tmp_path / "out" / "train.log").read_text()
 
 
-def test_a_z_lab_config_without_is_causal_keeps_its_causal_sliding_layers_or_is_refused(
-        exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """z-lab's default (no is_causal): its sliding layer drafts the block causally, which our drafter does not
-    compute; training from it (or measuring its tau) would silently change it, so both refuse in one line."""
+def _zlab(exported: Path, tmp_path: Path, edit: Any) -> Path:
     import shutil
-
-    from dflash.eval import EvalError, load_export
 
     zlab = tmp_path / "zlab"
     shutil.copytree(exported, zlab)
     cfg = json.loads((zlab / "config.json").read_text())
-    del cfg["is_causal"]
+    edit(cfg)
     (zlab / "config.json").write_text(json.dumps(cfg))
+    return zlab
+
+
+def test_a_z_lab_config_without_is_causal_trains_with_its_causal_sliding_layers(
+        exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """z-lab's default (no is_causal): its sliding layer drafts the block causally. A run that says
+    drafter.sliding_block_causal: true starts from it and keeps that rule (its export leaves is_causal out again);
+    one that does not is told the field to set; dflash eval measures it with the causal rule."""
+    from dflash.checkpoint import load_file
+    from dflash.eval import load_export
+    from dflash.export_check import TRAINED_RULE_KEY
+
+    zlab = _zlab(exported, tmp_path, lambda c: (c.pop("is_causal"), c.pop(TRAINED_RULE_KEY)))
     out = tmp_path / "out"
     rc = main(["train", "--config", str(_config(tmp_path)), "--out", str(out), "--init-from", str(zlab)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "layers [0] draft the block causally" in err[0] and "no is_causal" in err[0]
+    assert "set drafter.sliding_block_causal: true" in err[0]
     assert not out.exists()
-    with pytest.raises(EvalError, match=r"layers \[0\] draft the block causally"):
+    loaded = load_export(zlab)
+    assert loaded.tap_layers == [0, 2] and loaded.drafter.cfg.sliding_block_causal is True
+    assert [r.causal for r in loaded.drafter.rules] == [True, False]
+
+    rc = main(["train", "--config", str(_config(tmp_path, drafter={"sliding_block_causal": True})), "--out", str(out),
+               "--init-from", str(zlab)])
+    assert rc == 0, capsys.readouterr().err
+    ckpt = out / "checkpoints" / "step-1"
+    assert load_file(ckpt, "meta.json")["drafter"]["sliding_block_causal"] is True
+    again = export_checkpoint(ckpt, tmp_path / "again")
+    cfg = json.loads((again / "config.json").read_text())
+    assert "is_causal" not in cfg and cfg[TRAINED_RULE_KEY]["sliding_block_causal"] is True
+
+    # an explicit is_causal false (bidirectional, as our export says): a causal run is told to turn it off
+    bidir = _zlab(exported, tmp_path / "b", lambda c: None)
+    rc = main(["train", "--config", str(_config(tmp_path, drafter={"sliding_block_causal": True})),
+               "--out", str(tmp_path / "out2"), "--init-from", str(bidir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "block is bidirectional in every layer" in err[0]
+    assert "set drafter.sliding_block_causal: false" in err[0]
+    assert load_export(bidir).drafter.cfg.sliding_block_causal is False
+    # speculators' window cannot start from an engine-rule drafter
+    rc = main(["train", "--config", str(_config(tmp_path, drafter={"sliding_block_causal": True,
+                                                                    "sliding_window_from": "anchor"})),
+               "--out", str(tmp_path / "out3"), "--init-from", str(zlab)])
+    assert rc == 2 and "set drafter.sliding_window_from: query" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what,edit,line", [
+    ("is_causal true", lambda c: c.update(is_causal=True), "layers [0, 1] draft the block causally (is_causal is true)"),
+    ("dflash_config.causal", lambda c: (c.pop("is_causal"), c["dflash_config"].update(causal=True)),
+     "layers [0, 1] draft the block causally (dflash_config.causal is true)"),
+])
+def test_a_config_causal_in_its_full_attention_layers_is_still_refused(
+        exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str, edit: Any, line: str) -> None:
+    """Causal in every layer (a full-attention one included) is no drafter config: training from it, or measuring
+    its tau, would silently change what its full layer computes."""
+    from dflash.eval import EvalError, load_export
+
+    zlab = _zlab(exported, tmp_path, edit)
+    out = tmp_path / "out"
+    for causal in ("false", "true"):
+        rc = main(["train", "--config", str(_config(tmp_path, drafter={"sliding_block_causal": causal == "true"})),
+                   "--out", str(out), "--init-from", str(zlab)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and line in err[0], (what, err)
+        assert not out.exists()
+    with pytest.raises(EvalError, match=line.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                       .replace(")", r"\)")):
         load_export(zlab)
-    cfg["is_causal"] = False  # said explicitly: bidirectional, as trained
-    (zlab / "config.json").write_text(json.dumps(cfg))
-    assert load_export(zlab).tap_layers == [0, 2]

@@ -18,12 +18,14 @@ from dflash.model import (
     DraftBatch,
     DrafterConfig,
     FlexShape,
+    MaskRule,
     anchor_candidates,
     copy_function,
     dense_mask,
     flex_kernels,
     flex_mask_mod,
     isolated_compile,
+    layer_rules,
     sample_anchors,
 )
 
@@ -101,38 +103,80 @@ def test_mask_rule_sliding_window_and_padding() -> None:
     assert no_window[1, :10].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
 
 
-def plain_window_mask(anchors: list[int], doc: list[int], b: int, w: int | None) -> Tensor:
+def plain_window_mask(anchors: list[int], doc: list[int], b: int, w: int | None, causal: bool = False,
+                      from_anchor: bool = False) -> Tensor:
     """The serving rule written out with loops: query q = a + k sees context p (same document, p < a) and block
-    token a + j (same block) only when that key's position lies in [q - w + 1, ...]; the block is bidirectional."""
+    token a + j (same block) only when that key's position lies in [q - w + 1, ...]; the block is bidirectional, or
+    with `causal` (a sliding layer under sliding_block_causal) only j <= k. `from_anchor`: speculators' window,
+    context p with a - p <= w for every block position, block keys unwindowed."""
     n = len(doc)
     out = torch.zeros(len(anchors) * b, n + len(anchors) * b, dtype=torch.bool)
     for i, a in enumerate(anchors):
         for k in range(b):
             q = a + k
             for p in range(n):
-                if doc[p] >= 0 and doc[p] == doc[a] and p < a and (w is None or q - w + 1 <= p):
+                in_window = w is None or (a - p <= w if from_anchor else q - w + 1 <= p)
+                if doc[p] >= 0 and doc[p] == doc[a] and p < a and in_window:
                     out[i * b + k, p] = True
             for j in range(b):
-                if w is None or q - w + 1 <= a + j:
+                if (w is None or from_anchor or q - w + 1 <= a + j) and (not causal or j <= k):
                     out[i * b + k, n + i * b + j] = True
     return out
 
 
 @pytest.mark.parametrize("window", [None, 1, 2, 3, 6])
-def test_dense_and_flex_masks_follow_the_per_query_window_rule(window: int | None) -> None:
+@pytest.mark.parametrize(("causal", "from_anchor"), [(False, False), (True, False), (False, True), (True, True)])
+def test_dense_and_flex_masks_follow_the_window_rule(window: int | None, causal: bool, from_anchor: bool) -> None:
     from torch.nn.attention.flex_attention import create_mask
 
     batch = make_batch(40, [13, 9, 11], seed=3)
     b = 4
     anchors, _ = sample_anchors(batch, 5, b, torch.Generator().manual_seed(0))
-    plain = plain_window_mask(anchors.tolist(), batch.doc_ids.tolist(), b, window)
-    dense = dense_mask(anchors, batch.doc_ids, b, window)
-    flex = create_mask(flex_mask_mod(anchors, batch.doc_ids, b, window), 1, 1, 20, 60, device="cpu")[0, 0]
+    plain = plain_window_mask(anchors.tolist(), batch.doc_ids.tolist(), b, window, causal, from_anchor)
+    dense = dense_mask(anchors, batch.doc_ids, b, window, causal, from_anchor)
+    mod = flex_mask_mod(anchors, batch.doc_ids, b, window, causal, from_anchor)
+    flex = create_mask(mod, 1, 1, 20, 60, device="cpu")[0, 0]
     assert torch.equal(dense, plain)
     assert torch.equal(flex, plain)
-    if window is not None and window < 12:  # later block rows really see less context than the anchor row
+    if window is not None and window < 12 and not from_anchor:  # later rows really see less context than the anchor
         rows = dense[:b, :40].sum(-1)
         assert rows[0] > rows[-1] or rows[0] == 0
+
+
+# B=4, w=2; doc 0 = positions 0..6, doc 1 = 7..11; anchors 4 (doc 0) and 8 (doc 1, one earlier position in it).
+# Per rule: for block offset k, (context positions, block offsets) it reads, for anchor 4 then anchor 8.
+_HAND = {
+    # per query (engines): query a+k reads p > a+k-2 and block j >= k-1; the block bidirectional
+    ("query", False): [[({3}, {0, 1, 2, 3}), (set(), {0, 1, 2, 3}), (set(), {1, 2, 3}), (set(), {2, 3})],
+                       [({7}, {0, 1, 2, 3}), (set(), {0, 1, 2, 3}), (set(), {1, 2, 3}), (set(), {2, 3})]],
+    # per query, causal block (z-lab / vLLM without is_causal): j in [k-1, k]
+    ("query", True): [[({3}, {0}), (set(), {0, 1}), (set(), {1, 2}), (set(), {2, 3})],
+                      [({7}, {0}), (set(), {0, 1}), (set(), {1, 2}), (set(), {2, 3})]],
+    # from the anchor (speculators, sliding_window_non_causal): context [a-2, a-1] for every k, the whole block
+    ("anchor", False): [[({2, 3}, {0, 1, 2, 3})] * 4, [({7}, {0, 1, 2, 3})] * 4],
+    # from the anchor, causal (speculators' default): context [a-2, a-1], block j <= k
+    ("anchor", True): [[({2, 3}, set(range(k + 1))) for k in range(4)], [({7}, set(range(k + 1))) for k in range(4)]],
+}
+
+
+@pytest.mark.parametrize(("window_from", "causal"), list(_HAND))
+def test_each_sliding_rule_on_a_hand_enumerated_case(window_from: str, causal: bool) -> None:
+    from torch.nn.attention.flex_attention import create_mask
+
+    doc = torch.tensor([0] * 7 + [1] * 5)
+    anchors = torch.tensor([4, 8])
+    dense = dense_mask(anchors, doc, 4, 2, causal, window_from == "anchor")
+    flex = create_mask(flex_mask_mod(anchors, doc, 4, 2, causal, window_from == "anchor"), 1, 1, 8, 20,
+                       device="cpu")[0, 0]
+    assert torch.equal(dense, flex)
+    for i, rows in enumerate(_HAND[(window_from, causal)]):
+        for k, (ctx, blk) in enumerate(rows):
+            row = dense[i * 4 + k]
+            assert set(row[:12].nonzero().flatten().tolist()) == ctx, (i, k)
+            assert {j - i * 4 for j in row[12:].nonzero().flatten().tolist()} == blk, (i, k)
+    # without a window (a full-attention layer) the sliding options are never applied to it
+    assert layer_rules(DrafterConfig(num_layers=2, layer_sliding_windows=[2, None], sliding_block_causal=causal,
+                                     sliding_window_from=window_from), [2, None])[1] == MaskRule(None, False, False)
 
 
 def test_flex_mask_mod_is_the_dense_mask() -> None:
@@ -157,13 +201,15 @@ def test_flex_mask_closure_holds_only_config_sized_tensors() -> None:
     of a 4 sliding + 1 full drafter share one compiled graph."""
     batch = make_batch(40, [13, 9, 11], seed=3)
     anchors, _ = sample_anchors(batch, 5, 4, torch.Generator().manual_seed(0))
-    closures = [_closure(flex_mask_mod(anchors, batch.doc_ids, 4, w)) for w in (None, 3, 2048)]
+    closures = [_closure(flex_mask_mod(anchors, batch.doc_ids, 4, w, causal))
+                for w, causal in ((None, False), (3, False), (2048, True))]
     for c in closures:
         sizes = {k: tuple(v.shape) for k, v in c.items() if isinstance(v, Tensor)}
-        assert sizes == {"anchors": (5,), "doc_ids": (40,), "window_t": ()}
+        assert sizes == {"anchors": (5,), "doc_ids": (40,), "window_t": (), "causal_t": (), "anchor_t": ()}
         ints = {k: v for k, v in c.items() if not isinstance(v, Tensor)}
-        assert ints == {"n": 40, "block_size": 4}  # config constants only: no per-layer window int
+        assert ints == {"n": 40, "block_size": 4}  # config constants only: no per-layer window int or rule bool
     assert [int(c["window_t"]) for c in closures] == [40 + 5 * 4, 3, 2048]  # type: ignore[call-overload]
+    assert [bool(c["causal_t"]) for c in closures] == [False, False, True]  # type: ignore[call-overload]
 
 
 def _flex_drafter(**kw: object) -> DFlashDrafter:
@@ -210,6 +256,29 @@ def test_the_whole_flex_drafter_compiles_as_one_graph() -> None:
     with torch.no_grad():
         explained = torch._dynamo.explain(flex)(batch, emb, head, anchors=anchors, keep=keep)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.parametrize("window_from", ["query", "anchor"])
+def test_full_and_causal_sliding_layers_share_one_compiled_mask_graph(window_from: str) -> None:
+    """A full layer and a causal sliding layer differ only in their 0-d window, causal and window-rule tensors: with
+    dynamo's recompile_limit at 1, building every layer's block mask (and attending) never falls back, also when a
+    drafter of the same shape with the other window rule compiled the mask first, and flex gives the dense states."""
+    from torch._dynamo import config as dynamo_config
+
+    from dflash.kernels import FlexWarningWatch
+
+    emb, _ = frozen_target_parts()
+    kw: dict[str, object] = dict(num_anchors=7, layer_sliding_windows=[5, None, 3], num_layers=3,
+                                 sliding_block_causal=True, sliding_window_from=window_from)
+    flex = _flex_drafter(**kw)
+    dense = make_drafter(attention="dense", **kw).eval()
+    assert [r.causal for r in flex.rules] == [True, False, True]
+    batch = make_batch(56, [20, 30], seed=4)
+    anchors, _ = sample_anchors(batch, 7, 4, torch.Generator().manual_seed(4))
+    with dynamo_config.patch(recompile_limit=1), FlexWarningWatch() as watch, torch.no_grad():
+        got = flex.block_states(batch, emb, anchors)
+    assert watch.fallbacks == [] and not watch.flex_fell_back
+    torch.testing.assert_close(got, dense.block_states(batch, emb, anchors), rtol=1e-4, atol=1e-5)
 
 
 def test_watch_reports_dynamo_falling_back_at_the_recompile_limit() -> None:
@@ -324,11 +393,22 @@ def naive_drafter_loss(
         allowed = [
             p for p in range(n) if batch.doc_ids[p] == batch.doc_ids[a] and batch.doc_ids[p] >= 0 and p < a
         ]
-        # per query position window: query a + kq reads keys at positions >= a + kq - w + 1
+        # per query position window: query a + kq reads keys at positions >= a + kq - w + 1; from the anchor: context
+        # [a - w, a - 1], the block unwindowed; causal (sliding layers only): block key a + j only if j <= kq
         win = cfg.sliding_window
         key_at = allowed + [a + j for j in range(b)]
-        bias = torch.tensor([[0.0 if win is None or a + kq - win + 1 <= key else -math.inf for key in key_at]
-                             for kq in range(b)], dtype=ctx.dtype)
+
+        def seen(kq: int, key: int, win: int | None = win, a: int = a) -> bool:
+            if win is None:
+                return True
+            if cfg.sliding_block_causal and key >= a and key - a > kq:
+                return False
+            if cfg.sliding_window_from == "anchor":
+                return key >= a or a - key <= win
+            return a + kq - win + 1 <= key
+
+        bias = torch.tensor([[0.0 if seen(kq, key) else -math.inf for key in key_at] for kq in range(b)],
+                            dtype=ctx.dtype)
         ids = torch.tensor([int(batch.input_ids[a])] + [cfg.mask_token_id] * (b - 1))
         x = emb(ids).to(ctx.dtype)
         bpos = batch.position_ids[a] + torch.arange(b)
@@ -367,10 +447,15 @@ def naive_drafter_loss(
     return total / wsum, acc
 
 
-@pytest.mark.parametrize("window", [None, 2, 5])
-def test_dense_equals_naive_per_block_loop_forward_and_grads(window: int | None) -> None:
+@pytest.mark.parametrize(("window", "causal", "window_from"), [
+    (None, False, "query"), (2, False, "query"), (5, False, "query"), (2, True, "query"), (5, True, "anchor"),
+    (3, False, "anchor"), (None, True, "anchor"),
+])
+def test_dense_equals_naive_per_block_loop_forward_and_grads(window: int | None, causal: bool,
+                                                             window_from: str) -> None:
     emb, head = frozen_target_parts(dtype=torch.float64)
-    d = make_drafter(sliding_window=window, ce_chunk=7).double()
+    d = make_drafter(sliding_window=window, ce_chunk=7, sliding_block_causal=causal,
+                     sliding_window_from=window_from).double()
     batch = make_batch(48, [17, 12, 14], seed=6)
     batch.hidden = batch.hidden.double()
     batch.loss_mask[3] = False  # a hole inside a document: its label must get weight 0
@@ -504,10 +589,13 @@ def test_grad_checkpoint_gives_same_gradients() -> None:
         torch.testing.assert_close(a, b)
 
 
-def test_flex_eager_on_cpu_matches_dense_forward() -> None:
+@pytest.mark.parametrize(("causal", "window_from"), [(False, "query"), (True, "query"), (True, "anchor")])
+def test_flex_eager_on_cpu_matches_dense_forward(causal: bool, window_from: str) -> None:
     emb, head = frozen_target_parts()
-    d = make_drafter(sliding_window=6)
-    f = make_drafter(sliding_window=6, attention="flex-eager")
+    kw: dict[str, object] = dict(layer_sliding_windows=[6, None], sliding_block_causal=causal,
+                                 sliding_window_from=window_from)
+    d = make_drafter(**kw)
+    f = make_drafter(attention="flex-eager", **kw)
     f.load_state_dict(d.state_dict())
     batch = make_batch(40, [18, 20], seed=11)
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""The recipe options issue 40's ablations compare (drafter.position_weights, drafter.anchor_sampling): each computes
+"""The recipe options issue 40's ablations compare (drafter.position_weights, drafter.anchor_sampling,
+drafter.sliding_block_causal, drafter.sliding_window_from): each computes
 what its reference formula says, keeps fixed shapes, and a bad value is refused by the config with its line."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from dflash_fixtures import run_config
 
 from dflash.config import ConfigError, config_from_dict
-from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig, dpace_weights, sample_anchors
+from dflash.model import DFlashDrafter, DraftBatch, DrafterConfig, dpace_weights, layer_rules, sample_anchors
 
 
 def _batch(lengths: list[int], n: int, hidden: int = 16, taps: int = 1, seed: int = 0) -> DraftBatch:
@@ -103,6 +104,8 @@ def test_per_document_anchors_pad_with_kept_false_when_too_few_positions() -> No
     ("position_weights", "linear", "expected one of exp, dpace, uniform"),
     ("anchor_sampling", "row", "expected one of buffer, document"),
     ("dpace_alpha", 0.0, "must be in (0, 1]"),
+    ("sliding_window_from", "block", "expected one of query, anchor"),
+    ("sliding_block_causal", "yes", "expected true or false"),
 ])
 def test_a_bad_recipe_option_is_refused_by_the_config(field: str, value: object, words: str) -> None:
     raw = run_config().to_dict()
@@ -146,3 +149,25 @@ def test_an_adamw_checkpoint_keeps_adamws_own_state_dict(tmp_path: Path) -> None
     assert train(run_config(train={"max_steps": 2, "eval_every": 0}), tmp_path).exit_code == 0
     opt = load_file(tmp_path / "checkpoints" / "step-2", "optimizer.pt")
     assert "optimizers" not in opt and "param_groups" in opt  # resumable by and from earlier versions
+
+
+def test_a_peer_bench_variant_selecting_the_sliding_rules_is_a_valid_run_config() -> None:
+    """bench/peer.py's --ours-variants go straight into the run config: the sliding-rule ablation must validate."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import peer
+
+    variants = peer.parse_overrides("slc=drafter.layer_sliding_windows:[12,null]+drafter.sliding_block_causal:true;"
+                                    "spec=drafter.layer_sliding_windows:[12,null]+drafter.sliding_block_causal:true"
+                                    "+drafter.sliding_window_from:anchor")
+    for _, changes in variants:
+        raw = run_config().to_dict()
+        raw["drafter"]["num_layers"] = 2
+        for section, fields in changes.items():
+            raw[section].update(fields)
+        d = config_from_dict(raw, "<variant>").drafter
+        assert d.layer_sliding_windows == [12, None] and d.sliding_block_causal is True
+    assert d.sliding_window_from == "anchor"
+    rules = layer_rules(d, [12, None])
+    assert [(r.window, r.causal, r.from_anchor) for r in rules] == [(12, True, True), (None, False, False)]

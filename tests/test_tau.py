@@ -21,10 +21,10 @@ from dflash.speculative import DFlashProposer, NgramProposer, TargetLM, speculat
 from dflash.tau import continuation_length, drafts_at_anchors, walk
 
 
-def drafter_with(block: int, seed: int = 0) -> DFlashDrafter:
+def drafter_with(block: int, seed: int = 0, **rule: object) -> DFlashDrafter:
     torch.manual_seed(seed)
     cfg = DrafterConfig(num_layers=2, num_heads=2, num_kv_heads=1, block_size=block, mask_token_id=VOCAB - 1,
-                        layer_sliding_windows=[6, None], attention="dense")
+                        layer_sliding_windows=[6, None], attention="dense", **rule)  # type: ignore[arg-type]
     return DFlashDrafter(cfg, 32, 2).eval()
 
 
@@ -77,6 +77,27 @@ def test_teacher_forced_walk_reproduces_the_decode_loop_step_for_step(make: obje
         assert (ng_tf.tokens, ng_tf.anchor_pos, ng_tf.drafts, ng_tf.accepted) == \
             (ng_dec.tokens, ng_dec.anchor_pos, ng_dec.drafts, ng_dec.accepted)
     assert len(seen) >= 4 and max(seen) >= block // 2  # short and long acceptances were both exercised
+
+
+@pytest.mark.parametrize("rule", [{"sliding_block_causal": True},
+                                  {"sliding_block_causal": True, "sliding_window_from": "anchor"},
+                                  {"sliding_window_from": "anchor"}], ids=["causal", "anchor-causal", "anchor"])
+def test_the_decode_loop_drafts_with_the_drafters_own_sliding_rule(rule: dict[str, object]) -> None:
+    """The decode loop builds its single-anchor mask per layer from the drafter's rule: its drafts at every anchor
+    it visits are the training path's, for each sliding-layer rule."""
+    target = TargetLM(attention_target(), [0, 2])
+    drafter = drafter_with(8, **rule)
+    p = prompt(12, 1)
+    truth = [*p, *target_greedy(target, p, continuation_length(40, 8)).tokens]
+    dec_prop = OverlayProposer(drafter, target, truth)
+    dec = speculative_generate(target, dec_prop, p, 40, 8)
+    _, taps = target.forward(truth, 0, None, keep=1)
+    assert taps is not None
+    raw = drafts_at_anchors(drafter, target.embed_tokens, target.lm_head, taps, truth, len(p), len(p) + 38).tolist()
+    assert {a: raw[a - len(p)] for a in dec.anchor_pos} == dec_prop.raw
+    bidirectional = drafts_at_anchors(drafter_with(8), target.embed_tokens, target.lm_head, taps, truth, len(p),
+                                      len(p) + 38).tolist()
+    assert raw != bidirectional  # the rule changes the drafts: the equality above is not vacuous
 
 
 def test_walk_stops_where_decoding_stops() -> None:
