@@ -2,7 +2,7 @@
 # GPU checks on the H200 device machine, in parts that each fit one 600-s device call (bench/gpu_checks_parts.py
 # holds the parts, their checks and estimated seconds; issue 24).
 # Usage there (repo root, wheels carried in .whl/):
-#   OUT=/some/dir bash bench/gpu_checks.sh part1     # one part (part1 .. part7), <= 540 s on a fresh H200
+#   OUT=/some/dir bash bench/gpu_checks.sh part1     # one part (part1 .. part9), <= 540 s on a fresh H200
 #   OUT=/some/dir bash bench/gpu_checks.sh all       # every part in turn (longer than one device call)
 #   bash bench/gpu_checks.sh --list                  # the parts, their checks and estimates
 # Each check runs in its own pytest process (a crash or hang in one never hides the others), under the time left

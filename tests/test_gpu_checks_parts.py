@@ -67,7 +67,7 @@ def test_a_part_prints_its_summary_and_fails_when_checks_cannot_run(tmp_path: Pa
 
 
 def test_an_unknown_part_is_refused_by_name() -> None:
-    proc = subprocess.run(["bash", "bench/gpu_checks.sh", "part9"], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run(["bash", "bench/gpu_checks.sh", "part99"], cwd=REPO, capture_output=True, text=True,
                           timeout=60, env={**_env(), "OUT": "/nonexistent"})
     assert proc.returncode == 2
-    assert "unknown part 'part9'" in proc.stderr and "part1" in proc.stderr and "Traceback" not in proc.stderr
+    assert "unknown part 'part99'" in proc.stderr and "part1" in proc.stderr and "Traceback" not in proc.stderr

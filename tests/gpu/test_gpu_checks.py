@@ -6,9 +6,11 @@ Skipped without CUDA. Run by bench/gpu_checks.sh, once without and once with the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -129,7 +131,7 @@ def _buffer(n: int, doc_lengths: list[int], hidden_dim: int, vocab: int, seed: i
 H, VOCAB, N = 256, 4096, 4096
 
 
-def _drafter(backend: str, num_anchors: int) -> tuple[DFlashDrafter, torch.nn.Embedding, torch.nn.Linear]:
+def _drafter(backend: str, num_anchors: int, **rule: Any) -> tuple[DFlashDrafter, torch.nn.Embedding, torch.nn.Linear]:
     torch.manual_seed(0)
     cfg = DrafterConfig(
         num_layers=2,
@@ -143,6 +145,7 @@ def _drafter(backend: str, num_anchors: int) -> tuple[DFlashDrafter, torch.nn.Em
         layer_sliding_windows=[512, None],
         ce_chunk=1024,
     )
+    cfg = dataclasses.replace(cfg, **rule)
     d = DFlashDrafter(cfg, target_hidden_size=H, num_taps=2).to(DEV)
     emb = torch.nn.Embedding(VOCAB, H).to(DEV).requires_grad_(False)
     head = torch.nn.Linear(H, VOCAB, bias=False).to(DEV).requires_grad_(False)
@@ -199,6 +202,33 @@ def test_flex_equals_dense_forward_and_grads(precision: str, tol: float, num_anc
     )
     assert torch.isfinite(loss_f) and rel(loss_f, loss_d) < tol
     assert grad_err[worst] < tol
+
+
+@pytest.mark.parametrize("causal,window_from", [(True, "query"), (False, "anchor"), (True, "anchor")])
+def test_flex_equals_dense_under_each_sliding_rule(causal: bool, window_from: str) -> None:
+    """drafter.sliding_block_causal / sliding_window_from (issue 40's sliding-window ablation): the compiled flex
+    mask on CUDA gives the exact dense rule's loss and gradients for each, with a window short enough (24) that the
+    rules differ."""
+    rule = {"layer_sliding_windows": [24, None], "sliding_block_causal": causal, "sliding_window_from": window_from}
+    dense, emb, head = _drafter("dense", 64, **rule)
+    flex = copy.deepcopy(dense)
+    flex.attention_backend = "flex-compiled"
+    batch = _buffer(N, [700, 1500, 33, 1200, 400], 2 * H, VOCAB, seed=1)
+    batch.hidden = batch.hidden.float()
+    anchors, keep = sample_anchors(batch, 64, 16, torch.Generator(device=DEV).manual_seed(0))
+    with FlexWarningWatch() as watch:
+        _step(flex, batch, emb, head, anchors, keep, False)  # compiles
+        loss_f, grads_f, _ = _step(flex, batch, emb, head, anchors, keep, False)
+    loss_d, grads_d, _ = _step(dense, batch, emb, head, anchors, keep, False)
+    base, _, _ = _step(_drafter("dense", 64, layer_sliding_windows=[24, None])[0], batch, emb, head, anchors, keep,
+                       False)
+    assert watch.triggered == []
+    grad_err = {k: rel(grads_f[k], grads_d[k]) for k in grads_d}
+    worst = max(grad_err, key=grad_err.get)
+    print(f"causal={causal} from={window_from}: loss flex {loss_f.item():.6f} dense {loss_d.item():.6f} "
+          f"(query-bidirectional rule {base.item():.6f}); worst grad {worst} {grad_err[worst]:.2e}")
+    assert torch.isfinite(loss_f) and rel(loss_f, loss_d) < 2e-3 and grad_err[worst] < 2e-3
+    assert rel(loss_d, base) > 1e-6  # the rule changed what the sliding layer reads
 
 
 def test_compiled_flex_does_not_recompile_across_buffers() -> None:
