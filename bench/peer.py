@@ -65,6 +65,7 @@ sys.path.insert(0, str(BENCH))
 import quality_h200 as qb  # noqa: E402 - the shared target and data
 
 STAGES = ("all", "target", "data", "hs", "peer", "ours", "convert", "eval")
+PEERS = ("speculators", "specforge")
 VAL_RECORDS = 16  # speculators always holds a validation split out (train_data_ratio must be < 1)
 
 # Runs `python -m speculators.train ARGS` and records the process's peak GPU memory and wall time to a JSON file.
@@ -133,6 +134,66 @@ torch.save(logits[0].float(), out)
 """
 
 
+# Runs `python -m specforge.cli ARGS` (`specforge train -c run.yaml ...` or `specforge export ...`) in this process and
+# records its peak GPU memory and wall time to a JSON file. Its offline path ("local_colocated", features on disk) runs
+# as this one worker process: no SGLang, no torchrun (its launch plan for it is {"kind": "worker", "commands": []}).
+SF_LAUNCHER = """
+import atexit, json, runpy, sys, time
+out = sys.argv[1]
+sys.argv = ["specforge", *sys.argv[2:]]
+t0 = time.time()
+import torch
+def _done():
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    open(out, "w").write(json.dumps({"peak_bytes": peak, "seconds": time.time() - t0}))
+atexit.register(_done)
+runpy.run_module("specforge.cli", run_name="__main__")
+"""
+
+# SpecForge's own reader on the written files, in its Python: its OfflineManifestReader with the eager per-file check
+# (what its trainer lists) and its DFlash normalizer on every file (what its loader feeds the model).
+SF_VALIDATOR = """
+import json, os, sys
+os.environ["SPECFORGE_VALIDATE_OFFLINE_FEATURES"] = "1"
+from specforge.algorithms.common.dflash_family_data import build_offline_reader, normalize_offline_sample
+from specforge.runtime.data_plane.feature_store import load_feature_file
+d, max_len = sys.argv[1], int(sys.argv[2])
+refs = build_offline_reader("dflash", d, run_id="check", ttt_length=1, max_len=max_len).read()
+widths, tokens = set(), 0
+for ref in refs:
+    s = normalize_offline_sample(load_feature_file(ref.feature_store_uri[len("file://"):]), max_len)
+    widths.add(int(s["hidden_states"].shape[-1])); tokens += int(s["input_ids"].shape[1])
+print(json.dumps({"files": len(refs), "tokens": tokens, "reader_tokens": sum(r.num_tokens for r in refs),
+                  "hidden_widths": sorted(widths), "keys": sorted(refs[0].feature_keys)}))
+"""
+
+# SpecForge's own DFlash model (specforge.modeling.draft.dflash, loaded from its HF export) inside its own training
+# wrapper (OnlineDFlashModel: noise embedding, positions, block mask) on one training file at given anchors: its block
+# logits, the round trip's reference. Float32, its sdpa mask.
+SF_PARITY = """
+import json, sys, torch
+from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
+from specforge.modeling.draft.dflash import DFlashDraftModel
+from specforge.modeling.target.target_utils import TargetEmbeddingsAndHead
+from specforge.runtime.data_plane.feature_store import load_feature_file
+src, target, feat, anchors, out, ekey, hkey = sys.argv[1:8]
+anchors = json.loads(anchors)
+draft = DFlashDraftModel.from_pretrained(src, dtype=torch.float32).eval()
+draft.config._attn_implementation = "sdpa"
+parts = TargetEmbeddingsAndHead.from_pretrained(target, embed_key=ekey, lm_head_key=hkey, device="cpu",
+                                                dtype=torch.float32)
+m = OnlineDFlashModel(draft, parts.lm_head, parts.embed_tokens, mask_token_id=int(draft.mask_token_id),
+                      block_size=int(draft.block_size), attention_backend="sdpa").float().eval()
+a = torch.tensor([anchors])
+m._sample_anchor_positions = lambda seq_len, loss_mask, device: (a, torch.ones_like(a, dtype=torch.bool))
+f = load_feature_file(feat)
+with torch.no_grad():
+    _, _, h = m._forward_draft_blocks(f["input_ids"][None], f["hidden_states"].float(), f["loss_mask"][None])
+    logits = m.lm_head(h)
+torch.save(logits[0].float(), out)  # [A*B, V], as dflash's block_states + head
+"""
+
+
 def parse_overrides(spec: str) -> list[tuple[str, dict[str, dict[str, Any]]]]:
     """`NAME=section.key:value+section.key:value;NAME2=...` -> [(name, {section: {key: value}})]: values read as
     YAML scalars (so 0.5, true, dpace). Each variant is one of our drafters with those config fields changed."""
@@ -175,6 +236,21 @@ def median_spread(values: list[float | None]) -> dict[str, Any]:
     return qb.median_spread(values)
 
 
+# What cannot be matched between SpecForge 0.2.0's offline DFlash recipe and ours (result-peer.json
+# "unmatched_specforge"); everything else is set to ours in its run config (PeerBench.sf_run).
+UNMATCHED_SPECFORGE = [
+    "optimizer: specforge AdamW with torch's defaults (betas 0.9, 0.999, weight decay 0) over fp32 master copies of "
+    "bf16 weights (no setting changes them); ours AdamW (0.9, 0.95), weight decay 0.01",
+    "cosine floor: specforge 0, ours 0.1 x lr",
+    "packing: specforge pads batch_size rows (one record each; no packing) with num_anchors per row, matched in "
+    "expectation (settings.specforge: rows = token_budget / mean record length, anchors per row = anchors / rows); "
+    "ours fixed buffers of token_budget tokens with anchors per buffer",
+    "epoch ends: specforge drops each epoch's last partial batch (drop_last), up to batch_size - 1 records",
+    "anchors: specforge samples them where the token and the next are both supervised, at most num_anchors per row",
+    "hidden states: specforge bf16 files written once (the K taps concatenated); ours the target recomputed per step",
+]
+
+
 class PeerBench(qb.Bench):
     """The quality bench's target and data, then the peer's and our drafters on a subset of its records."""
 
@@ -188,6 +264,7 @@ class PeerBench(qb.Bench):
         self.peer_python = args.peer_python
         self.layers = 1 if self.smoke else args.drafter_layers
         self.variants_ours = parse_overrides(args.ours_variants)
+        self.peers = [p for p in PEERS if p in args.peers.split(",")]
 
     # --- bookkeeping: the peer's units and their H200-sized guesses (replaced by times measured in this --out)
 
@@ -200,8 +277,8 @@ class PeerBench(qb.Bench):
         if kind in ("pretrain", "regen", "drafter", "eval", "check"):
             return super().estimate(kind)
         tokens = self.records_n * self.max_len * self.epochs
-        return {"hs": 30 + self.records_n * 0.01, "peer": 60 + tokens / 60_000, "ours": 60 + tokens / 100_000,
-                "convert": 10, "peer_eval": 30 + 6 * len(self.blocks)}[kind]
+        return {"hs": 30 + self.records_n * 0.01, "peer": 60 + tokens / 60_000, "specforge": 60 + tokens / 60_000,
+                "ours": 60 + tokens / 100_000, "convert": 10, "peer_eval": 30 + 6 * len(self.blocks)}[kind]
 
     # --- layout
 
@@ -219,6 +296,15 @@ class PeerBench(qb.Bench):
 
     def converted_dir(self, seed: int) -> Path:
         return self.peer_dir / f"speculators-seed{seed}-zlab"
+
+    def sf_data_dir(self) -> Path:
+        return self.peer_dir / "specforge-data"
+
+    def sf_dir(self, seed: int) -> Path:
+        return self.peer_dir / f"specforge-seed{seed}"
+
+    def sf_converted_dir(self, seed: int) -> Path:
+        return self.peer_dir / f"specforge-seed{seed}-zlab"
 
     def taps(self) -> list[int]:
         """Our tap layers for this target and drafter depth (z-lab ids: hidden_states[id + 1])."""
@@ -244,34 +330,47 @@ class PeerBench(qb.Bench):
     # --- stages
 
     def stage_hs(self) -> int:
-        """The training subset for both trainers, and speculators' offline files from our target forward."""
+        """The training subset for both trainers, and each selected peer's offline files, all written from one target
+        forward pass: each writer is timed on its own, and its time (plus the shared forward) is its peer's cost."""
+        from dflash.specforge_format import write_ckpt_file
         from dflash.speculators_format import write_dataset, write_hs_file
 
         done = self.peer_state().get("hs")
-        if done and done.get("records") == self.records_n and done.get("selection") == "spread" \
-                and self.hs_dir().is_dir():
+        fresh = not (done and done.get("records") == self.records_n and done.get("selection") == "spread")
+        need_spec = "speculators" in self.peers and (fresh or "bytes" not in done or not self.hs_dir().is_dir())
+        sf_done = self.peer_state().get("hs_specforge")
+        need_sf = "specforge" in self.peers and (fresh or not sf_done or not self.sf_data_dir().is_dir())
+        if not (fresh or need_spec or need_sf):
             return 0
-        if not self.may_start("hs", "writing speculators' hidden-state files"):
+        if not self.may_start("hs", "writing the peers' hidden-state files"):
             return 3
         t0 = time.perf_counter()
         recs = self.records()
-        # Our trainer's copy: the same records_n regenerated records, pinned by the same regen manifest.
-        sub = self.subset_dir()
-        sub.mkdir(parents=True, exist_ok=True)
-        (sub / "regen.jsonl").write_text("".join(json.dumps(r, separators=(",", ":")) + "\n"
-                                                 for r in recs[: self.records_n]))
-        (sub / "regen.json").write_bytes((self.regen_dir(0) / "regen.json").read_bytes())
         import shutil
 
-        tok_src = self.regen_dir(0) / "tokenizer"  # the manifest names it relative to itself, pinned by its hash
-        if tok_src.is_dir() and not (sub / "tokenizer").exists():
-            shutil.copytree(tok_src, sub / "tokenizer")
-        # Speculators' copy: records_n for training + VAL_RECORDS its loader splits off for validation.
         hs = self.hs_dir()
-        # New training records: every drafter trained on the old ones is stale (our own outputs under --out).
-        for stale in [hs, *self.peer_dir.glob("speculators-seed*"), *self.peer_dir.glob("ours-*seed*")]:
-            if stale.is_dir():
-                shutil.rmtree(stale)  # our own output directory under --out, rewritten whole
+        sf = self.sf_data_dir()
+        if fresh:
+            # Our trainer's copy: the same records_n regenerated records, pinned by the same regen manifest.
+            sub = self.subset_dir()
+            sub.mkdir(parents=True, exist_ok=True)
+            (sub / "regen.jsonl").write_text("".join(json.dumps(r, separators=(",", ":")) + "\n"
+                                                     for r in recs[: self.records_n]))
+            (sub / "regen.json").write_bytes((self.regen_dir(0) / "regen.json").read_bytes())
+            tok_src = self.regen_dir(0) / "tokenizer"  # the manifest names it relative to itself, pinned by its hash
+            if tok_src.is_dir() and not (sub / "tokenizer").exists():
+                shutil.copytree(tok_src, sub / "tokenizer")
+            # New training records: every drafter trained on the old ones is stale (our own outputs under --out).
+            stale = [hs, sf, *self.peer_dir.glob("speculators-seed*"), *self.peer_dir.glob("specforge-seed*"),
+                     *self.peer_dir.glob("ours-*seed*")]
+        else:  # the same records: only the missing peer's files are written, nothing trained is stale
+            stale = [d for d, need in ((hs, need_spec), (sf, need_sf)) if need]
+        for d in stale:
+            if d.is_dir():
+                shutil.rmtree(d)  # our own output directory under --out, rewritten whole
+        # Speculators' copy: records_n for training + VAL_RECORDS its loader splits off for validation. SpecForge's:
+        # the records_n training records only (it has no validation split of its own).
+        todo = recs if need_spec else recs[: self.records_n]
         t1 = time.perf_counter()
         model = self.load_hf_target()
         taps = self.taps()
@@ -279,47 +378,96 @@ class PeerBench(qb.Bench):
         grabbed: dict[int, torch.Tensor] = {}
         hooks = [layers[i].register_forward_hook(lambda _m, _a, out, i=i: grabbed.__setitem__(
             i, out[0] if isinstance(out, tuple) else out)) for i in [*taps, len(layers) - 1]]
-        written = 0
-        tokens = 0
-        order = sorted(range(len(recs)), key=lambda i: len(recs[i]["input_ids"]))
+        written = sf_written = tokens = sf_tokens = 0
+        t_spec = t_sf = 0.0
+        order = sorted(range(len(todo)), key=lambda i: len(todo[i]["input_ids"]))
         batch = 8 if self.smoke else 64
         with torch.no_grad():
             for s in range(0, len(order), batch):
                 idx = order[s: s + batch]
-                lens = [len(recs[i]["input_ids"]) for i in idx]
+                lens = [len(todo[i]["input_ids"]) for i in idx]
                 width = max(lens)
                 ids = torch.zeros(len(idx), width, dtype=torch.long)
                 att = torch.zeros(len(idx), width, dtype=torch.long)
                 for r, i in enumerate(idx):  # right padding: a causal target's earlier positions never see it
-                    ids[r, : lens[r]] = torch.tensor(recs[i]["input_ids"])
+                    ids[r, : lens[r]] = torch.tensor(todo[i]["input_ids"])
                     att[r, : lens[r]] = 1
                 model(input_ids=ids.to(self.dev), attention_mask=att.to(self.dev), use_cache=False)
                 stack = torch.stack([grabbed[i] for i in [*taps, len(layers) - 1]], dim=2)  # [b, T, K+1, H]
-                for r, i in enumerate(idx):
-                    written += write_hs_file(hs, i, ids[r, : lens[r]].clone(), stack[r, : lens[r]])
-                    tokens += lens[r]
+                if self.dev.type == "cuda":
+                    torch.cuda.synchronize()  # the forward is shared: neither writer's clock may absorb it
+                tokens += sum(lens)
+                if need_spec:
+                    tw = time.perf_counter()
+                    for r, i in enumerate(idx):
+                        written += write_hs_file(hs, i, ids[r, : lens[r]].clone(), stack[r, : lens[r]])
+                    t_spec += time.perf_counter() - tw
+                if need_sf:
+                    tw = time.perf_counter()
+                    for r, i in enumerate(idx):
+                        if i < self.records_n:  # the K taps concatenated on the last axis: [T, K*H]
+                            sf_written += write_ckpt_file(sf, i, ids[r, : lens[r]].clone(),
+                                                          torch.tensor(todo[i]["loss_mask"]),
+                                                          stack[r, : lens[r], : len(taps)].flatten(1))
+                            sf_tokens += lens[r]
+                    t_sf += time.perf_counter() - tw
         for h in hooks:
             h.remove()
-        write_dataset(hs, recs)
-        if self.dev.type == "cuda":
-            torch.cuda.synchronize()
-        write_s = time.perf_counter() - t1
-        ratio = (self.records_n + 0.5) / (self.records_n + VAL_RECORDS)
-        check = self.run_peer([self.peer_python, "-c", VALIDATOR, str(hs),
-                               str(len(recs)), repr(ratio)], "speculators' checks of the written files")
-        info = json.loads(check.strip().splitlines()[-1])
-        if info["train"] != self.records_n:
-            raise qb.Refused(f"speculators' loader split {info['train']} training records, not {self.records_n}")
+        shared = time.perf_counter() - t1 - t_spec - t_sf  # target load + forward passes
         train_tokens = sum(len(r["input_ids"]) for r in recs[: self.records_n])
-        self.peer_state()["hs"] = {
-            "records": self.records_n, "selection": "spread", "val_records": VAL_RECORDS, "train_ratio": ratio, "tokens": tokens,
-            "train_tokens": train_tokens, "bytes": written, "gb_per_million_tokens": round(written / 1e9 / (tokens / 1e6), 3),
-            "write_seconds": round(write_s, 1), "speculators_check": info, "taps_zlab": taps,
-            "aux_ids_speculators": [t + 1 for t in taps]}
-        self.record("hs", "all", time.perf_counter() - t0)
-        print(f"hs: {len(recs)} records, {tokens} tokens, {written / 1e9:.3f} GB "
-              f"({self.peer_state()['hs']['gb_per_million_tokens']} GB per million tokens) in {write_s:.1f}s; "
-              f"speculators' checks: {info}", flush=True)
+        ratio = (self.records_n + 0.5) / (self.records_n + VAL_RECORDS)
+        info: dict[str, Any] = {"records": self.records_n, "selection": "spread", "val_records": VAL_RECORDS,
+                                "train_ratio": ratio, "train_tokens": train_tokens, "taps_zlab": taps}
+        c_spec = c_sf = 0.0
+        if need_spec:
+            tw = time.perf_counter()
+            write_dataset(hs, recs)
+            t_spec += time.perf_counter() - tw
+            tc = time.perf_counter()
+            check = self.run_peer([self.peer_python, "-c", VALIDATOR, str(hs),
+                                   str(len(recs)), repr(ratio)], "speculators' checks of the written files")
+            c_spec = time.perf_counter() - tc
+            spec_check = json.loads(check.strip().splitlines()[-1])
+            if spec_check["train"] != self.records_n:
+                raise qb.Refused(f"speculators' loader split {spec_check['train']} training records, not "
+                                 f"{self.records_n}")
+            info.update({"tokens": tokens, "bytes": written,
+                         "gb_per_million_tokens": round(written / 1e9 / (tokens / 1e6), 3),
+                         "write_seconds": round(shared + t_spec, 1), "speculators_check": spec_check,
+                         "aux_ids_speculators": [t + 1 for t in taps]})
+        elif not fresh:
+            info = done
+        self.peer_state()["hs"] = info
+        if need_sf:
+            max_len = max(len(r["input_ids"]) for r in recs[: self.records_n])
+            tc = time.perf_counter()
+            out = self.run_peer([self.peer_python, "-c", SF_VALIDATOR, str(sf), str(max_len)],
+                                "specforge's reader on the written files")
+            c_sf = time.perf_counter() - tc
+            sf_check = json.loads(out.strip().splitlines()[-1])
+            if sf_check["files"] != self.records_n or sf_check["tokens"] != sf_tokens:
+                raise qb.Refused(f"specforge's reader found {sf_check['files']} files / {sf_check['tokens']} tokens, "
+                                 f"not {self.records_n} / {sf_tokens}")
+            self.peer_state()["hs_specforge"] = {
+                "records": self.records_n, "tokens": sf_tokens, "max_len": max_len, "bytes": sf_written,
+                "gb_per_million_tokens": round(sf_written / 1e9 / (sf_tokens / 1e6), 3),
+                "write_seconds": round(shared + t_sf, 1), "specforge_check": sf_check, "taps_zlab": taps}
+        total = time.perf_counter() - t0
+        # each peer's unit: the whole stage less the other peer's writer and check
+        if need_spec:
+            self.record("hs", "all", total - t_sf - c_sf)
+        if need_sf:
+            self.record("hs", "specforge", total - t_spec - c_spec)
+        self.save_state()
+        if need_spec:
+            print(f"hs: {len(recs)} records, {tokens} tokens, {written / 1e9:.3f} GB "
+                  f"({info['gb_per_million_tokens']} GB per million tokens) in {info['write_seconds']:.1f}s; "
+                  f"speculators' checks: {info['speculators_check']}", flush=True)
+        if need_sf:
+            sfi = self.peer_state()["hs_specforge"]
+            print(f"hs specforge: {self.records_n} records, {sf_tokens} tokens, {sf_written / 1e9:.3f} GB "
+                  f"({sfi['gb_per_million_tokens']} GB per million tokens) in {sfi['write_seconds']:.1f}s; "
+                  f"specforge's reader: {sfi['specforge_check']}", flush=True)
         self.stage("hs", t0)
         return 0
 
@@ -366,8 +514,121 @@ class PeerBench(qb.Bench):
         return int(mask if mask is not None else self.tok.mask_token_id)
 
     def stage_peer(self) -> int:
+        """Each selected peer's drafters, one per seed: speculators', then SpecForge's."""
+        for run in ([self.stage_speculators] if "speculators" in self.peers else []) + \
+                ([self.stage_specforge] if "specforge" in self.peers else []):
+            rc = run()
+            if rc != 0:
+                return rc
+        return 0
+
+    def target_keys(self) -> tuple[str, str]:
+        """The target's embedding and LM head names in its safetensors (SpecForge loads only those two tensors)."""
+        import struct
+
+        names: list[str] = []
+        for f in sorted(self.target_dir(0).glob("*.safetensors")):
+            with f.open("rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                names += [k for k in json.loads(fh.read(n)) if k != "__metadata__"]
+        embed = next((k for k in sorted(names, key=len) if k.endswith("embed_tokens.weight")), None)
+        if embed is None:
+            raise qb.Refused(f"{self.target_dir(0)}: no *embed_tokens.weight in its safetensors")
+        head = next((k for k in sorted(names, key=len) if k.endswith("lm_head.weight")), "lm_head.weight")
+        return embed, head  # a tied target has no lm_head: SpecForge then reuses the embedding (tie_word_embeddings)
+
+    def sf_shape(self) -> dict[str, Any]:
+        """SpecForge does not pack: a step is batch_size padded rows with num_anchors per row. Matched to ours in
+        expectation: rows per step = token budget / mean record length, anchors per row = anchors per step / rows."""
+        hs = self.peer_state()["hs"]
+        mean = hs["train_tokens"] / self.records_n
+        rows = max(1, round(self.budget / mean))
+        return {"mean_record_tokens": round(mean, 1), "batch_size": rows,
+                "num_anchors": max(1, round(self.anchors_n / rows)),
+                "max_length": self.peer_state()["hs_specforge"]["max_len"]}
+
+    def sf_draft_config(self) -> dict[str, Any]:
+        """The drafter shape (draft_config's qwen3 config) as SpecForge's DFlashDraftModel config: our taps (z-lab
+        ids, as its own), our mask token, block 16, every layer full attention."""
+        cfg = self.draft_config()
+        return {**cfg, "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+                "rope_theta": cfg["rope_parameters"]["rope_theta"],
+                "num_target_layers": int(self.base["target"]["arch"]["num_hidden_layers"]),
+                "block_size": self.b_train,
+                "dflash_config": {"target_layer_ids": self.taps(), "mask_token_id": self.mask_token_id()}}
+
+    def sf_run(self, seed: int) -> dict[str, Any]:
+        """SpecForge's run config (its `specforge train -c` YAML): our lr, warm-up fraction, cosine, epochs, grad
+        clip, position decay gamma (its default, None, weights every position alike) and seed; anchors per token as
+        sf_shape. On CPU (--smoke) its two needed changes: no FSDP sharding (NO_SHARD) and sdpa for flex attention."""
+        shape = self.sf_shape()
+        ours = self.ours_run(seed)
+        d = self.sf_dir(seed)
+        embed, head = self.target_keys()
+        cpu = self.dev.type != "cuda"
+        return {
+            "model": {"target_model_path": str(self.target_dir(0)), "draft_model_config": str(d / "draft.json"),
+                      "mask_token_id": self.mask_token_id(), "embedding_key": embed, "lm_head_key": head,
+                      "torch_dtype": "bfloat16"},
+            "data": {"hidden_states_path": str(self.sf_data_dir()), "max_length": shape["max_length"],
+                     "cache_dir": str(d / "cache"), "dataloader_num_workers": 0 if cpu else 4},
+            "training": {"strategy": "dflash", "num_epochs": self.epochs, "batch_size": shape["batch_size"],
+                         "learning_rate": float(self.base["train"]["lr"]), "lr_scheduler": "cosine",
+                         "warmup_ratio": float(self.base["train"]["warmup_frac"]),
+                         "max_grad_norm": float(ours["train"].get("grad_clip", 1.0)),
+                         "attention_backend": "sdpa" if cpu else "flex_attention",
+                         "fsdp_sharding": "NO_SHARD" if cpu else "SHARD_GRAD_OP",
+                         "num_anchors": shape["num_anchors"], "loss_type": "dflash",
+                         "loss_decay_gamma": float(ours["drafter"]["loss_gamma"]),
+                         "save_interval": 0, "log_interval": 10, "seed": seed},
+            "run_id": f"specforge-seed{seed}",
+            "output_dir": str(d / "out"),
+        }
+
+    def stage_specforge(self) -> int:
+        """`specforge train -c run.yaml` per seed in the peer's Python, offline from the .ckpt files."""
+        import yaml
+
+        if self.peer_state().get("hs_specforge") is None:
+            raise qb.Refused("no specforge data yet; run --stage hs first")
+        for k in self.seeds:
+            d = self.sf_dir(k)
+            if self.sf_checkpoint(k) is not None and (d / "bench-peak.json").is_file():
+                continue
+            if not self.may_start("specforge", f"specforge seed {k}"):
+                return 3
+            t0 = time.perf_counter()
+            if d.is_dir():
+                import shutil
+
+                shutil.rmtree(d)  # our own output under --out: a run cut short, trained again from its start
+            d.mkdir(parents=True)
+            (d / "draft.json").write_text(json.dumps(self.sf_draft_config(), indent=2) + "\n")
+            (d / "run.yaml").write_text(yaml.safe_dump(self.sf_run(k), sort_keys=False))
+            self.run_peer([self.peer_python, "-c", SF_LAUNCHER, str(d / "bench-peak.json"), "train", "-c",
+                           str(d / "run.yaml")], f"specforge seed {k}", d / "train.log")
+            if self.sf_checkpoint(k) is None:
+                raise PeerFailed(f"specforge seed {k}: no checkpoint under {d / 'out'}; see {d / 'train.log'}")
+            peak = json.loads((d / "bench-peak.json").read_text())
+            self.record("specforge", f"seed{k}", time.perf_counter() - t0, peak_bytes=peak["peak_bytes"],
+                        train_seconds=peak["seconds"])
+            print(f"specforge seed {k}: trained in {time.perf_counter() - t0:.0f}s (peak "
+                  f"{gib(peak['peak_bytes'])} GiB; {self.sf_shape()})", flush=True)
+            self.stage(f"specforge_seed{k}", t0)
+        return 0
+
+    def sf_checkpoint(self, seed: int) -> Path | None:
+        """SpecForge's last checkpoint: output_dir/<run_id>-step<N>/ with training_state.pt (its -latest link)."""
+        root = self.sf_dir(seed) / "out"
+        steps = sorted((p for p in root.glob(f"specforge-seed{seed}-step*")
+                        if p.is_dir() and (p / "training_state.pt").is_file()),
+                       key=lambda p: int(p.name.rpartition("step")[2])) if root.is_dir() else []
+        return steps[-1] if steps else None
+
+    def stage_speculators(self) -> int:
+        """`python -m speculators.train` per seed in the peer's Python, offline from its hidden-state files."""
         hs = self.peer_state().get("hs")
-        if hs is None:
+        if hs is None or "aux_ids_speculators" not in hs:
             raise qb.Refused("no speculators data yet; run --stage hs first")
         dcfg = self.peer_dir / "draft-config.json"
         dcfg.write_text(json.dumps(self.draft_config(), indent=2) + "\n")
@@ -466,6 +727,91 @@ class PeerBench(qb.Bench):
         return steps[-1] if steps else None
 
     def stage_convert(self) -> int:
+        """Each peer's checkpoints into the z-lab layout, each passed through `dflash export --check`'s rules."""
+        for run in ([self.convert_speculators] if "speculators" in self.peers else []) + \
+                ([self.convert_specforge] if "specforge" in self.peers else []):
+            rc = run()
+            if rc != 0:
+                return rc
+        return 0
+
+    def convert_specforge(self) -> int:
+        """`specforge export --to hf` (its own exporter: z-lab weight names and target_layer_ids, block_size only at
+        the top level), then dflash.specforge_format.specforge_to_zlab (block_size into dflash_config, our modeling
+        file, `dflash export --check` against the target)."""
+        from dflash.specforge_format import specforge_to_zlab
+
+        for k in self.seeds:
+            src = self.sf_checkpoint(k)
+            if src is None:
+                raise qb.Refused(f"no specforge checkpoint for seed {k}; run --stage peer first")
+            dst = self.sf_converted_dir(k)
+            marker = dst / "dflash_export.json"
+            hf = self.sf_dir(k) / "hf"
+            if marker.is_file() and json.loads(marker.read_text()).get("source") == str(hf.resolve()) \
+                    and (hf / "source.txt").is_file() and (hf / "source.txt").read_text() == str(src.resolve()):
+                continue
+            import shutil
+
+            for old in (hf, dst):
+                if old.exists():
+                    shutil.rmtree(old)  # our own output under --out, from an older checkpoint
+            if not self.may_start("convert", f"converting specforge seed {k}"):
+                return 3
+            t0 = time.perf_counter()
+            self.run_peer([self.peer_python, "-m", "specforge.cli", "export", "--to", "hf", "--checkpoint", str(src),
+                           "--draft-config", str(self.sf_dir(k) / "draft.json"), "--output-dir", str(hf)],
+                          f"specforge export of seed {k}", self.sf_dir(k) / "export.log")
+            (hf / "source.txt").write_text(str(src.resolve()))
+            specforge_to_zlab(hf, dst, self.target_dir(0))
+            self.record("convert", f"specforge-seed{k}", time.perf_counter() - t0)
+            print(f"converted {src} -> {hf} (specforge export --to hf) -> {dst} (passes dflash export --check "
+                  f"against {self.target_dir(0)})", flush=True)
+            if k == self.seeds[0]:
+                self.peer_state()["parity_specforge"] = self.parity_specforge(hf, dst)
+                self.save_state()
+        return 0
+
+    def parity_specforge(self, hf: Path, dst: Path) -> dict[str, Any]:
+        """The round trip, measured: SpecForge's own DFlash model (its HF export, in its training wrapper) and
+        dflash's loader of the converted export give the same block logits on a training file at the same anchors
+        (float32 on the CPU)."""
+        from dflash.eval import load_export
+        from dflash.model import DraftBatch
+        from dflash.specforge_format import ckpt_file
+
+        feat = ckpt_file(self.sf_data_dir(), 0)
+        rec = torch.load(feat)
+        ids, hs = rec["input_ids"], rec["hidden_states"][0].float()
+        t = ids.shape[0]
+        anchors = sorted({1, t // 3, t // 2, t - self.b_train - 1})
+        ref_path = self.peer_dir / "parity-logits-specforge.pt"
+        embed_key, head_key = self.target_keys()
+        self.run_peer([self.peer_python, "-c", SF_PARITY, str(hf), str(self.target_dir(0)), str(feat),
+                       json.dumps(anchors), str(ref_path), embed_key, head_key], "specforge's model on one record")
+        theirs = torch.load(ref_path)
+        drafter = load_export(dst).drafter.float()
+        from transformers import AutoModelForCausalLM
+
+        # the target's float32 weights, as SpecForge's TargetEmbeddingsAndHead reads them (not peer_heads' bf16 copy
+        # on the CPU: its rounding alone is a 3e-4 relative logit difference)
+        model = AutoModelForCausalLM.from_pretrained(str(self.target_dir(0)), dtype=torch.float32, use_kernels=False)
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        batch = DraftBatch(hidden=hs, input_ids=ids, loss_mask=torch.ones(t, dtype=torch.bool),
+                           position_ids=torch.arange(t), doc_ids=torch.zeros(t, dtype=torch.long))
+        with torch.no_grad():
+            ours = head(drafter.block_states(batch, embed, torch.tensor(anchors)))
+        diff = float((ours - theirs).abs().max())
+        rel = float((ours - theirs).norm() / theirs.norm())
+        same_argmax = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+        print(f"round trip: specforge's model vs the converted export in dflash, {len(anchors)} blocks: max |diff| "
+              f"{diff:.2e}, relative {rel:.2e}, same argmax {same_argmax:.4f}", flush=True)
+        if rel > 1e-3:
+            raise PeerFailed(f"the converted export drafts differently from specforge's model (relative logit "
+                             f"difference {rel:.2e}): the conversion is wrong")
+        return {"anchors": anchors, "max_abs_diff": diff, "rel_diff": rel, "same_argmax": same_argmax}
+
+    def convert_speculators(self) -> int:
         from dflash.speculators_format import speculators_to_zlab
 
         for k in self.seeds:
@@ -545,7 +891,8 @@ class PeerBench(qb.Bench):
         from dflash.tau import continuation_length
 
         jobs = [("ours" if not v else f"ours-{v}", k) for v, k, _ in self.our_drafters()] + \
-            [("theirs", k) for k in self.seeds]
+            [("theirs", k) for k in self.seeds if "speculators" in self.peers] + \
+            [("specforge", k) for k in self.seeds if "specforge" in self.peers]
         cache = self.peer_state().setdefault("eval", {})
         settings = json.dumps({"blocks": self.blocks, "eval": self.eval_settings(), "dtype": self.args.eval_dtype},
                               sort_keys=True, default=str)
@@ -558,9 +905,10 @@ class PeerBench(qb.Bench):
                 if src is None:
                     raise qb.Refused(f"no dflash checkpoint for seed {k} {variant}; run --stage ours first")
             else:
-                src = self.converted_dir(k)
+                src = self.converted_dir(k) if who == "theirs" else self.sf_converted_dir(k)
                 if not (src / "config.json").is_file():
-                    raise qb.Refused(f"speculators seed {k} not converted; run --stage convert first")
+                    raise qb.Refused(f"{'speculators' if who == 'theirs' else who} seed {k} not converted; run "
+                                     "--stage convert first")
             ident = f"{src}@{src.stat().st_mtime_ns}|{settings}"
             hit = cache.get(f"{who}/{k}")
             if hit is not None and hit.get("ident") == ident:
@@ -600,16 +948,21 @@ class PeerBench(qb.Bench):
         return 0
 
     def cost(self, who: str) -> dict[str, Any]:
+        """Trainer `who`'s cost (ours, theirs = speculators, specforge): a peer's wall time includes writing its
+        hidden-state files (the shared target forward plus its own writer)."""
         units = self.state["units"]
         hs = self.peer_state().get("hs") or {}
         tokens = hs.get("train_tokens", 0) * self.epochs
+        sf = self.peer_state().get("hs_specforge") or {}
+        unit = {"theirs": "peer", "ours": "ours", "specforge": "specforge"}[who]
+        write = {"theirs": "hs/all", "specforge": "hs/specforge"}.get(who)
         rows = []
         for k in self.seeds:
-            u = units.get(f"{'peer' if who == 'theirs' else 'ours'}/seed{k}") or {}
+            u = units.get(f"{unit}/seed{k}") or {}
             secs = u.get("seconds")
             if secs is None:
                 continue
-            wall = secs + (units.get("hs/all", {}).get("seconds", 0.0) if who == "theirs" else 0.0)
+            wall = secs + (units.get(write, {}).get("seconds", 0.0) if write else 0.0)
             rows.append({"seed": k, "train_seconds": secs, "wall_seconds": round(wall, 1),
                          "tokens_per_s": round(tokens / secs, 1) if secs else None,
                          "peak_gib": gib(u.get("peak_bytes"))})
@@ -619,19 +972,28 @@ class PeerBench(qb.Bench):
                 "tokens_per_s_median": statistics.median([r["tokens_per_s"] for r in rows]) if rows else None,
                 "peak_gib_max": max((r["peak_gib"] or 0) for r in rows) if rows else None,
                 "disk_gb": round(hs.get("bytes", 0) / 1e9, 3) if who == "theirs" else
-                round(dir_bytes(self.subset_dir()) / 1e9, 4),
-                "hidden_state_write_seconds": hs.get("write_seconds") if who == "theirs" else None}
+                round(sf.get("bytes", 0) / 1e9, 3) if who == "specforge" else round(dir_bytes(self.subset_dir()) / 1e9, 4),
+                "hidden_state_write_seconds": hs.get("write_seconds") if who == "theirs" else
+                sf.get("write_seconds") if who == "specforge" else None,
+                **({"gb_per_million_tokens": (hs if who == "theirs" else sf).get("gb_per_million_tokens")}
+                   if who != "ours" else {})}
 
     def summary(self, per: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+        spec, sf = "speculators" in self.peers, "specforge" in self.peers
         blocks: dict[str, Any] = {}
         for b in self.blocks:
             key = f"B{b}"
             ours = [per["ours"][str(k)][key]["tau"] for k in self.seeds]
-            theirs = [per["theirs"][str(k)][key]["tau"] for k in self.seeds]
             ngram = [per["ours"][str(k)][key]["ngram_tau"] for k in self.seeds]
-            mo, mt = median_spread(ours), median_spread(theirs)
-            blocks[key] = {"ours": mo, "theirs": mt, "ngram": median_spread(ngram),
-                           "tau_ratio": round(mo["median"] / mt["median"], 4) if mo["median"] and mt["median"] else None}
+            mo = median_spread(ours)
+            row: dict[str, Any] = {"ours": mo}
+            for who, name, on in (("theirs", "tau_ratio", spec), ("specforge", "tau_ratio_specforge", sf)):
+                if on:
+                    m = median_spread([per[who][str(k)][key]["tau"] for k in self.seeds])
+                    row[who] = m
+                    row[name] = round(mo["median"] / m["median"], 4) if mo["median"] and m["median"] else None
+            blocks[key] = {"ours": mo, **({"theirs": row["theirs"]} if spec else {}), "ngram": median_spread(ngram),
+                           **{k: v for k, v in row.items() if k not in ("ours", "theirs")}}
         ablations: dict[str, Any] = {}
         base = per["ours"].get(str(self.seeds[0]), {})
         for name, changes in self.variants_ours:
@@ -639,50 +1001,75 @@ class PeerBench(qb.Bench):
             ablations[name] = {"changes": changes, **{
                 key: {"tau": row[key]["tau"], "delta_vs_default_seed": round(row[key]["tau"] - base[key]["tau"], 4)}
                 for key in row if key in base and row[key]["tau"] is not None and base[key]["tau"] is not None}}
-        co, ct = self.cost("ours"), self.cost("theirs")
-        wall_ratio = round(co["wall_seconds_median"] / ct["wall_seconds_median"], 4) \
-            if co["wall_seconds_median"] and ct["wall_seconds_median"] else None
-        return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "smoke": self.smoke,
-                "gpu": torch.cuda.get_device_name(0) if self.dev.type == "cuda" else None,
-                "torch": torch.__version__, "peer": "speculators 0.9.0",
-                "settings": {"records": self.records_n, "epochs": self.epochs, "token_budget": self.budget,
-                             "anchors": self.anchors_n, "drafter": self.draft_config(), "taps_zlab": self.taps(),
-                             "lr": self.base["train"]["lr"], "warmup_frac": self.base["train"]["warmup_frac"],
-                             "seeds": len(self.seeds), "eval": self.eval_settings()},
-                "unmatched": ["optimizer: theirs Muon (its default: 2-D weights, match_rms_adamw, weight decay 0.1) "
-                              "with AdamW (betas 0.9, 0.999) for the rest; ours AdamW (0.9, 0.95), weight decay 0.01",
-                              "cosine floor: theirs 0, ours 0.1 x lr",
-                              "position weights: theirs D-PACE (alpha 0.5), ours exp(-(k-1)/7)",
-                              "packing: theirs rows of token_budget with anchors per row; ours fixed buffers",
-                              "labels: theirs the target's argmax, ours the regenerated tokens (equal for greedy "
-                              "regeneration up to bf16 ties)",
-                              "hidden states: theirs bf16 files written once; ours the target recomputed per step"],
-                "blocks": blocks, "per_seed": per, "ablations": ablations, "cost": {"ours": co, "theirs": ct}, "wall_ratio": wall_ratio,
-                "hs": self.peer_state().get("hs"), "units_s": self.state["units"]}
+        co = self.cost("ours")
+        costs = {"ours": co, **({"theirs": self.cost("theirs")} if spec else {}),
+                 **({"specforge": self.cost("specforge")} if sf else {})}
+
+        def wall_ratio(who: str) -> float | None:
+            c = costs.get(who)
+            return round(co["wall_seconds_median"] / c["wall_seconds_median"], 4) \
+                if c and co["wall_seconds_median"] and c["wall_seconds_median"] else None
+
+        out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "smoke": self.smoke,
+               "gpu": torch.cuda.get_device_name(0) if self.dev.type == "cuda" else None,
+               "torch": torch.__version__, "peer": "speculators 0.9.0" if spec else None, "peers": self.peers,
+               "settings": {"records": self.records_n, "epochs": self.epochs, "token_budget": self.budget,
+                            "anchors": self.anchors_n, "drafter": self.draft_config(), "taps_zlab": self.taps(),
+                            "lr": self.base["train"]["lr"], "warmup_frac": self.base["train"]["warmup_frac"],
+                            "seeds": len(self.seeds), "eval": self.eval_settings(),
+                            **({"specforge": self.sf_shape()} if sf else {})},
+               "unmatched": ["optimizer: theirs Muon (its default: 2-D weights, match_rms_adamw, weight decay 0.1) "
+                             "with AdamW (betas 0.9, 0.999) for the rest; ours AdamW (0.9, 0.95), weight decay 0.01",
+                             "cosine floor: theirs 0, ours 0.1 x lr",
+                             "position weights: theirs D-PACE (alpha 0.5), ours exp(-(k-1)/7)",
+                             "packing: theirs rows of token_budget with anchors per row; ours fixed buffers",
+                             "labels: theirs the target's argmax, ours the regenerated tokens (equal for greedy "
+                             "regeneration up to bf16 ties)",
+                             "hidden states: theirs bf16 files written once; ours the target recomputed per step"],
+               "blocks": blocks, "per_seed": per, "ablations": ablations, "cost": costs,
+               "wall_ratio": wall_ratio("theirs"), "hs": self.peer_state().get("hs"), "units_s": self.state["units"]}
+        if sf:
+            out.update({"peer_specforge": "specforge 0.2.0", "unmatched_specforge": UNMATCHED_SPECFORGE,
+                        "wall_ratio_specforge": wall_ratio("specforge"),
+                        "hs_specforge": self.peer_state().get("hs_specforge"),
+                        "parity_specforge": self.peer_state().get("parity_specforge")})
+        return out
 
     @staticmethod
     def print_summary(out: dict[str, Any]) -> None:
-        def cell(s: dict[str, Any]) -> str:
-            return "-" if s["median"] is None else f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+        def cell(s: dict[str, Any] | None) -> str:
+            return "-" if s is None or s["median"] is None else f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
+        spec, sf = "theirs" in out["cost"], "specforge" in out["cost"]
         print(f"\nexact tau (teacher-forced), median [min-max] over {out['settings']['seeds']} seed(s):")
-        print(f"{'B':>4}  {'dflash':<20}{'speculators':<20}{'prompt lookup':<20}ratio")
+        print(f"{'B':>4}  {'dflash':<20}{'speculators':<20}" + (f"{'specforge':<20}" if sf else "")
+              + f"{'prompt lookup':<20}ratio" + ("  ratio (specforge)" if sf else ""))
         for b, row in out["blocks"].items():
-            print(f"{b[1:]:>4}  {cell(row['ours']):<20}{cell(row['theirs']):<20}{cell(row['ngram']):<20}"
-                  f"{row['tau_ratio']}")
-        for who in ("ours", "theirs"):
-            c = out["cost"][who]
+            print(f"{b[1:]:>4}  {cell(row['ours']):<20}{cell(row.get('theirs')):<20}"
+                  + (f"{cell(row['specforge']):<20}" if sf else "") + f"{cell(row['ngram']):<20}"
+                  f"{row.get('tau_ratio')}" + (f"  {row['tau_ratio_specforge']}" if sf else ""))
+        for who in ("ours", "theirs", "specforge"):
+            c = out["cost"].get(who)
+            if c is None:
+                continue
+            per_m = f" ({c['gb_per_million_tokens']} GB per million tokens)" if c.get("gb_per_million_tokens") else ""
             print(f"{who:>6}: {c['target_tokens']} target tokens, wall {c['wall_seconds_median']} s (median), "
-                  f"{c['tokens_per_s_median']} tok/s, peak {c['peak_gib_max']} GiB, disk {c['disk_gb']} GB")
+                  f"{c['tokens_per_s_median']} tok/s, peak {c['peak_gib_max']} GiB, disk {c['disk_gb']} GB" + per_m)
         for name, row in out.get("ablations", {}).items():
             cells = ", ".join(f"{b}: {v['tau']:.2f} ({v['delta_vs_default_seed']:+.2f})" for b, v in row.items()
                               if b.startswith("B"))
             print(f"ablation {name} {row['changes']}: {cells} (seed 0, against the default drafter)")
         b16 = out["blocks"].get("B16") or next(iter(out["blocks"].values()))
-        print(f"peer: speculators 0.9.0, bench target, B=16: tau ratio {b16['tau_ratio']} (ours "
-              f"{qb.num(b16['ours']['median'])} / theirs {qb.num(b16['theirs']['median'])}, medians of "
-              f"{out['settings']['seeds']} seeds), wall ratio {out['wall_ratio']} ({out['gpu'] or 'CPU smoke'}, "
-              f"{out['date'][:10]})")
+        if spec:
+            print(f"peer: speculators 0.9.0, bench target, B=16: tau ratio {b16['tau_ratio']} (ours "
+                  f"{qb.num(b16['ours']['median'])} / theirs {qb.num(b16['theirs']['median'])}, medians of "
+                  f"{out['settings']['seeds']} seeds), wall ratio {out['wall_ratio']} ({out['gpu'] or 'CPU smoke'}, "
+                  f"{out['date'][:10]})")
+        if sf:
+            print(f"peer: specforge 0.2.0, bench target, B=16: tau ratio {b16['tau_ratio_specforge']} (ours "
+                  f"{qb.num(b16['ours']['median'])} / specforge {qb.num(b16['specforge']['median'])}, medians of "
+                  f"{out['settings']['seeds']} seeds), wall ratio {out['wall_ratio_specforge']} "
+                  f"({out['gpu'] or 'CPU smoke'}, {out['date'][:10]})")
 
 
 class PeerFailed(RuntimeError):
@@ -710,13 +1097,20 @@ def main() -> int:
     ap.add_argument("--peer-loss", default="fused", choices=["fused", "eager"],
                     help="speculators' --loss-implementation on the GPU (eager: its compatibility path; its fused "
                          "Triton CE failed to compile under torch 2.11's dynamo on an H100, 2026-12-07)")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help="the peer trainers, comma-separated: speculators (0.9.0), specforge (0.2.0, offline DFlash); "
+                         "each can be left out")
     ap.add_argument("--peer-python", default=default_peer_python(),
-                    help="the Python with speculators installed (default: .venv-peer's, else this one)")
+                    help="the Python with speculators and specforge installed (default: .venv-peer's, else this one)")
     args = ap.parse_args()
     smoke = args.smoke
     dev = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     if dev.type != "cuda" and not smoke:
         print("no CUDA device: run with --smoke for a CPU plumbing check", file=sys.stderr)
+        return 2
+    peers = [p for p in args.peers.split(",") if p]
+    if not peers or any(p not in PEERS for p in peers):
+        print(f"--peers: a comma-separated subset of {','.join(PEERS)}, got {args.peers!r}", file=sys.stderr)
         return 2
     if args.seeds < 1 or args.peer_records < 1 or args.peer_epochs < 1:
         print("--seeds, --peer-records and --peer-epochs must be at least 1", file=sys.stderr)

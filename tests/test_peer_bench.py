@@ -1,5 +1,6 @@
-"""bench/peer.py --smoke end to end on CPU (real speculators 0.9.0 in .venv-peer, real processes), and the reverse
-conversion speculators -> z-lab (dflash/speculators_format.py) with its refusals."""
+"""bench/peer.py --smoke end to end on CPU (real speculators 0.9.0 and specforge 0.2.0 in .venv-peer, real processes),
+and the reverse conversions speculators -> z-lab (dflash/speculators_format.py) and specforge's HF export -> z-lab
+(dflash/specforge_format.py) with their refusals."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(1800),  # the module's smoke: ~4 min on 2 idle cores, several times that on a loaded machine
     pytest.mark.skipif(not PEER_PY.is_file(), reason="no .venv-peer (./dev builds it: speculators 0.9.0)"),
+    pytest.mark.skipif(not (REPO / ".venv-peer" / ".specforge-0.2.0").is_file(),
+                       reason="no specforge in .venv-peer (./dev test installs it)"),
 ]
 
 
@@ -84,6 +87,95 @@ def test_the_converted_checkpoint_drafts_exactly_like_speculators_own_model(smok
                       .read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [a - 1 for a in spec["aux_hidden_state_layer_ids"]]
     assert cfg["dflash_config"]["mask_token_id"] == spec["mask_token_id"]
+
+
+def test_specforge_is_the_third_column_with_its_ratio_and_cost(smoke: dict[str, Any]) -> None:
+    assert smoke["rc"] == 0, smoke["stderr"][-3000:] + smoke["stdout"][-3000:]
+    res = json.loads((smoke["out"] / "result-peer.json").read_text())
+    assert res["peers"] == ["speculators", "specforge"]
+    for b in ("B16", "B8"):
+        row = res["blocks"][b]
+        s = row["specforge"]
+        assert s["n"] == 1 and s["median"] is not None and 1.0 <= s["median"] <= int(b[1:]), (b, s)
+        assert row["tau_ratio_specforge"] == pytest.approx(row["ours"]["median"] / s["median"], rel=1e-3)
+        assert s["median"] == pytest.approx(res["per_seed"]["specforge"]["0"][b]["tau"], abs=1e-4)
+    c = res["cost"]["specforge"]
+    assert c["target_tokens"] == res["cost"]["ours"]["target_tokens"] > 0
+    assert c["per_seed"][0]["wall_seconds"] > c["per_seed"][0]["train_seconds"]  # its file writing counts
+    assert c["gb_per_million_tokens"] > 0 and res["cost"]["theirs"]["gb_per_million_tokens"] > 0
+    assert res["wall_ratio_specforge"] > 0
+    # anchors per token matched in expectation: rows per step x anchors per row ~ anchors per token budget
+    sh = res["settings"]["specforge"]
+    assert sh["batch_size"] == round(res["settings"]["token_budget"] / sh["mean_record_tokens"])
+    assert abs(sh["batch_size"] * sh["num_anchors"] - res["settings"]["anchors"]) <= sh["batch_size"]
+    assert any("cosine floor" in u for u in res["unmatched_specforge"])
+    lines = smoke["stdout"].splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("exact tau (teacher-forced)"))
+    assert "speculators" in lines[head + 1] and "specforge" in lines[head + 1] and "ratio (specforge)" in lines[head + 1]
+    assert any(line.startswith("peer: specforge 0.2.0, bench target, B=16: tau ratio ") for line in lines)
+    assert any(line.startswith("specforge: ") and "GB per million tokens" in line for line in lines)
+    run = (smoke["out"] / "peer" / "specforge-seed0" / "run.yaml").read_text()
+    assert "loss_decay_gamma: 7.0" in run and "fsdp_sharding: NO_SHARD" in run and "attention_backend: sdpa" in run
+
+
+def test_specforge_reads_its_feature_files_with_its_own_loader(smoke: dict[str, Any]) -> None:
+    state = json.loads((smoke["out"] / "bench-state.json").read_text())
+    sf = state["peer"]["hs_specforge"]
+    assert sf["specforge_check"]["files"] == sf["records"] == state["peer"]["hs"]["records"]
+    assert sf["specforge_check"]["hidden_widths"] == [64 * len(sf["taps_zlab"])]
+    first = json.loads((smoke["out"] / "peer" / "records" / "regen.jsonl").read_text().splitlines()[0])
+    data = smoke["out"] / "peer" / "specforge-data"
+    probe = ("import json, sys\n"
+             "from specforge.algorithms.common.dflash_family_data import normalize_offline_sample\n"
+             "from specforge.runtime.data_plane.feature_store import load_feature_file\n"
+             "s = normalize_offline_sample(load_feature_file(sys.argv[1]), 100000)\n"
+             "print(json.dumps({k: list(v.shape) for k, v in s.items()} | {'ids': s['input_ids'][0].tolist(), "
+             "'mask': s['loss_mask'][0].tolist(), 'dtype': str(s['hidden_states'].dtype)}))\n")
+    r = subprocess.run([str(PEER_PY), "-c", probe, str(data / "rows_0-2000" / "data_0.ckpt")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    t = len(first["input_ids"])
+    assert got["ids"] == first["input_ids"] and got["mask"] == [int(bool(x)) for x in first["loss_mask"]]
+    assert got["hidden_states"] == [1, t, 64 * len(sf["taps_zlab"])] and got["dtype"] == "torch.bfloat16"
+
+
+def test_the_specforge_export_converts_and_drafts_exactly_like_its_own_model(smoke: dict[str, Any]) -> None:
+    state = json.loads((smoke["out"] / "bench-state.json").read_text())
+    parity = state["peer"]["parity_specforge"]
+    assert parity["rel_diff"] < 1e-5 and parity["same_argmax"] == 1.0, parity
+    from dflash.eval import load_export
+    from dflash.export_check import check_export, target_facts_from_dir
+
+    peer = smoke["out"] / "peer"
+    hf = json.loads((peer / "specforge-seed0" / "hf" / "config.json").read_text())
+    assert "block_size" not in hf["dflash_config"] and hf["block_size"] == 16  # why the fix exists
+    conv = peer / "specforge-seed0-zlab"
+    assert check_export(conv, target_facts_from_dir(smoke["out"] / "target")).problems == []
+    cfg = json.loads((conv / "config.json").read_text())
+    assert cfg["dflash_config"]["block_size"] == 16
+    assert cfg["dflash_config"]["target_layer_ids"] == hf["dflash_config"]["target_layer_ids"] \
+        == state["peer"]["hs_specforge"]["taps_zlab"]  # z-lab ids on both sides: no shift
+    assert load_export(conv).drafter.cfg.block_size == 16
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"layer_types": ["sliding_attention"]}, "only all-full-attention"),
+    ({"draft_vocab_size": 32}, "draft vocabulary"),
+])
+def test_a_specforge_export_the_z_lab_layout_cannot_express_is_refused(
+        smoke: dict[str, Any], tmp_path: Path, change: dict[str, Any], words: str) -> None:
+    from dflash.specforge_format import specforge_to_zlab
+    from dflash.speculators_format import ConvertError
+
+    src = tmp_path / "hf"
+    shutil.copytree(smoke["out"] / "peer" / "specforge-seed0" / "hf", src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ConvertError) as exc:
+        specforge_to_zlab(src, tmp_path / "out", smoke["out"] / "target")
+    assert words in str(exc.value) and "\n" not in str(exc.value)
+    assert not (tmp_path / "out").exists()
 
 
 def _peer_ckpt(smoke: dict[str, Any], tmp_path: Path) -> Path:
@@ -166,7 +258,8 @@ def test_a_second_call_with_one_more_variant_trains_and_evaluates_only_that_one(
     assert smoke["rc"] == 0
     state = json.loads((smoke["out"] / "bench-state.json").read_text())
     evaluated_before = {k for k in state["units"] if k.startswith("peer_eval/")}
-    assert evaluated_before == {"peer_eval/ours-seed0", "peer_eval/ours-dpace-seed0", "peer_eval/theirs-seed0"}
+    assert evaluated_before == {"peer_eval/ours-seed0", "peer_eval/ours-dpace-seed0", "peer_eval/theirs-seed0",
+                                "peer_eval/specforge-seed0"}
     out = smoke["out"]  # in place (the last test of this module: the others read the first call's results)
     first = json.loads((out / "result-peer.json").read_text())
     cmd = list(smoke["cmd"])  # the same recipe (and corpus) as the first call, one more variant
@@ -181,3 +274,4 @@ def test_a_second_call_with_one_more_variant_trains_and_evaluates_only_that_one(
     assert set(res["ablations"]) == {"dpace", "uni"}
     assert res["per_seed"]["ours"]["0"] == first["per_seed"]["ours"]["0"]
     assert res["per_seed"]["theirs"]["0"] == first["per_seed"]["theirs"]["0"]
+    assert res["per_seed"]["specforge"]["0"] == first["per_seed"]["specforge"]["0"]
