@@ -1,6 +1,7 @@
-"""Side by side with the field's trainer: the same DFlash drafter trained by `speculators` (0.9.0, the vLLM project's
-trainer, offline from hidden-state files) and by dflash, on one target, one data set and equal target tokens, both
-measured by our exact teacher-forced tau on the same held-out prompts.
+"""Side by side with the field's trainers: the same DFlash drafter trained by `speculators` (0.9.0, the vLLM project's
+trainer, offline from hidden-state files), by SpecForge (0.2.0, the SGLang project's trainer, its offline DFlash path:
+no SGLang) and by dflash, on one target, one data set and equal target tokens, all measured by our exact
+teacher-forced tau on the same held-out prompts. --peers picks the peers (default speculators,specforge).
 
 One target and one data set for both: the quality bench's (bench/quality_h200.py: its 170M qwen3_5 target and its
 greedy regenerated records, in the same --out, reused when there). Stages, each reusing --out:
@@ -15,9 +16,22 @@ greedy regenerated records, in the same --out, reused when there). Stages, each 
                 (--peer-python): same drafter shape (layers, heads, head size, MLP, block 16, taps), the same
                 records and epochs (so the same target tokens), lr, warm-up and cosine schedule, and anchors per
                 token (--anchors per --token-budget tokens, as its 512 per 8192); its own recipe otherwise.
+                The same forward also writes SpecForge's files (specforge-data/rows_0-2000/data_{i}.ckpt: one
+                torch.save'd dict per training record, input_ids int64 [T], loss_mask int64 [T], hidden_states bf16
+                [1, T, K*H], the K taps concatenated, z-lab tap ids), read back by its own OfflineManifestReader and
+                DFlash normalizer; each writer is timed on its own (the shared forward counted for both).
+                SpecForge: `python -m specforge.cli train -c run.yaml` per seed (training.strategy dflash,
+                data.hidden_states_path): same drafter shape (draft.json, a DFlashDraftModel qwen3 config), lr,
+                warm-up, cosine, epochs, grad clip, seed and loss_decay_gamma (its default None weights positions
+                uniformly); it does not pack, so rows per step = --token-budget / mean record length and anchors per
+                row = --anchors / rows (result-peer.json settings.specforge). On CPU (--smoke):
+                training.fsdp_sharding NO_SHARD and attention_backend sdpa.
   ours          dflash train per seed on the same records and epochs (the target forward runs inside training).
   convert       each speculators checkpoint into the z-lab layout (dflash/speculators_format.py; its converter goes
-                only z-lab -> speculators), passed through `dflash export --check`'s rules against the target.
+                only z-lab -> speculators), passed through `dflash export --check`'s rules against the target; each
+                SpecForge checkpoint through `specforge export --to hf` (z-lab names, but block_size only at the top
+                level) and dflash/specforge_format.py (block_size into dflash_config, the same check). Seed 0 of each
+                is checked against the peer's own model: the same block logits on a training record (float32).
   eval          our exact tau (teacher-forced, bf16) for every drafter at each --blocks size, and prompt lookup's:
                 per seed, median and spread; the tau ratio ours/theirs; tokens/s, wall time to the same tokens
                 (hidden-state writing included for the peer), peak GPU memory and disk per trainer.
@@ -30,6 +44,7 @@ the target's argmax (ours: the regenerated tokens; equal here, the records being
 position weights are D-PACE (alpha 0.5, its default for DFlash), ours exp(-(k-1)/gamma); it trains from bf16 files
 written once, we recompute the target per step. Every drafter layer is full attention on both sides: speculators'
 sliding layers count the window from the anchor and run the block causal, which no engine serves (docs/quality.md).
+SpecForge's differences are in UNMATCHED_SPECFORGE (result-peer.json "unmatched_specforge").
 
 The peer's Python: a virtual environment with speculators 0.9.0 (`./dev` builds .venv-peer: torch==2.13.0 and
 speculators==0.9.0 from PyPI, then torchvision/torchaudio removed: transformers imports torchvision when present and
@@ -38,7 +53,10 @@ installed with --no-deps into a --target directory added to PYTHONPATH: speculat
 datasets 5.1.0 (pyarrow is there already), dill, multiprocess, xxhash, fsspec, pandas, python-dateutil, tzdata, loguru 0.7.3,
 pydantic-settings, python-dotenv, typer, click, shellingham, annotated-doc, openai, httpx, httpcore, h11, anyio,
 sniffio, distro, jiter, httpx2, httpcore2, truststore, aiohttp and its parts (aiohappyeyeballs, aiosignal, attrs, frozenlist, multidict, propcache,
-yarl), psutil, rich, markdown-it-py, mdurl, pygments (bench/peer_wheels.sh downloads the set for Python 3.12).
+yarl), psutil, rich, markdown-it-py, mdurl, pygments, and for SpecForge specforge 0.2.0 and accelerate 1.16.0
+(bench/peer_wheels.sh downloads the set for Python 3.12). SpecForge goes in with --no-deps everywhere (`./dev` puts it
+in .venv-peer beside speculators, whose transformers and torch it runs on): it pins sglang==0.5.14 and torch==2.11.0,
+which its offline path never imports.
 
 Run: `python3 bench/peer.py --out DIR` until it exits 0 (each call within --call-seconds, 540 on a GPU); `--smoke`
 runs the whole pipeline at toy sizes on CPU (plumbing, the format round trips, the reverse conversion; the test suite
