@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from opsctl.remote.procs import tmux_socket_path
+
 REPO = Path(__file__).resolve().parent.parent
 VENV = Path(sys.prefix)
 
@@ -59,7 +61,7 @@ def test_dev_demo_succeeds_first_after_finish_after_kill_after_crash(tmp_path: P
         pytest.skip("the venv was not made by ./dev (no .dflash-installed stamp): dev would reinstall it")
     d = _demo_dir(tmp_path)
     opsctl = str(VENV / "bin" / "opsctl")
-    sock = d / ".opsctl" / "tiny" / "tmux.sock"
+    sock = Path(tmux_socket_path(str(d / ".opsctl" / "tiny")))  # under xdist's long temp root: /tmp/opsctl-tmux-UID/
     try:
         r = _run(d, "./dev", "demo")
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

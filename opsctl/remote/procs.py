@@ -102,6 +102,18 @@ def _nvml_text(v: Any) -> str:
 
 
 # -- run settings -------------------------------------------------------------------------------------------
+def tmux_socket_path(state_dir: str) -> str:
+    """The run's tmux socket: STATE_DIR/tmux.sock, or, where that path is too long for AF_UNIX (~107 bytes), a
+    stable short path derived from the state dir, so later calls (and a test's teardown) find it again."""
+    sock = os.path.join(state_dir, "tmux.sock")
+    if len(sock.encode()) < 100:
+        return sock
+    digest = hashlib.sha1(state_dir.encode()).hexdigest()[:16]
+    d = os.path.join(tempfile.gettempdir(), f"opsctl-tmux-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return os.path.join(d, digest + ".sock")
+
+
 class Run:
     """The run's settings from JSON_ARGS, with paths resolved against the workdir."""
 
@@ -154,14 +166,7 @@ class Run:
         raise AgentError(f"command must be a non-empty argv list or a script string, got {c!r}")
 
     def tmux_socket(self) -> str:
-        sock = self.state_file("tmux.sock")
-        if len(sock.encode()) < 100:
-            return sock
-        # AF_UNIX paths are limited to ~107 bytes; derive a stable short path so later calls find it again.
-        digest = hashlib.sha1(self.state_dir.encode()).hexdigest()[:16]
-        d = os.path.join(tempfile.gettempdir(), f"opsctl-tmux-{os.getuid()}")
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        return os.path.join(d, digest + ".sock")
+        return tmux_socket_path(self.state_dir)
 
     def cache_dir(self) -> tuple[str | None, bool]:
         """The inductor cache dir and whether it is the run's own default (STATE_DIR/inductor, allowed without
