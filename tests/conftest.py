@@ -163,10 +163,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # work in this order (--no-loadscope-reorder): the slow tests first, then the grouped files and those that
         # launch the tiny default (by then its prebuild is on its way), then the rest; the HEAVY ones first in each
         # (a grouped file's unit sits where its first test does), the others in file order (the sort is stable, so
-        # the tests of one file keep theirs: test_peer_bench.py's last test must stay last).
+        # the tests of one file keep theirs: test_peer_bench.py's last test must stay last). A HEAVY grouped file
+        # keeps its own order whole: its module fixture is then built in its first test's setup, not inside the
+        # timeout of a slow test sorted ahead (test_warm_start's host-copy test ran past 600 s that way, under load).
         def cost(item: pytest.Item) -> tuple[int, int]:
             tiny = _file(item) in TINY_DEFAULT_FILES
-            if item.get_closest_marker("slow") is not None and not tiny:
+            heavy_group = _file(item) in SHARED_FIXTURE_FILES and _weight(item) > 0
+            if (item.get_closest_marker("slow") is not None or heavy_group) and not tiny:
                 return 0, -_weight(item)
             return (1 if tiny or _file(item) in SHARED_FIXTURE_FILES else 2), -_weight(item)
 

@@ -13,9 +13,10 @@ from conftest import HEAVY, SHARED_FIXTURE_FILES, SLOW_TESTS, TINY_DEFAULT_FILES
 TESTS = Path(__file__).resolve().parent
 
 
-def _functions(file: str) -> set[str]:
+def _functions(file: str) -> list[str]:
+    """The file's test functions, in file order."""
     tree = ast.parse((TESTS / file).read_text())
-    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
 
 
 def test_every_named_test_and_file_exists() -> None:
@@ -44,9 +45,12 @@ def test_a_worker_collects_the_heaviest_units_first_and_keeps_each_files_own_ord
     assert ids[: len(peer)] == peer and peer[-1].endswith("::test_a_second_call_with_one_more_variant_trains_and_"
                                                            "evaluates_only_that_one"), ids
     order = [i.split("[")[0] for i in ids]
-    warm = order.index("test_warm_start.py::test_a_new_run_of_the_same_graph_starts_warm_from_this_host_s_copy")
+    # the next heaviest, a grouped file too: whole and in file order (its module fixture built in its first test)
+    warm = [i for i, name in enumerate(order) if name.startswith("test_warm_start.py::")]
+    assert warm == list(range(len(peer), len(peer) + len(warm))), ids
+    assert [order[i] for i in warm] == [f"test_warm_start.py::{f}" for f in _functions("test_warm_start.py")], ids
     demo = order.index("test_dev_demo.py::test_dev_demo_succeeds_first_after_finish_after_kill_after_crash")
     sigterm = order.index("test_cli.py::test_sigterm_finishes_step_checkpoints_and_exits_0")  # slow, not HEAVY
-    assert len(peer) == warm < demo < sigterm, ids
+    assert warm[-1] < demo < sigterm, ids
     # slow first, then grouped files, then the rest: this file's light tests come last
     assert set(order[-2:]) == {f"test_suite_order.py::{f}" for f in _functions("test_suite_order.py")}, ids
