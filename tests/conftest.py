@@ -99,6 +99,24 @@ SLOW_TESTS = frozenset({
 })
 
 
+# The heaviest scheduling units, with their seconds (`--durations` under xdist on 2 cores, 2026-12-07, a shared
+# machine: only their order counts): a SHARED_FIXTURE_FILES file is one unit (its fixture and every test of it), any
+# other test its own. Handed out heaviest first, so that the longest chains start at once, each on its own worker
+# (files come alphabetically otherwise: test_peer_bench.py and test_warm_start.py, the two longest, had started after
+# 8 minutes, behind other slow tests on a worker that still had to run them).
+HEAVY = {
+    "test_peer_bench.py": 600,
+    "test_warm_start.py": 500,
+    "test_dev_demo.py::test_dev_demo_succeeds_first_after_finish_after_kill_after_crash": 425,
+    "test_group.py::test_colocated_group_kill_leaves_nothing_and_a_dead_node_crashes_the_group": 207,
+    "test_speculative_sampling.py::test_speculative_sampling_matches_the_target_distribution": 135,
+    "test_group.py::test_a_group_that_always_crashes_stops_after_max_and_a_kill_cancels_a_restart": 116,
+    "test_group_export.py": 110,
+    "test_kernels.py::test_transformers_fallback_notice_is_not_printed_for_a_cpu_target": 100,
+    "test_group_supervisor.py::test_a_second_supervisor_is_refused_and_starts_nothing": 95,
+    "test_compile_scope.py::test_regional_inductor_run_saves_artifacts_its_resume_loads_and_hits": 84,
+}
+
 TERMINAL_ENV = ("COLUMNS", "LINES")
 
 
@@ -124,22 +142,36 @@ def _file(item: pytest.Item) -> str:
     return item.path.name
 
 
+def _test(item: pytest.Item) -> str:
+    """FILE::FUNCTION (every parametrization alike), as SLOW_TESTS and HEAVY name tests."""
+    return f"{_file(item)}::{item.nodeid.split('::', 1)[-1].split('[')[0]}"
+
+
+def _weight(item: pytest.Item) -> int:
+    return HEAVY.get(_file(item), 0) if _file(item) in SHARED_FIXTURE_FILES else HEAVY.get(_test(item), 0)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the groups marked here into scheduling units
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if f"{_file(item)}::{item.nodeid.split('::', 1)[-1].split('[')[0]}" in SLOW_TESTS:
+        if _test(item) in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
         if WORKER is not None and _file(item) in SHARED_FIXTURE_FILES:
             item.add_marker(pytest.mark.xdist_group(_file(item)))
     if WORKER is not None:
         # Every worker collects and sorts alike (xdist checks that the collections match), and the scheduler hands out
         # work in this order (--no-loadscope-reorder): the slow tests first, then the grouped files and those that
-        # launch the tiny default (by then its prebuild is on its way), then the rest.
-        def cost(item: pytest.Item) -> int:
+        # launch the tiny default (by then its prebuild is on its way), then the rest; the HEAVY ones first in each
+        # (a grouped file's unit sits where its first test does), the others in file order (the sort is stable, so
+        # the tests of one file keep theirs: test_peer_bench.py's last test must stay last). A HEAVY grouped file
+        # keeps its own order whole: its module fixture is then built in its first test's setup, not inside the
+        # timeout of a slow test sorted ahead (test_warm_start's host-copy test ran past 600 s that way, under load).
+        def cost(item: pytest.Item) -> tuple[int, int]:
             tiny = _file(item) in TINY_DEFAULT_FILES
-            if item.get_closest_marker("slow") is not None and not tiny:
-                return 0
-            return 1 if tiny or _file(item) in SHARED_FIXTURE_FILES else 2
+            heavy_group = _file(item) in SHARED_FIXTURE_FILES and _weight(item) > 0
+            if (item.get_closest_marker("slow") is not None or heavy_group) and not tiny:
+                return 0, -_weight(item)
+            return (1 if tiny or _file(item) in SHARED_FIXTURE_FILES else 2), -_weight(item)
 
         items.sort(key=cost)
 

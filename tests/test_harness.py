@@ -25,11 +25,14 @@ def ssh_cli(sshd: Sshd, key: str, *cmd: str, known_hosts: str | None = None) -> 
 
 
 def test_sshd_accepts_the_client_key_and_sets_the_session_path(sshd: Sshd) -> None:
-    r = ssh_cli(sshd, sshd.identity_file, "echo", "$PCT_STANDIN_ROOT", "&&", "command", "-v", "pct")
+    r = ssh_cli(sshd, sshd.identity_file, "echo", "$PCT_STANDIN_ROOT", "&&", "command", "-v", "pct", "&&",
+                "echo", "${OMP_NUM_THREADS-unset}")
     assert r.returncode == 0, r.stderr
-    root, pct = r.stdout.split()
+    root, pct, threads = r.stdout.split()
     assert root == str(sshd.pct_host.root)
     assert pct == str(sshd.pct_host.bin_dir / "pct")
+    # the test process's OpenMP thread count (1 on xdist workers, tests/conftest.py) reaches trainers started over SSH
+    assert threads == os.environ.get("OMP_NUM_THREADS", "unset")
 
 
 def test_sshd_refuses_an_unknown_client_key(sshd: Sshd, tmp_path: Path) -> None:

@@ -255,6 +255,12 @@ def start_sshd(base: Path, pct_host: PctHost | None = None, tries: int = 3, list
     # like a GPU box whose python3 has torch), then the usual system directories.
     session_path = ":".join([str(pct_host.bin_dir), str(Path(sys.executable).parent),
                              "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
+    # Sessions start from a fresh environment (sshd passes none of its own): the test process's OpenMP thread count
+    # (tests/conftest.py sets OMP_NUM_THREADS=1 on xdist workers) is handed on too, or every trainer started over SSH
+    # ran torch on a thread pool per core, which on a loaded box spins instead of working (a tiny target's decode
+    # step: 20x slower on 2 busy cores, measured 2026-12-07).
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    session_env = f" OMP_NUM_THREADS={threads}" if threads.isdigit() else ""
     user = getpass.getuser()
     last_err = ""
     for _ in range(tries):
@@ -277,7 +283,8 @@ def start_sshd(base: Path, pct_host: PctHost | None = None, tries: int = 3, list
             "LogLevel INFO",
             "PrintMotd no",
             "UseDNS no",
-            f"SetEnv PATH={session_path} PCT_STANDIN_ROOT={pct_host.root} PCT_STANDIN_OWNER_PID={pct_host.owner_pid}",
+            f"SetEnv PATH={session_path} PCT_STANDIN_ROOT={pct_host.root} PCT_STANDIN_OWNER_PID={pct_host.owner_pid}"
+            f"{session_env}",
             "",
         ]))
         log_path = base / "sshd.log"
