@@ -320,8 +320,10 @@ async def test_a_hanging_host_does_not_freeze_the_others_or_the_ui() -> None:
             assert time.monotonic() < deadline
             await pilot.pause(0.02)
         ticks = app.ticks
-        await pilot.pause(0.35)
-        assert app.ticks >= ticks + 2  # the batch loop keeps running
+        deadline = time.monotonic() + 10  # a loaded machine may starve the loop for a while; a frozen one never ticks
+        while app.ticks < ticks + 2:  # the batch loop keeps running
+            assert time.monotonic() < deadline, (ticks, app.ticks)
+            await pilot.pause(0.05)
         bar = text_of(app, RunsBar)
         # never ABSENT (that says the host answered): nobody has answered yet
         assert "dead:run  CONNECTING" in bar and "h200:training  TRAINING" in bar
