@@ -819,15 +819,7 @@ class PeerBench(qb.Bench):
                            position_ids=torch.arange(t), doc_ids=torch.zeros(t, dtype=torch.long))
         with torch.no_grad():
             ours = head(drafter.block_states(batch, embed, torch.tensor(anchors)))
-        diff = float((ours - theirs).abs().max())
-        rel = float((ours - theirs).norm() / theirs.norm())
-        same_argmax = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
-        print(f"round trip: specforge's model vs the converted export in dflash, {len(anchors)} blocks: max |diff| "
-              f"{diff:.2e}, relative {rel:.2e}, same argmax {same_argmax:.4f}", flush=True)
-        if rel > 1e-3:
-            raise PeerFailed(f"the converted export drafts differently from specforge's model (relative logit "
-                             f"difference {rel:.2e}): the conversion is wrong")
-        return {"anchors": anchors, "max_abs_diff": diff, "rel_diff": rel, "same_argmax": same_argmax}
+        return compare_block_logits("specforge's model", ours, theirs, anchors)
 
     def convert_speculators(self) -> int:
         from dflash.speculators_format import speculators_to_zlab
@@ -879,15 +871,7 @@ class PeerBench(qb.Bench):
                            position_ids=torch.arange(t), doc_ids=torch.zeros(t, dtype=torch.long))
         with torch.no_grad():
             ours = head(drafter.block_states(batch, embed, torch.tensor(anchors)))
-        diff = float((ours - theirs).abs().max())
-        rel = float((ours - theirs).norm() / theirs.norm())
-        same_argmax = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
-        print(f"round trip: speculators' model vs the converted export in dflash, {len(anchors)} blocks: max |diff| "
-              f"{diff:.2e}, relative {rel:.2e}, same argmax {same_argmax:.4f}", flush=True)
-        if rel > 1e-3:
-            raise PeerFailed(f"the converted export drafts differently from speculators' model (relative logit "
-                             f"difference {rel:.2e}): the conversion is wrong")
-        return {"anchors": anchors, "max_abs_diff": diff, "rel_diff": rel, "same_argmax": same_argmax}
+        return compare_block_logits("speculators' model", ours, theirs, anchors)
 
     def peer_heads(self) -> tuple[torch.nn.Module, torch.nn.Module]:
         """The target's embedding and LM head (float32, CPU): what both drafters draft through."""
@@ -1092,6 +1076,20 @@ class PeerBench(qb.Bench):
 
 class PeerFailed(RuntimeError):
     """A trainer or a check in the peer's Python failed: exit 1 with its output's tail."""
+
+
+def compare_block_logits(whose: str, ours: torch.Tensor, theirs: torch.Tensor, anchors: list[int]) -> dict[str, Any]:
+    """The round trip's verdict: our loader of the converted export against the peer's own model, same blocks;
+    PeerFailed above a 1e-3 relative logit difference (a wrong conversion, not rounding)."""
+    diff = float((ours - theirs).abs().max())
+    rel = float((ours - theirs).norm() / theirs.norm())
+    same_argmax = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+    print(f"round trip: {whose} vs the converted export in dflash, {len(anchors)} blocks: max |diff| "
+          f"{diff:.2e}, relative {rel:.2e}, same argmax {same_argmax:.4f}", flush=True)
+    if rel > 1e-3:
+        raise PeerFailed(f"the converted export drafts differently from {whose} (relative logit "
+                         f"difference {rel:.2e}): the conversion is wrong")
+    return {"anchors": anchors, "max_abs_diff": diff, "rel_diff": rel, "same_argmax": same_argmax}
 
 
 def default_peer_python() -> str:

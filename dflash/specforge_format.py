@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash.speculators_format import ConvertError
+from dflash.speculators_format import ConvertError, check_output, target_facts
 
 ROWS_PER_DIR = 2000
 _BODY_TOP = ("fc.weight", "hidden_norm.weight", "norm.weight")
@@ -59,24 +59,15 @@ def specforge_to_zlab(src: str | Path, out: str | Path, target_dir: str | Path, 
     from safetensors.torch import load_file
 
     from dflash.export import EXPORT_DTYPES, draft_config, publish
-    from dflash.export_check import target_facts_from_dir
 
     src, dst = Path(src), Path(out)
-    if dtype not in EXPORT_DTYPES:
-        raise ConvertError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ConvertError(f"{dst}: exists and is not an empty directory")
+    check_output(dst, dtype)
     try:
         cfg = json.loads((src / "config.json").read_text())
         state = load_file(str(src / "model.safetensors"))
     except Exception as exc:  # noqa: BLE001 - a missing or damaged export: one line, not a traceback
         raise ConvertError(f"{src}: not a specforge HF export ({type(exc).__name__}: {exc})") from None
-    try:
-        facts = target_facts_from_dir(target_dir)
-    except ValueError as exc:
-        raise ConvertError(str(exc)) from None
-    if facts.num_layers is None or facts.vocab_size is None:
-        raise ConvertError(f"{target_dir}: the target's config names no num_hidden_layers / vocab_size")
+    facts = target_facts(target_dir)
     try:
         dc = cfg.get("dflash_config") or {}
         n = int(cfg["num_hidden_layers"])

@@ -133,26 +133,40 @@ def zlab_meta(cfg: dict[str, Any], num_target_layers: int, vocab_size: int) -> d
     }
 
 
-def speculators_to_zlab(src: str | Path, out: str | Path, target_dir: str | Path, *,
-                        dtype: str = "bfloat16") -> dict[str, Any]:
-    """Write `out` (z-lab layout, our modeling file alongside) from the speculators DFlash checkpoint `src` trained on
-    the target in `target_dir`; refuses a non-empty `out`. The written directory must pass `dflash export --check`
-    against that target before it is renamed into place. Returns the written config."""
-    from dflash.export import EXPORT_DTYPES, draft_config, publish
-    from dflash.export_check import target_facts_from_dir
+def check_output(dst: Path, dtype: str) -> None:
+    """What every conversion into the z-lab layout refuses first: an unknown dtype, an output that holds something."""
+    from dflash.export import EXPORT_DTYPES
 
-    src, dst = Path(src), Path(out)
     if dtype not in EXPORT_DTYPES:
         raise ConvertError(f"dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ConvertError(f"{dst}: exists and is not an empty directory")
-    cfg = _read_config(src)
+
+
+def target_facts(target_dir: str | Path) -> Any:
+    """The target's facts the converted config is written against (its layer count and vocabulary must be known)."""
+    from dflash.export_check import target_facts_from_dir
+
     try:
         facts = target_facts_from_dir(target_dir)
     except ValueError as exc:
         raise ConvertError(str(exc)) from None
     if facts.num_layers is None or facts.vocab_size is None:
         raise ConvertError(f"{target_dir}: the target's config names no num_hidden_layers / vocab_size")
+    return facts
+
+
+def speculators_to_zlab(src: str | Path, out: str | Path, target_dir: str | Path, *,
+                        dtype: str = "bfloat16") -> dict[str, Any]:
+    """Write `out` (z-lab layout, our modeling file alongside) from the speculators DFlash checkpoint `src` trained on
+    the target in `target_dir`; refuses a non-empty `out`. The written directory must pass `dflash export --check`
+    against that target before it is renamed into place. Returns the written config."""
+    from dflash.export import EXPORT_DTYPES, draft_config, publish
+
+    src, dst = Path(src), Path(out)
+    check_output(dst, dtype)
+    cfg = _read_config(src)
+    facts = target_facts(target_dir)
     try:
         meta = zlab_meta(cfg, facts.num_layers, facts.vocab_size)
     except (KeyError, TypeError) as exc:
