@@ -627,13 +627,17 @@ class PeerBench(qb.Bench):
                            str(d / "run.yaml")], f"specforge seed {k}", d / "train.log")
             if self.sf_checkpoint(k) is None:
                 raise PeerFailed(f"specforge seed {k}: no checkpoint under {d / 'out'}; see {d / 'train.log'}")
-            peak = json.loads((d / "bench-peak.json").read_text())
-            self.record("specforge", f"seed{k}", time.perf_counter() - t0, peak_bytes=peak["peak_bytes"],
-                        train_seconds=peak["seconds"])
-            print(f"specforge seed {k}: trained in {time.perf_counter() - t0:.0f}s (peak "
-                  f"{gib(peak['peak_bytes'])} GiB; {self.sf_shape()})", flush=True)
-            self.stage(f"specforge_seed{k}", t0)
+            self.record_peer_run("specforge", "specforge", k, d, t0, f"; {self.sf_shape()}")
         return 0
+
+    def record_peer_run(self, unit: str, name: str, seed: int, d: Path, t0: float, more: str = "") -> None:
+        """A peer trainer's seed done: its launcher's peak memory and training time recorded as unit `unit`."""
+        peak = json.loads((d / "bench-peak.json").read_text())
+        self.record(unit, f"seed{seed}", time.perf_counter() - t0, peak_bytes=peak["peak_bytes"],
+                    train_seconds=peak["seconds"])
+        print(f"{name} seed {seed}: trained in {time.perf_counter() - t0:.0f}s (peak "
+              f"{gib(peak['peak_bytes'])} GiB{more})", flush=True)
+        self.stage(f"{unit}_seed{seed}", t0)
 
     def sf_checkpoint(self, seed: int) -> Path | None:
         """SpecForge's last checkpoint: output_dir/<run_id>-step<N>/ with training_state.pt (its -latest link)."""
@@ -677,12 +681,7 @@ class PeerBench(qb.Bench):
                 argv += ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa"]
                 argv[argv.index("--hidden-states-dtype") + 1] = "float32"
             self.run_peer(argv, f"speculators seed {k}", d / "train.log")
-            peak = json.loads((d / "bench-peak.json").read_text())
-            self.record("peer", f"seed{k}", time.perf_counter() - t0, peak_bytes=peak["peak_bytes"],
-                        train_seconds=peak["seconds"])
-            print(f"speculators seed {k}: trained in {time.perf_counter() - t0:.0f}s (peak "
-                  f"{gib(peak['peak_bytes'])} GiB)", flush=True)
-            self.stage(f"peer_seed{k}", t0)
+            self.record_peer_run("peer", "speculators", k, d, t0)
         return 0
 
     def peer_checkpoint(self, seed: int) -> Path | None:
